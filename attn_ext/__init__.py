@@ -1,0 +1,11 @@
+"""attn_ext: attention operators for PyTorch with CPU (and CUDA) kernels.
+
+Importing the package loads the compiled operators (torch.ops.attn_ext.*) and registers
+their fake kernels and autograd formulas.
+"""
+from . import _C  # noqa: F401  (registers the operators)
+from . import _registration  # noqa: F401
+from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention"]

@@ -1,0 +1,467 @@
+"""``python -m attn_ext``: environment report, self-check and a quick timing.
+
+1. Prints the attn_ext and torch versions, the local devices, and which
+   ``attn_ext::*`` operators have a kernel for CPU and for CUDA.
+2. Checks every public function on every local device, at float32 and
+   bfloat16, forward and backward, against a float64 ground truth computed on
+   the same (rounded) inputs. A check passes when attn_ext's max abs error is
+   at most twice the error of the plain PyTorch reference run at the input
+   dtype, plus one ulp of the dtype (FlashAttention's rule).
+3. Times attn_ext against ``torch.nn.functional.scaled_dot_product_attention``
+   at a moderate size and prints the ratios.
+
+Exit status is 1 when any check fails. ``--no-bench`` skips the timing,
+``--device cpu`` restricts to one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import attn_ext
+
+NEG_INF = float("-inf")
+CHECK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def local_devices() -> List[torch.device]:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return devices
+
+
+def print_environment(devices: Sequence[torch.device]) -> None:
+    print(f"attn_ext {getattr(attn_ext, '__version__', 'unknown')}  ({attn_ext.__file__})")
+    print(f"torch    {torch.__version__}  (CUDA build: {torch.version.cuda or 'no'})")
+    for dev in devices:
+        if dev.type == "cuda":
+            for i in range(torch.cuda.device_count()):
+                print(f"device   cuda:{i}  {torch.cuda.get_device_name(i)}")
+        else:
+            print(f"device   cpu  ({torch.get_num_threads()} threads)")
+
+
+def registered_ops() -> List[str]:
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("attn_ext::"))
+
+
+def print_ops() -> None:
+    ops = registered_ops()
+    if not ops:
+        print("\nno attn_ext::* operators are registered (is attn_ext._C built?)")
+        return
+    width = max(len(op) for op in ops)
+    print(f"\n{'operator'.ljust(width)}  CPU  CUDA")
+    for op in ops:
+        has = [torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for key in ("CPU", "CUDA")]
+        print(f"{op.ljust(width)}  " + "  ".join(("yes" if h else "-").ljust(4) for h in has))
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def keep_mask(sq: int, sk: int, device, causal=False, window=(-1, -1), top_left=False):
+    """Bool (Sq, Sk) mask of the keys each query may see (True = keep).
+
+    attn_ext.attention aligns causal/window bottom-right (query i sits at key
+    i + Sk - Sq); torch's SDPA aligns is_causal top-left.
+    """
+    i = torch.arange(sq, device=device).unsqueeze(1) + (0 if top_left else sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def reference_scores(q, k, *, scale=None, keep=None, attn_mask=None):
+    """Scaled scores with -inf where masked, and which rows can see any key."""
+    h, hkv = q.shape[-3] if q.dim() == 4 else 1, k.shape[-3] if k.dim() == 4 else 1
+    if h != hkv:
+        k = k.repeat_interleave(h // hkv, dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    if keep is not None:
+        scores = scores.masked_fill(~keep, NEG_INF)
+    return scores, (scores != NEG_INF).any(dim=-1, keepdim=True)
+
+
+def reference_weights(q, k, **kw):
+    """softmax with fully masked rows set to zero (and zero gradient, no NaN)."""
+    scores, has_key = reference_scores(q, k, **kw)
+    weights = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1)
+    return weights * has_key
+
+
+def reference_attention(q, k, v, *, dropout_keep=None, dropout_p=0.0, **kw):
+    weights = reference_weights(q, k, **kw)
+    if dropout_keep is not None:
+        weights = weights * dropout_keep / (1.0 - dropout_p)
+    h, hkv = weights.shape[-3] if weights.dim() == 4 else 1, v.shape[-3] if v.dim() == 4 else 1
+    if h != hkv:
+        v = v.repeat_interleave(h // hkv, dim=-3)
+    return weights @ v
+
+
+def reference_lse(q, k, **kw):
+    scores, _ = reference_scores(q, k, **kw)
+    return torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass
+class Case:
+    """One check: inputs, the attn_ext call and the same math written plainly.
+
+    ``make`` returns float64 tensors by name; ``grads`` names those that get a
+    gradient. ``ext`` and ``ref`` take the inputs as keyword arguments and
+    return a tuple of outputs; the loss for backward uses the first one only.
+    ``truth`` (default ``ref``) is the float64 ground truth.
+    """
+
+    name: str
+    make: Callable[[torch.device], Dict[str, torch.Tensor]]
+    ext: Callable[..., Tuple[torch.Tensor, ...]]
+    ref: Callable[..., Tuple[torch.Tensor, ...]]
+    grads: Tuple[str, ...] = ("q", "k", "v")
+    truth: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+
+
+def randn(*shape, device):
+    return torch.randn(*shape, device=device, dtype=torch.float64)
+
+
+def qkv(b=2, h=4, hkv=None, sq=37, sk=53, d=64, dv=None, device="cpu"):
+    hkv, dv = hkv or h, dv or d
+    return {"q": randn(b, h, sq, d, device=device), "k": randn(b, hkv, sk, d, device=device),
+            "v": randn(b, hkv, sk, dv, device=device)}
+
+
+def strided_qkv(device, b=2, h=4, s=45, d=64):
+    """(B, S, H, D).transpose(1, 2) views: last dim contiguous, heads strided."""
+    return {n: randn(b, s, h, d, device=device).transpose(1, 2) for n in ("q", "k", "v")}
+
+
+def with_mask(inputs, mask_fn):
+    q, k = inputs["q"], inputs["k"]
+    inputs["attn_mask"] = mask_fn(q.shape[0], q.shape[-3], q.shape[-2], k.shape[-2], q.device)
+    return inputs
+
+
+def bool_mask(b, h, sq, sk, device):
+    m = torch.rand(b, 1, sq, sk, device=device) < 0.7
+    m[..., 0] = True  # no empty rows, so torch's SDPA (NaN there) is a fair ground truth
+    return m
+
+
+def float_mask(b, h, sq, sk, device):
+    m = torch.randn(1, h, sq, sk, device=device, dtype=torch.float64)
+    return m.masked_fill(torch.rand(1, h, sq, sk, device=device) < 0.2, NEG_INF).index_fill(
+        -1, torch.tensor([0], device=device), 0.0)
+
+
+def attention_case(name, make, grads=("q", "k", "v"), **opts):
+    """attn_ext.attention(q, k, v, **opts) against reference_attention."""
+    causal, window = opts.get("causal", False), opts.get("window_size", (-1, -1))
+    scale = opts.get("scale")
+
+    def ref(q, k, v, attn_mask=None):
+        keep = keep_mask(q.shape[-2], k.shape[-2], q.device, causal, window)
+        return (reference_attention(q, k, v, scale=scale, keep=keep, attn_mask=attn_mask),)
+
+    def ext(q, k, v, attn_mask=None):
+        return (attn_ext.attention(q, k, v, attn_mask=attn_mask, **opts),)
+
+    return Case(name, make, ext, ref, grads)
+
+
+def lse_case():
+    def ref(q, k, v):
+        keep = keep_mask(q.shape[-2], k.shape[-2], q.device, causal=True)
+        return (reference_attention(q, k, v, keep=keep), reference_lse(q, k, keep=keep))
+
+    def ext(q, k, v):
+        return tuple(attn_ext.attention(q, k, v, causal=True, return_lse=True))
+
+    return Case("attention return_lse causal Sq>Sk", lambda dev: qkv(sq=40, sk=24, device=dev), ext, ref)
+
+
+def dropout_case():
+    p, seed, shape = 0.2, 1234, dict(b=2, h=4, sq=37, sk=53)
+
+    def make(dev):
+        inputs = qkv(device=dev, **shape)
+        keep = attn_ext.dropout_keep_mask(2, 4, 37, 53, p, generator=torch.Generator().manual_seed(seed))
+        inputs["dropout_keep"] = keep.to(dev)
+        return inputs
+
+    def ref(q, k, v, dropout_keep):
+        return (reference_attention(q, k, v, dropout_keep=dropout_keep, dropout_p=p),)
+
+    def ext(q, k, v, dropout_keep):
+        g = torch.Generator().manual_seed(seed)
+        return (attn_ext.attention(q, k, v, dropout_p=p, generator=g),)
+
+    return Case(f"attention dropout p={p} vs dropout_keep_mask", make, ext, ref)
+
+
+def sdpa_case(name, make, **opts):
+    """attn_ext.scaled_dot_product_attention against torch's own in float64."""
+    causal, scale = opts.get("is_causal", False), opts.get("scale")
+
+    def ref(q, k, v, attn_mask=None):
+        keep = keep_mask(q.shape[-2], k.shape[-2], q.device, causal, top_left=True)
+        return (reference_attention(q, k, v, scale=scale, keep=keep, attn_mask=attn_mask),)
+
+    def truth(q, k, v, attn_mask=None):
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **opts),)
+
+    def ext(q, k, v, attn_mask=None):
+        return (attn_ext.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **opts),)
+
+    return Case(name, make, ext, ref, truth=truth)
+
+
+def weights_case(name, make, **opts):
+    causal, window = opts.get("causal", False), opts.get("window_size", (-1, -1))
+
+    def ref(q, k, v=None, attn_mask=None):
+        keep = keep_mask(q.shape[-2], k.shape[-2], q.device, causal, window)
+        return (reference_weights(q, k, keep=keep, attn_mask=attn_mask),)
+
+    def ext(q, k, v=None, attn_mask=None):
+        return (attn_ext.attention_weights(q, k, attn_mask=attn_mask, **opts),)
+
+    return Case(name, make, ext, ref, grads=("q", "k"))
+
+
+def all_cases() -> List[Case]:
+    return [
+        attention_case("attention", lambda d: qkv(device=d)),
+        attention_case("attention 3-D (B,S,D)", lambda d: {n: t[:, 0] for n, t in qkv(device=d).items()}),
+        attention_case("attention strided (B,S,H,D).transpose", strided_qkv),
+        attention_case("attention Dv!=D, scale=0.3", lambda d: qkv(dv=32, device=d), scale=0.3),
+        attention_case("attention causal Sq<Sk", lambda d: qkv(sq=24, sk=53, device=d), causal=True),
+        attention_case("attention causal Sq>Sk (empty rows)", lambda d: qkv(sq=40, sk=24, device=d), causal=True),
+        attention_case("attention window (8, 4)", lambda d: qkv(device=d), window_size=(8, 4)),
+        attention_case("attention causal + window (16, 0)", lambda d: qkv(device=d), causal=True, window_size=(16, 0)),
+        attention_case("attention bool mask", lambda d: with_mask(qkv(device=d), bool_mask)),
+        attention_case("attention float mask", lambda d: with_mask(qkv(device=d), float_mask)),
+        attention_case("attention GQA H=8 Hkv=2 causal", lambda d: qkv(h=8, hkv=2, device=d), causal=True),
+        attention_case("attention MQA H=4 Hkv=1", lambda d: qkv(h=4, hkv=1, device=d)),
+        lse_case(),
+        dropout_case(),
+        sdpa_case("sdpa", lambda d: qkv(device=d)),
+        sdpa_case("sdpa is_causal Sq<Sk (top-left)", lambda d: qkv(sq=24, sk=53, device=d), is_causal=True),
+        sdpa_case("sdpa is_causal Sq>Sk (top-left)", lambda d: qkv(sq=40, sk=24, device=d), is_causal=True),
+        sdpa_case("sdpa bool mask", lambda d: with_mask(qkv(device=d), bool_mask)),
+        sdpa_case("sdpa float mask, scale=0.2", lambda d: with_mask(qkv(device=d), float_mask), scale=0.2),
+        sdpa_case("sdpa enable_gqa H=8 Hkv=2", lambda d: qkv(h=8, hkv=2, device=d), enable_gqa=True),
+        weights_case("attention_weights", lambda d: qkv(device=d)),
+        weights_case("attention_weights causal Sq>Sk", lambda d: qkv(sq=40, sk=24, device=d), causal=True),
+        weights_case("attention_weights window + bool mask", lambda d: with_mask(qkv(device=d), bool_mask),
+                     window_size=(8, 8)),
+    ]
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max abs difference; matching infinities count as equal, NaN as infinite."""
+    got, want = got.double(), want.double()
+    diff = (got - want).abs().masked_fill(got == want, 0.0)
+    return float("inf") if diff.isnan().any() else diff.max().item() if diff.numel() else 0.0
+
+
+def ulp_floor(dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> float:
+    scale = max([1.0] + [t.abs().masked_fill(t.isinf(), 0).max().item() for t in tensors if t.numel()])
+    return torch.finfo(dtype).eps * scale
+
+
+def forward_backward(fn, inputs, grads, grad_out):
+    """Runs fn on leaf copies of the inputs; returns (outputs, input grads)."""
+    leaves = {n: (t.detach().requires_grad_() if n in grads else t) for n, t in inputs.items()}
+    outs = fn(**leaves)
+    gs = torch.autograd.grad((outs[0] * grad_out.to(outs[0].dtype)).sum(), [leaves[n] for n in grads])
+    return [o.detach() for o in outs], list(gs)
+
+
+def cast_inputs(inputs, dtype):
+    """Floating tensors to dtype, keeping their (possibly non-contiguous) strides."""
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in inputs.items()}
+
+
+@dataclass
+class CheckResult:
+    name: str
+    device: str
+    dtype: str
+    errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # what -> (ext err, tol)
+    exception: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exception is None and all(e <= tol for e, tol in self.errors.values())
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype) -> CheckResult:
+    res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""))
+    torch.manual_seed(0)
+    try:
+        low = cast_inputs(case.make(device), dtype)
+        exact = cast_inputs(low, torch.float64)  # ground truth sees the rounded inputs
+        out_probe = case.ref(**exact)[0]
+        grad_out = torch.randn(out_probe.shape, device=device, dtype=torch.float64).to(dtype).double()
+        want, want_g = forward_backward(case.truth or case.ref, exact, case.grads, grad_out)
+        base, base_g = forward_backward(case.ref, low, case.grads, grad_out)
+        got, got_g = forward_backward(case.ext, low, case.grads, grad_out)
+    except Exception as e:  # a crash is a failed check, reported with its message
+        res.exception = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return res
+    labels = ["out", "lse"][: len(want)] + [f"d{n}" for n in case.grads]
+    for label, g, b, w in zip(labels, got + got_g, base + base_g, want + want_g):
+        tol = 2 * max_error(b, w) + ulp_floor(dtype, [w])
+        if g.shape != w.shape:
+            res.exception = f"{label}: shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+            return res
+        if g.dtype != b.dtype and label != "lse":
+            res.exception = f"{label}: dtype {g.dtype}, expected {b.dtype}"
+            return res
+        res.errors[label] = (max_error(g, w), tol)
+    return res
+
+
+def format_result(r: CheckResult) -> str:
+    head = f"{'PASS' if r.ok else 'FAIL'}  {r.device:4s} {r.dtype:8s} {r.name:42s}"
+    if r.exception:
+        return f"{head} {r.exception}"
+    fwd = [k for k in r.errors if not k.startswith("d")]
+    bwd = [k for k in r.errors if k.startswith("d")]
+    part = lambda keys: " ".join(f"{k} {r.errors[k][0]:.1e}" for k in keys)  # noqa: E731
+    worst = max(e / tol if tol else 0.0 for e, tol in r.errors.values())
+    return f"{head} {part(fwd)} | {part(bwd)} | err/tol {worst:.2f}"
+
+
+def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
+    print("\nchecks: max abs error vs float64 ground truth; "
+          "tol = 2 x (plain torch reference at the same dtype) + 1 ulp")
+    results = []
+    for device in devices:
+        for dtype in CHECK_DTYPES:
+            for case in all_cases():
+                r = run_case(case, device, dtype)
+                results.append(r)
+                if verbose or not r.ok:
+                    print(format_result(r))
+    failed = [r for r in results if not r.ok]
+    print(f"{len(results) - len(failed)}/{len(results)} checks passed"
+          + ("" if verbose else " (run with -v to list each)"))
+    return not failed
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_median(fn: Callable, device: torch.device, repeats: int) -> float:
+    def once():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()  # warmup
+    return statistics.median(once() for _ in range(repeats))
+
+
+def bench_cell(impl, q, k, v, grad, causal, mode):
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                impl(q, k, v, causal)
+        return run
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def run():
+        torch.autograd.grad((impl(*leaves, causal) * grad).sum(), leaves)
+    return run
+
+
+def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> None:
+    impls = {
+        "attn_ext": lambda q, k, v, c: attn_ext.attention(q, k, v, causal=c),
+        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+    }
+    b, h, d = 1, 16, 64
+    print(f"\ntiming: B={b} H={h} S={seqlen} D={d}, median of {repeats} after 1 warmup "
+          "(ratio = sdpa / attn_ext, > 1 means attn_ext is faster)")
+    print(f"{'device':6s} {'dtype':8s} {'causal':6s} {'mode':7s} {'attn_ext ms':>11s} {'sdpa ms':>9s} {'ratio':>6s}")
+    for device in devices:
+        for dtype in CHECK_DTYPES:
+            torch.manual_seed(0)
+            q, k, v, grad = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(4))
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    ms = {}
+                    for name, impl in impls.items():
+                        try:
+                            ms[name] = 1e3 * time_median(bench_cell(impl, q, k, v, grad, causal, mode),
+                                                         device, repeats)
+                        except Exception as e:
+                            ms[name] = float("nan")
+                            print(f"  {name} failed: {type(e).__name__}: {e}")
+                    print(f"{device.type:6s} {str(dtype)[6:]:8s} {str(causal):6s} {mode:7s} "
+                          f"{ms['attn_ext']:11.2f} {ms['sdpa']:9.2f} {ms['sdpa'] / ms['attn_ext']:5.2f}x")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m attn_ext", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], help="only this device (default: all local)")
+    p.add_argument("--no-bench", action="store_true", help="skip the timing table")
+    p.add_argument("--bench-seqlen", type=int, default=1024)
+    p.add_argument("--bench-repeats", type=int, default=3)
+    p.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    devices = [d for d in local_devices() if args.device in (None, d.type)]
+    print_environment(devices)
+    print_ops()
+    ok = run_checks(devices, args.verbose)
+    if not args.no_bench:
+        run_bench(devices, args.bench_seqlen, args.bench_repeats)
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Fake (meta) kernels and autograd for the C++ operators of attn_ext._C.
+
+Python does no attention math here: the fakes only describe output shapes, and every
+backward calls a registered backward operator.
+"""
+import torch
+
+_ops = torch.ops.attn_ext
+
+
+def _check_heads(q, k):
+    torch._check(k.size(1) > 0, lambda: f"k must have at least one head, got {tuple(k.shape)}")
+    torch._check(q.size(1) % k.size(1) == 0, lambda: f"q heads must be a multiple of k heads, got {q.size(1)} and {k.size(1)}")
+
+
+@torch.library.register_fake("attn_ext::attention")
+def _attention_fake(q, k, v, attn_mask=None, rng_state=None, *, scale=None, causal=False,
+                    window_left=-1, window_right=-1, key_offset=None, dropout_p=0.0):
+    B, H, Sq, _ = q.shape
+    out = q.new_empty((B, H, Sq, v.size(3)))
+    lse = q.new_empty((B, H, Sq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, *, grad_lse=None, attn_mask=None, scale=None,
+                             causal=False, window_left=-1, window_right=-1, key_offset=None,
+                             dropout_p=0.0, rng_state=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("attn_ext::attention_weights")
+def _attention_weights_fake(q, k, attn_mask=None, *, scale=None, causal=False, window_left=-1,
+                            window_right=-1, key_offset=None):
+    return q.new_empty((q.size(0), q.size(1), q.size(2), k.size(2)))
+
+
+@torch.library.register_fake("attn_ext::attention_weights_backward")
+def _attention_weights_backward_fake(grad_weights, weights, q, k, *, scale=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.register_fake("attn_ext::dropout_mask")
+def _dropout_mask_fake(rng_state, batch, heads, sq, sk, dropout_p):
+    return rng_state.new_empty((batch, heads, sq, sk), dtype=torch.bool)
+
+
+def _attention_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, mask, rng_state = inputs
+    ctx.kw = dict(keyword_only_inputs, attn_mask=mask, rng_state=rng_state)
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError(
+            "attn_ext.attention: the gradient with respect to attn_mask is not supported; "
+            "pass attn_mask.detach() or compute the bias gradient separately")
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _ops.attention_backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, **ctx.kw)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("attn_ext::attention", _attention_backward,
+                                setup_context=_attention_setup_context)
+
+
+def _weights_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, mask = inputs
+    ctx.scale = keyword_only_inputs.get("scale")
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError(
+            "attn_ext.attention_weights: the gradient with respect to attn_mask is not supported")
+    ctx.save_for_backward(q, k, output)
+
+
+def _weights_backward(ctx, grad_weights):
+    q, k, weights = ctx.saved_tensors
+    dq, dk = _ops.attention_weights_backward(grad_weights, weights, q, k, scale=ctx.scale)
+    return dq, dk, None
+
+
+torch.library.register_autograd("attn_ext::attention_weights", _weights_backward,
+                                setup_context=_weights_setup_context)

@@ -1,0 +1,140 @@
+"""The public attention functions: thin wrappers that adapt arguments and shapes
+(views only) and call the registered operators."""
+from typing import Optional, Tuple
+
+import torch
+
+_ops = torch.ops.attn_ext
+
+# Seeds are drawn below 2**63 so they fit the int64 rng_state tensor.
+_SEED_BOUND = 2**63 - 1
+
+
+def _rng_state(dropout_p: float, generator: Optional[torch.Generator], device) -> Optional[torch.Tensor]:
+    """(seed, offset) for the dropout mask, drawn from `generator` (or the default CPU
+    generator); a fresh seed per call, offset 0."""
+    if dropout_p == 0.0:
+        return None
+    seed = torch.randint(0, _SEED_BOUND, (1,), generator=generator, dtype=torch.int64)
+    return torch.cat([seed, seed.new_zeros(1)])
+
+
+def _as_4d(name: str, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        return x
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    raise ValueError(f"attn_ext: {name} must be 3-D (B, S, D) or 4-D (B, H, S, D), got {x.dim()}-D {tuple(x.shape)}")
+
+
+def _mask_as_4d(mask: Optional[torch.Tensor], three_d: bool) -> Optional[torch.Tensor]:
+    # A 3-D call's mask broadcasts against (B, Sq, Sk): give it the head axis.
+    if mask is None or not three_d:
+        return mask
+    return mask.unsqueeze(-3) if mask.dim() == 3 else mask
+
+
+def _window(window_size) -> Tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"attn_ext: window_size must be a pair (left, right), got {window_size!r}") from None
+    return int(left), int(right)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+              causal: bool = False, window_size=(-1, -1), attn_mask: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
+              return_lse: bool = False):
+    """Softmax attention ``softmax(scale * q k^T + mask) v`` without materializing the scores.
+
+    q: (B, H, Sq, D) or (B, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv), H % Hkv == 0
+    (query head h reads key/value head h // (H // Hkv)). ``causal`` and ``window_size`` are
+    bottom-right aligned: query i sits at key position i + Sk - Sq and sees keys in
+    [i + Sk - Sq - left, i + Sk - Sq + right] (-1 = unbounded; causal sets right = 0).
+    ``attn_mask`` is bool (True = keep) or floating (added to the scores), broadcastable to
+    (B, H, Sq, Sk). A row that sees no key returns zeros and lse = -inf. Dropout applies to
+    the probabilities with 1/(1-p) rescaling; its mask is regenerated in the backward.
+
+    Returns ``out`` (B, H, Sq, Dv) in q's dtype, or ``(out, lse)`` with lse float32 (B, H, Sq),
+    the natural-log log-sum-exp of the scaled, masked scores.
+    """
+    three_d = q.dim() == 3
+    q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
+    left, right = _window(window_size)
+    out, lse = _ops.attention(
+        q4, k4, v4, attn_mask=_mask_as_4d(attn_mask, three_d), scale=scale, causal=causal,
+        window_left=left, window_right=right, dropout_p=dropout_p,
+        rng_state=_rng_state(dropout_p, generator, q.device))
+    if three_d:
+        out, lse = out.squeeze(1), lse.squeeze(1)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same arguments and semantics: (N, ..., L, E) inputs, ``is_causal`` aligned top-left,
+    bool mask = keep, float mask = additive, ``enable_gqa`` for grouped key/value heads.
+    One difference: a query row that can see no key returns zeros here (torch returns NaN).
+    """
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("attn_ext.scaled_dot_product_attention: explicit attn_mask should not be set when is_causal=True")
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        raise ValueError("attn_ext.scaled_dot_product_attention: query, key and value must be at least 2-D")
+    batch_shape = query.shape[:-2]
+    q, k, v = (_sdpa_4d(x) for x in (query, key, value))
+    if not enable_gqa and q.size(1) != k.size(1) and k.size(1) != 1:
+        raise RuntimeError(
+            f"attn_ext.scaled_dot_product_attention: query heads ({q.size(1)}) differ from key heads "
+            f"({k.size(1)}); pass enable_gqa=True for grouped-query attention")
+    if k.size(0) != q.size(0) and k.size(0) == 1:  # torch broadcasts a batch of one
+        k, v = k.expand(q.size(0), *k.shape[1:]), v.expand(q.size(0), *v.shape[1:])
+    mask = attn_mask
+    if mask is not None and query.dim() != 4:
+        mask = _sdpa_mask_4d(mask, query.dim())
+    out, _ = _ops.attention(q, k, v, attn_mask=mask, scale=scale, causal=is_causal, key_offset=0 if is_causal else None,
+                            dropout_p=dropout_p, rng_state=_rng_state(dropout_p, None, query.device))
+    return out.reshape(*batch_shape, out.size(-2), out.size(-1))
+
+
+def _sdpa_4d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        return x
+    if x.dim() < 4:
+        return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    return x.flatten(0, x.dim() - 4)
+
+
+def _sdpa_mask_4d(mask: torch.Tensor, query_dim: int) -> torch.Tensor:
+    if query_dim < 4:
+        return mask
+    # (N, A, ..., L, S) leading dims of a >4-D query were flattened into the batch axis.
+    full = mask.expand(*mask.shape[:-2], mask.size(-2), mask.size(-1)) if mask.dim() >= query_dim else mask
+    if full.dim() < query_dim:
+        return full if full.dim() <= 2 else full.reshape(-1, *full.shape[-3:])
+    return full.flatten(0, full.dim() - 4)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
+                      window_size=(-1, -1), attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The attention probabilities ``softmax(scale * q k^T + mask)``, (B, H, Sq, Sk) (or
+    (B, Sq, Sk) for 3-D inputs), with :func:`attention`'s masking semantics. The one op that
+    materializes the score matrix; fully masked rows are all zero."""
+    three_d = q.dim() == 3
+    q4, k4 = _as_4d("q", q), _as_4d("k", k)
+    left, right = _window(window_size)
+    w = _ops.attention_weights(q4, k4, attn_mask=_mask_as_4d(attn_mask, three_d), scale=scale, causal=causal,
+                               window_left=left, window_right=right)
+    return w.squeeze(1) if three_d else w
+
+
+def dropout_keep_mask(batch: int, heads: int, sq: int, sk: int, dropout_p: float,
+                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The keep-mask (True = kept) that ``attention(..., dropout_p=dropout_p, generator=g)``
+    applies when called with the same generator state; shape (batch, heads, sq, sk)."""
+    state = _rng_state(dropout_p, generator, "cpu")
+    if state is None:
+        return torch.ones((batch, heads, sq, sk), dtype=torch.bool)
+    return _ops.dropout_mask(state, batch, heads, sq, sk, dropout_p)

@@ -1,0 +1,41 @@
+#pragma once
+// Counter-based dropout: the keep decision of element (b, h, i, j) is a pure function of
+// (seed, offset, b, h, i, j), so the backward regenerates the forward's mask and the CPU
+// and CUDA kernels agree bit for bit. Philox4x32-10 yields 4 draws per counter, so one
+// counter covers 4 consecutive keys of a row.
+#include <cstdint>
+#include <ATen/core/PhiloxRNGEngine.h>
+#include <c10/macros/Macros.h>
+
+namespace attn_ext {
+
+constexpr int kDrawsPerCounter = 4;
+// Maps a uint32 draw to [0, 1).
+constexpr float kUint32ToUnit = 2.3283064365386963e-10f;  // 2^-32
+
+struct DropoutPolicy {
+  uint64_t seed;
+  uint64_t offset;
+  float p;  // probability of dropping
+
+  C10_HOST_DEVICE bool active() const { return p > 0.f; }
+  C10_HOST_DEVICE float keep_scale() const { return 1.f / (1.f - p); }
+
+  // One Philox subsequence per query row of every (batch, head).
+  C10_HOST_DEVICE uint64_t row_id(int64_t b, int64_t h, int64_t i, int64_t heads,
+                                  int64_t sq) const {
+    return static_cast<uint64_t>((b * heads + h) * sq + i);
+  }
+
+  // Fills keep[0..n) for keys [j0, j0 + n) of one row (keep[t] = 1 means kept).
+  C10_HOST_DEVICE void row_keep(uint64_t row, int64_t j0, int64_t n, uint8_t* keep) const {
+    at::philox_engine engine(seed, row, offset + static_cast<uint64_t>(j0 / kDrawsPerCounter));
+    // Discard the draws of keys before j0 that share j0's counter.
+    for (int64_t skip = 0; skip < j0 % kDrawsPerCounter; ++skip) engine();
+    for (int64_t t = 0; t < n; ++t) {
+      keep[t] = static_cast<float>(engine()) * kUint32ToUnit >= p;
+    }
+  }
+};
+
+}  // namespace attn_ext

@@ -1,0 +1,164 @@
+#include "inputs.h"
+
+#include <cmath>
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace attn_ext {
+// BLAS needs the last dimension contiguous and a row stride >= the row length; a row
+// stride of 0 (a sequence-expanded view) or an odd layout gets one copy, never a rejection.
+at::Tensor blas_rows(const at::Tensor& t) {
+  const int64_t rows = t.size(2), cols = t.size(3);
+  const bool last_ok = t.stride(3) == 1 || cols <= 1;
+  const bool rows_ok = rows <= 1 || t.stride(2) >= cols;
+  return (last_ok && rows_ok) ? t : t.contiguous();
+}
+
+// Stride of a dimension, made harmless when the dimension has size 1 (PyTorch leaves
+// those strides arbitrary and BLAS validates leading dimensions even for one row).
+int64_t blas_row_stride(const at::Tensor& t) {
+  return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
+}
+
+namespace {
+
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, Hkv, Sk, D), got ", k.dim(), "-D ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, Hkv, Sk, Dv), got ", v.dim(), "-D ", v.sizes());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op,
+              ": q must be float32, float64, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ",
+              q.scalar_type(), ", got ", k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ",
+              q.scalar_type(), ", got ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(),
+              ", got ", k.device());
+  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(),
+              ", got ", v.device());
+  TORCH_CHECK(k.size(0) == q.size(0), op, ": k batch size must equal q's ", q.size(0),
+              ", got ", k.size(0));
+  TORCH_CHECK(v.size(0) == q.size(0), op, ": v batch size must equal q's ", q.size(0),
+              ", got ", v.size(0));
+  TORCH_CHECK(v.size(1) == k.size(1), op, ": v must have k's number of heads ", k.size(1),
+              ", got ", v.size(1));
+  TORCH_CHECK(k.size(1) > 0 || q.size(1) == 0, op, ": k must have at least one head, got ",
+              k.sizes());
+  TORCH_CHECK(k.size(1) == 0 || q.size(1) % k.size(1) == 0, op,
+              ": q heads must be a multiple of k heads (GQA), got H=", q.size(1),
+              " and Hkv=", k.size(1));
+  TORCH_CHECK(v.size(2) == k.size(2), op, ": v sequence length must equal k's ", k.size(2),
+              ", got ", v.size(2));
+  TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3),
+              ", got ", k.size(3));
+}
+
+at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor& q,
+                        int64_t sk) {
+  TORCH_CHECK(mask.device() == q.device(), op, ": attn_mask must be on q's device ", q.device(),
+              ", got ", mask.device());
+  const auto dt = mask.scalar_type();
+  TORCH_CHECK(dt == at::kBool || at::isFloatingType(dt), op,
+              ": attn_mask must be bool (true = keep) or floating (additive), got ", dt);
+  TORCH_CHECK(mask.dim() <= 4, op, ": attn_mask must be broadcastable to (B, H, Sq, Sk) = (",
+              q.size(0), ", ", q.size(1), ", ", q.size(2), ", ", sk, "), got shape ",
+              mask.sizes());
+  const std::vector<int64_t> target{q.size(0), q.size(1), q.size(2), sk};
+  const int64_t lead = 4 - mask.dim();
+  for (int64_t d = 0; d < mask.dim(); ++d) {
+    const int64_t s = mask.size(d);
+    TORCH_CHECK(s == 1 || s == target[lead + d], op,
+                ": attn_mask must be broadcastable to (B, H, Sq, Sk) = (", target[0], ", ",
+                target[1], ", ", target[2], ", ", target[3], "), got shape ", mask.sizes());
+  }
+  // Convert before expanding, so a broadcast mask is never materialized at full size.
+  at::Tensor m = dt == at::kBool ? mask : mask.to(at::kFloat);
+  return m.expand(target);
+}
+
+}  // namespace
+
+void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
+                    double dropout_p, AttentionParams& p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
+              dropout_p);
+  p.dropout_p = static_cast<float>(dropout_p);
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK(rng_state.has_value(), op,
+              ": rng_state (int64 tensor [seed, offset]) is required when dropout_p > 0");
+  const at::Tensor& s = *rng_state;
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kLong && s.numel() == 2, op,
+              ": rng_state must be a CPU int64 tensor of 2 elements, got ", s.scalar_type(),
+              " ", s.sizes(), " on ", s.device());
+  const at::Tensor c = s.contiguous();
+  p.seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
+  p.rng_offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
+}
+
+PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const at::Tensor& k_in,
+                                 const at::Tensor& v_in, const AttentionOptions& o) {
+  check_qkv(op, q_in, k_in, v_in);
+  PreparedInputs r;
+  r.q = blas_rows(q_in);
+  r.k = blas_rows(k_in);
+  r.v = blas_rows(v_in);
+  AttentionParams& p = r.params;
+  p.batch = r.q.size(0);
+  p.heads = r.q.size(1);
+  p.kv_heads = r.k.size(1);
+  p.seqlen_q = r.q.size(2);
+  p.seqlen_k = r.k.size(2);
+  p.head_dim = r.q.size(3);
+  p.head_dim_v = r.v.size(3);
+
+  const double scale = o.scale.has_value() ? *o.scale
+                                           : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  p.scale = static_cast<float>(scale);
+
+  TORCH_CHECK(o.window_left >= -1, op, ": window_size[0] (left) must be >= -1, got ",
+              o.window_left);
+  TORCH_CHECK(o.window_right >= -1, op, ": window_size[1] (right) must be >= -1, got ",
+              o.window_right);
+  p.key_offset = o.key_offset.has_value() ? *o.key_offset : p.seqlen_k - p.seqlen_q;
+  p.window_left = o.window_left;
+  p.window_right = o.causal ? (o.window_right < 0 ? 0 : std::min<int64_t>(o.window_right, 0))
+                            : o.window_right;
+
+  if (o.attn_mask.has_value() && o.attn_mask->defined()) {
+    r.mask = prepare_mask(op, *o.attn_mask, r.q, p.seqlen_k);
+    p.mask_kind = r.mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+    p.mask = r.mask.data_ptr();
+    p.mask_batch_stride = r.mask.stride(0);
+    p.mask_head_stride = r.mask.stride(1);
+    p.mask_row_stride = r.mask.stride(2);
+    p.mask_col_stride = r.mask.stride(3);
+  }
+  read_rng_state(op, o.rng_state, o.dropout_p, p);
+
+  p.q = r.q.data_ptr();
+  p.k = r.k.data_ptr();
+  p.v = r.v.data_ptr();
+  p.q_batch_stride = r.q.stride(0);
+  p.q_head_stride = r.q.stride(1);
+  p.q_row_stride = blas_row_stride(r.q);
+  p.k_batch_stride = r.k.stride(0);
+  p.k_head_stride = r.k.stride(1);
+  p.k_row_stride = blas_row_stride(r.k);
+  p.v_batch_stride = r.v.stride(0);
+  p.v_head_stride = r.v.stride(1);
+  p.v_row_stride = blas_row_stride(r.v);
+  return r;
+}
+
+void check_companion(const char* op, const char* name, const at::Tensor& t,
+                     const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on q's device ",
+              like.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+}
+
+}  // namespace attn_ext

@@ -1,0 +1,47 @@
+#pragma once
+// Validation at the op boundary and construction of the kernel parameter structs.
+// Shared by the CPU and CUDA implementations so both reject the same inputs with the
+// same messages.
+#include <optional>
+#include <ATen/core/Tensor.h>
+#include "params.h"
+
+namespace attn_ext {
+
+struct AttentionOptions {
+  std::optional<at::Tensor> attn_mask;
+  std::optional<double> scale;
+  bool causal = false;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  std::optional<int64_t> key_offset;
+  double dropout_p = 0.0;
+  std::optional<at::Tensor> rng_state;
+};
+
+// Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
+// the mask expanded (a view) to (B, H, Sq, Sk) and converted to bool or float32.
+struct PreparedInputs {
+  at::Tensor q, k, v, mask;
+  AttentionParams params;  // shapes, strides, scale, band, mask and dropout; no outputs
+};
+
+PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const AttentionOptions& opts);
+
+// Checks a tensor the op receives alongside q/k/v (grad_out, out, lse) for device, dtype
+// and shape.
+void check_companion(const char* op, const char* name, const at::Tensor& t,
+                     const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype);
+
+// A 4-D tensor whose rows BLAS can address (last dim contiguous, row stride >= row
+// length): the tensor itself when it already is, else one contiguous copy.
+at::Tensor blas_rows(const at::Tensor& t);
+// The row stride to hand to BLAS (any valid value for a single-row tensor).
+int64_t blas_row_stride(const at::Tensor& t);
+
+// Reads (seed, offset) from an int64 rng_state tensor of shape (2,).
+void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
+                    double dropout_p, AttentionParams& params);
+
+}  // namespace attn_ext

@@ -1,0 +1,241 @@
+// CPU flash-attention backward: probabilities recomputed from the forward's lse, tile by
+// tile; no Sq x Sk buffer. Parallel over (batch, head); every task owns its rows of dq and
+// its query head's dk/dv, so the result is deterministic.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../common/constants.h"
+#include "../common/inputs.h"
+#include "../common/mask.h"
+#include "../common/online_softmax.h"
+#include "blas.h"
+#include "cpu_support.h"
+#include "kernel_traits.h"
+#include "tile_mask.h"
+#include "vec_math.h"
+
+namespace attn_ext::cpu {
+namespace {
+
+// Points at a tile of `rows` rows of a strided input, converting it to acc_t if needed.
+template <typename scalar_t, typename acc_t>
+const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols,
+                       acc_t* buf, int64_t* ld_out) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    *ld_out = ld;
+    return src;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) load_row(src + r * ld, buf + r * cols, cols, acc_t(1));
+    *ld_out = cols;
+    return buf;
+  }
+}
+
+// The log-sum-exp rows of one (batch, head) in acc_t, log2 domain. The forward reports lse
+// in float32 (design), which caps fp64 gradients at ~1e-7 relative error; fp64 callers ask
+// for exactness, so for them the backward recomputes it in fp64 (one extra Q K^T pass).
+template <typename scalar_t, typename acc_t>
+void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar_t* q,
+                    const scalar_t* k, acc_t* s_buf, int64_t ld_s, int64_t block_m,
+                    int64_t block_n, acc_t* lse2) {
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += block_m) {
+    const int64_t m = std::min(block_m, p.seqlen_q - i0);
+    std::vector<SoftmaxState<acc_t>> st(m);
+    const int64_t n_end = band.key_end(i0 + m, p.seqlen_k);
+    for (int64_t j0 = band.key_begin(i0, p.seqlen_k); j0 < n_end; j0 += block_n) {
+      const int64_t n = std::min(block_n, n_end - j0);
+      gemm(false, true, m, n, p.head_dim, s_scale, q + i0 * p.q_row_stride, p.q_row_stride,
+           k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
+      mask_tile(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
+      for (int64_t r = 0; r < m; ++r) {
+        acc_t* sr = s_buf + r * ld_s;
+        st[r].rescale_to(row_max(sr, n));
+        st[r].sum += exp2_shift_sum(sr, n, st[r].shift());
+      }
+    }
+    for (int64_t r = 0; r < m; ++r)
+      lse2[i0 + r] = st[r].empty() && !std::isnan(st[r].sum)
+                         ? -std::numeric_limits<acc_t>::infinity()
+                         : st[r].max + std::log2(st[r].sum);
+  }
+}
+
+template <typename scalar_t>
+void flash_bwd(const AttentionBwdParams& p) {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  constexpr int64_t kM = Traits::kBwdBlockM, kN = Traits::kBwdBlockN;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t s_scale = scale * static_cast<acc_t>(kLog2e);
+  const bool dropout = p.dropout_p > 0.f;
+  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+
+  at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> delta(Sq), lse2(Sq), p_buf(kM * kN), dp_buf(kM * kN);
+    const bool cv = Traits::kConvert;
+    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
+    Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
+    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
+
+    for (int64_t bh = begin; bh < end; ++bh) {
+      // ---- prologue: pointers of this (batch, head) and delta_i = rowsum(dO_i * O_i)
+      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
+      const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
+                              p.q_head_stride, p.q_row_stride, b, h, 0);
+      const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
+                              p.k_head_stride, p.k_row_stride, b, hk, 0);
+      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
+                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const auto* o = row_ptr(static_cast<const scalar_t*>(p.out), p.o_batch_stride,
+                              p.o_head_stride, p.o_row_stride, b, h, 0);
+      const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
+                                 p.do_head_stride, p.do_row_stride, b, h, 0);
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        recompute_lse2(p, b, h, q, k, p_buf.get(), kN, kM, kN, lse2.get());
+      } else {
+        for (int64_t i = 0; i < Sq; ++i) {
+          lse2.get()[i] = static_cast<acc_t>(p.lse[bh * Sq + i]) * static_cast<acc_t>(kLog2e);
+        }
+      }
+      auto* dq = static_cast<acc_t*>(p.dq) + bh * Sq * D;
+      auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
+      auto* dv = static_cast<acc_t*>(p.dv) + bh * Sk * Dv;
+      for (int64_t i = 0; i < Sq; ++i) {
+        acc_t d = 0;
+        for (int64_t c = 0; c < Dv; ++c)
+          d += static_cast<acc_t>(dout[i * p.do_row_stride + c]) *
+               static_cast<acc_t>(o[i * p.o_row_stride + c]);
+        // d lse_i / d s_ij = P_ij, so an lse gradient enters as dS_ij += P_ij * glse_i.
+        delta.get()[i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[bh * Sq + i]) : d;
+      }
+
+      // ---- main loop: key blocks outside, the query rows that can see them inside
+      for (int64_t j0 = 0; j0 < Sk; j0 += kN) {
+        const int64_t n = std::min(kN, Sk - j0);
+        const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
+        if (r_begin >= r_end) continue;
+        int64_t ldk, ldv;
+        const acc_t* kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
+        const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+
+        for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
+          const int64_t m = std::min(kM, r_end - i0);
+          int64_t ldq, ldo;
+          const acc_t* qt = load_tile(q + i0 * p.q_row_stride, p.q_row_stride, m, D, q_buf.get(), &ldq);
+          const acc_t* dot = load_tile(dout + i0 * p.do_row_stride, p.do_row_stride, m, Dv, do_buf.get(), &ldo);
+          acc_t* pt = p_buf.get();
+          acc_t* dpt = dp_buf.get();
+
+          // P = exp(scale * Q K^T - lse), masked entries 0
+          gemm(false, true, m, n, D, s_scale, qt, ldq, kt, ldk, acc_t(0), pt, kN);
+          const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
+          if (band_partial || p.mask_kind != MaskKind::kNone) {
+            mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
+          }
+          for (int64_t r = 0; r < m; ++r) {
+            const acc_t l2 = lse2.get()[i0 + r];
+            acc_t* pr = pt + r * kN;
+            if (l2 == -std::numeric_limits<acc_t>::infinity()) {
+              std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
+            } else {
+              exp2_shift_sum(pr, n, l2);
+            }
+          }
+
+          // dV += P_dropped^T dO
+          const acc_t* pv = pt;
+          if (dropout) {
+            dropout_tile(p, b, h, i0, m, j0, n, keep.get());
+            for (int64_t r = 0; r < m; ++r) {
+              std::copy(pt + r * kN, pt + r * kN + n, dpt + r * kN);
+              apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+            }
+            pv = dpt;
+          }
+          gemm(true, false, n, Dv, m, acc_t(1), pv, kN, dot, ldo, acc_t(1), dv + j0 * Dv, Dv);
+
+          // dS = P * (dP - delta), dP = (dO V^T) through the dropout mask
+          gemm(false, true, m, n, Dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dpt, kN);
+          for (int64_t r = 0; r < m; ++r) {
+            if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+            softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta.get()[i0 + r]);
+          }
+
+          // dQ += scale * dS K,  dK += scale * dS^T Q
+          gemm(false, false, m, D, n, scale, dpt, kN, kt, ldk, acc_t(1), dq + i0 * D, D);
+          gemm(true, false, n, D, m, scale, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    std::optional<int64_t> key_offset, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
+  constexpr const char* kOp = "attn_ext.attention_backward";
+  check_cpu_support(kOp);
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, v,
+      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  AttentionBwdParams p;
+  static_cast<AttentionParams&>(p) = in.params;
+  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const std::vector<int64_t> o_shape{B, H, Sq, Dv};
+  check_companion(kOp, "grad_out", grad_out, q, o_shape, q.scalar_type());
+  check_companion(kOp, "out", out, q, o_shape, q.scalar_type());
+  check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
+  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
+  if (has_glse) check_companion(kOp, "grad_lse", *grad_lse, q, {B, H, Sq}, at::kFloat);
+
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  const auto acc_opts = q.options().dtype(acc);
+  at::Tensor dq = at::zeros({B, H, Sq, D}, acc_opts);
+  at::Tensor dk = at::zeros({B, H, Sk, D}, acc_opts);
+  at::Tensor dv = at::zeros({B, H, Sk, Dv}, acc_opts);
+  if (B * H * Sq > 0 && Sk > 0) {
+    // The kernel reads rows through BLAS: make row strides valid as for q/k/v.
+    const at::Tensor go = blas_rows(grad_out);
+    const at::Tensor o = blas_rows(out);
+    const at::Tensor l = lse.contiguous();
+    const at::Tensor gl = has_glse ? grad_lse->contiguous() : at::Tensor();
+    p.grad_lse = has_glse ? gl.const_data_ptr<float>() : nullptr;
+    p.dout = go.data_ptr();
+    p.do_batch_stride = go.stride(0);
+    p.do_head_stride = go.stride(1);
+    p.do_row_stride = blas_row_stride(go);
+    p.out = const_cast<void*>(o.const_data_ptr());
+    p.o_batch_stride = o.stride(0);
+    p.o_head_stride = o.stride(1);
+    p.o_row_stride = blas_row_stride(o);
+    p.lse = const_cast<float*>(l.const_data_ptr<float>());
+    p.dq = dq.data_ptr();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p); });
+  }
+  // dk/dv were accumulated per query head: sum each GQA group in acc_t, then cast.
+  if (H != Hkv) {
+    dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
+    dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
+  }
+  const auto dt = q.scalar_type();
+  return {dq.to(dt), dk.to(dt), dv.to(dt)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("attention_backward", &attention_backward_cpu); }
+
+}  // namespace attn_ext::cpu

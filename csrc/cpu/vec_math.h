@@ -1,0 +1,163 @@
+#pragma once
+// Row primitives of the CPU kernels: max, exp2 with a running sum, scaling, conversion.
+// float rows use AVX2/FMA when the translation unit is compiled for it; every other case
+// (double rows, other ISAs, the tails) takes the scalar loop, which defines the semantics.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_EXT_AVX2 1
+#endif
+
+namespace attn_ext::cpu {
+
+#ifdef ATTN_EXT_AVX2
+namespace avx2 {
+constexpr int kWidth = 8;
+// Below 2^-125 the bit-level construction of 2^n underflows; such probabilities are
+// flushed to 0, which is also what exp2(-inf) must give for masked scores.
+constexpr float kExp2Floor = -125.f;
+
+// 2^x for x <= 0 (scores minus their row max): x = n + f with f in [-1/2, 1/2],
+// 2^f by its degree-6 Taylor polynomial in f*ln2 (|rel err| < 1.2e-7, about 1 ulp),
+// 2^n added to the exponent bits. NaN propagates.
+inline __m256 exp2(__m256 x) {
+  const __m256 c1 = _mm256_set1_ps(0.693147180559945f);
+  const __m256 c2 = _mm256_set1_ps(0.240226506959101f);
+  const __m256 c3 = _mm256_set1_ps(0.0555041086648216f);
+  const __m256 c4 = _mm256_set1_ps(0.00961812910762848f);
+  const __m256 c5 = _mm256_set1_ps(0.00133335581464284f);
+  const __m256 c6 = _mm256_set1_ps(0.000154035303933816f);
+  const __m256 floor_v = _mm256_set1_ps(kExp2Floor);
+  const __m256 underflow = _mm256_cmp_ps(x, floor_v, _CMP_LT_OQ);
+  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 xc = _mm256_max_ps(x, floor_v);
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(xc, n);
+  __m256 p = _mm256_fmadd_ps(c6, f, c5);
+  p = _mm256_fmadd_ps(p, f, c4);
+  p = _mm256_fmadd_ps(p, f, c3);
+  p = _mm256_fmadd_ps(p, f, c2);
+  p = _mm256_fmadd_ps(p, f, c1);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+  r = _mm256_andnot_ps(underflow, r);
+  return _mm256_blendv_ps(r, x, is_nan);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+}  // namespace avx2
+#endif
+
+// max over x[0..n); -inf for n == 0. A NaN need not win here: it reaches the output
+// through exp2(x - max) all the same.
+template <typename T>
+inline T row_max(const T* x, int64_t n) {
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// x[j] = exp2(x[j] - shift); returns the sum of the new values.
+template <typename T>
+inline T exp2_shift_sum(T* x, int64_t n, T shift) {
+  T s = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp2(x[j] - shift);
+    s += x[j];
+  }
+  return s;
+}
+
+// x[j] *= a
+template <typename T>
+inline void scale_row(T* x, int64_t n, T a) {
+  for (int64_t j = 0; j < n; ++j) x[j] *= a;
+}
+
+// ds[j] = p[j] * (dp[j] - delta): the softmax backward of one row, in place on dp.
+template <typename T>
+inline void softmax_grad_row(const T* p, T* dp, int64_t n, T delta) {
+  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+}
+
+#ifdef ATTN_EXT_AVX2
+template <>
+inline float row_max<float>(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (n >= avx2::kWidth) {
+    __m256 mv = _mm256_set1_ps(m);
+    for (; j + avx2::kWidth <= n; j += avx2::kWidth) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+    m = avx2::hmax(mv);
+  }
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+template <>
+inline float exp2_shift_sum<float>(float* x, int64_t n, float shift) {
+  const __m256 sv = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + avx2::kWidth <= n; j += avx2::kWidth) {
+    const __m256 e = avx2::exp2(_mm256_sub_ps(_mm256_loadu_ps(x + j), sv));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float s = avx2::hsum(acc);
+  for (; j < n; ++j) {
+    x[j] = std::exp2(x[j] - shift);
+    s += x[j];
+  }
+  return s;
+}
+
+template <>
+inline void scale_row<float>(float* x, int64_t n, float a) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t j = 0;
+  for (; j + avx2::kWidth <= n; j += avx2::kWidth)
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), av));
+  for (; j < n; ++j) x[j] *= a;
+}
+
+template <>
+inline void softmax_grad_row<float>(const float* p, float* dp, int64_t n, float delta) {
+  const __m256 dv = _mm256_set1_ps(delta);
+  int64_t j = 0;
+  for (; j + avx2::kWidth <= n; j += avx2::kWidth) {
+    const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(p + j),
+                                   _mm256_sub_ps(_mm256_loadu_ps(dp + j), dv));
+    _mm256_storeu_ps(dp + j, r);
+  }
+  for (; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
+}
+#endif
+
+// dst[j] = acc_t(src[j]) * a (loads a row of a reduced-precision input into fp32).
+template <typename acc_t, typename scalar_t>
+inline void load_row(const scalar_t* src, acc_t* dst, int64_t n, acc_t a) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[j]) * a;
+}
+
+// dst[j] = scalar_t(src[j] * a)
+template <typename scalar_t, typename acc_t>
+inline void store_row(const acc_t* src, scalar_t* dst, int64_t n, acc_t a) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j] * a);
+}
+
+}  // namespace attn_ext::cpu

@@ -1,0 +1,43 @@
+// Every operator attn_ext offers, in one place. Kernels register their implementations in
+// their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd are registered in Python.
+//
+// Shape legend:
+//   B batch, H query heads, Hkv key/value heads (H % Hkv == 0; query head h reads
+//   key/value head h // (H / Hkv)), Sq query length, Sk key length, D query/key head dim,
+//   Dv value head dim. q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); any strides
+//   with the last dimension contiguous.
+//
+// Masking: query row i is aligned with key position i + key_offset (default Sk - Sq:
+//   bottom-right) and sees keys [i + key_offset - window_left, i + key_offset + window_right],
+//   -1 meaning unbounded; causal sets window_right = 0. attn_mask is bool (true = keep) or
+//   floating (additive), broadcastable to (B, H, Sq, Sk).
+// attention_backward also takes the gradient of lse (for callers that differentiate
+//   through it, e.g. when merging partial results).
+// Tensor arguments precede the keyword-only tail (torch.library autograd needs them
+//   positional).
+// Dropout: rng_state is an int64 CPU tensor (seed, offset); the mask is a pure function
+//   of it, so the backward regenerates it.
+#include <torch/library.h>
+
+TORCH_LIBRARY(attn_ext, m) {
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? rng_state=None, *, "
+      "float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
+      "SymInt? key_offset=None, float dropout_p=0.0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, *, Tensor? grad_lse=None, Tensor? attn_mask=None, float? scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, SymInt? key_offset=None, "
+      "float dropout_p=0.0, Tensor? rng_state=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  m.def(
+      "attention_weights(Tensor q, Tensor k, Tensor? attn_mask=None, *, float? scale=None, "
+      "bool causal=False, int window_left=-1, int window_right=-1, SymInt? key_offset=None) "
+      "-> Tensor weights");
+  m.def(
+      "attention_weights_backward(Tensor grad_weights, Tensor weights, Tensor q, Tensor k, *, "
+      "float? scale=None) -> (Tensor grad_q, Tensor grad_k)");
+  m.def(
+      "dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt sq, SymInt sk, "
+      "float dropout_p) -> Tensor keep");
+}

@@ -1,0 +1,51 @@
+"""Shared pytest fixtures for the attn_ext tests.
+
+Every test that touches a tensor takes the ``device`` fixture: it runs on
+"cpu" and on "cuda", the latter skipped when no GPU is visible, so the suite
+passes on a CPU-only machine and means the same on a GPU one.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+# `from reference import ...` must work whatever pytest import mode is used.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+CUDA = torch.cuda.is_available()
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device visible")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_seed():
+    """Every test starts from the same RNG state, so failures reproduce."""
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _exact_float32_matmul():
+    """The float32 references must not run in TF32 on a GPU (that would
+    loosen the numerics rule, which measures against the torch reference)."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test that takes more than a second or two")

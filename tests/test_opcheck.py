@@ -1,0 +1,138 @@
+"""torch.library.opcheck on every registered attn_ext operator.
+
+opcheck runs test_schema (the schema's mutation/alias annotations are
+honest), test_autograd_registration (grad flows through a registered
+autograd formula, not a silent fallthrough), test_faketensor (the fake
+kernel's shapes/dtypes/strides match the real kernel) and
+test_aot_dispatch_dynamic (AOT autograd with dynamic shapes gives the same
+outputs and gradients). Dropout samples pass rng_state = tensor([seed, 0])
+explicitly, so every run of the op is deterministic.
+"""
+
+import pytest
+import torch
+
+import attn_ext  # noqa: F401  (registers the ops)
+from reference import make_qkv, random_bool_mask, random_float_mask
+
+ops = torch.ops.attn_ext
+
+
+def _qkv(device, B=2, H=4, Hkv=2, Sq=7, Sk=9, D=16, Dv=None, dtype=torch.float32,
+         layout="contiguous", grad=False):
+    return make_qkv(B, H, Hkv, Sq, Sk, D, Dv, dtype=dtype, device=device, layout=layout,
+                    requires_grad=grad)
+
+
+def attention_samples(device):
+    s = []
+    q, k, v = _qkv(device)
+    s.append(("plain", (q, k, v), {}))
+    q, k, v = _qkv(device, grad=True)
+    s.append(("grad_causal", (q, k, v), dict(causal=True)))
+    q, k, v = _qkv(device, layout="bshd", grad=True)
+    s.append(("strided_gqa_bool_mask", (q, k, v),
+              dict(attn_mask=random_bool_mask((2, 1, 7, 9), device))))
+    q, k, v = _qkv(device, Hkv=1, Dv=24, grad=True)
+    s.append(("mqa_float_mask_window_scale", (q, k, v),
+              dict(attn_mask=random_float_mask((1, 4, 1, 9), torch.float32, device),
+                   window_left=3, window_right=2, scale=0.3)))
+    q, k, v = _qkv(device, Sq=9, Sk=5, grad=True)
+    s.append(("empty_rows", (q, k, v), dict(causal=True)))
+    q, k, v = _qkv(device, grad=True)
+    s.append(("dropout", (q, k, v), dict(dropout_p=0.3, rng_state=torch.tensor([1234, 0]), causal=True)))
+    q, k, v = _qkv(device, dtype=torch.float64, grad=True)
+    s.append(("float64_key_offset", (q, k, v), dict(causal=True, key_offset=0)))
+    q, k, v = _qkv(device, dtype=torch.bfloat16, grad=True)
+    s.append(("bfloat16", (q, k, v), dict(causal=True)))
+    return s
+
+
+def _ids(samples):
+    return [name for name, _, _ in samples]
+
+
+ATT_IDS = _ids(attention_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(ATT_IDS)), ids=ATT_IDS)
+def test_opcheck_attention(device, idx):
+    _, args, kwargs = attention_samples(device)[idx]
+    torch.library.opcheck(ops.attention.default, args, kwargs)
+
+
+def backward_samples(device):
+    s = []
+    for name, (q, k, v), kw in attention_samples(device):
+        q, k, v = (x.detach() for x in (q, k, v))
+        out, lse = ops.attention(q, k, v, **kw)
+        g = torch.randn_like(out)
+        s.append((name, (g, q, k, v, out, lse), kw))
+    q, k, v = _qkv(device)
+    out, lse = ops.attention(q, k, v, causal=True)
+    s.append(("grad_lse", (torch.randn_like(out), q, k, v, out, lse),
+              dict(causal=True, grad_lse=torch.randn_like(lse))))
+    return s
+
+
+BWD_IDS = _ids(backward_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(BWD_IDS)), ids=BWD_IDS)
+def test_opcheck_attention_backward(device, idx):
+    _, args, kwargs = backward_samples(device)[idx]
+    torch.library.opcheck(ops.attention_backward.default, args, kwargs)
+
+
+def weights_samples(device):
+    s = []
+    q, k, _ = _qkv(device)
+    s.append(("plain", (q, k), {}))
+    q, k, _ = _qkv(device, grad=True)
+    s.append(("grad_causal", (q, k), dict(causal=True)))
+    q, k, _ = _qkv(device, layout="bshd", grad=True)
+    s.append(("strided_gqa_mask", (q, k), dict(attn_mask=random_bool_mask((7, 9), device))))
+    q, k, _ = _qkv(device, Sq=9, Sk=5, grad=True)
+    s.append(("window_float_mask_empty_rows", (q, k),
+              dict(window_left=1, window_right=0,
+                   attn_mask=random_float_mask((2, 4, 9, 5), torch.float32, device), scale=0.5)))
+    return s
+
+
+W_IDS = _ids(weights_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(W_IDS)), ids=W_IDS)
+def test_opcheck_attention_weights(device, idx):
+    _, args, kwargs = weights_samples(device)[idx]
+    torch.library.opcheck(ops.attention_weights.default, args, kwargs)
+
+
+@pytest.mark.parametrize("idx", range(len(W_IDS)), ids=W_IDS)
+def test_opcheck_attention_weights_backward(device, idx):
+    _, (q, k), kw = weights_samples(device)[idx]
+    q, k = q.detach(), k.detach()
+    w = ops.attention_weights(q, k, **kw)
+    torch.library.opcheck(ops.attention_weights_backward.default,
+                          (torch.randn_like(w), w, q, k), dict(scale=kw.get("scale")))
+
+
+@pytest.mark.parametrize("shape,p", [((2, 3, 5, 7), 0.25), ((1, 1, 16, 33), 0.5), ((0, 2, 3, 4), 0.1)])
+def test_opcheck_dropout_mask(shape, p):
+    torch.library.opcheck(ops.dropout_mask.default, (torch.tensor([99, 0]), *shape, p))
+
+
+def test_fake_shapes_match(device):
+    """Under FakeTensorMode the ops report the documented shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        q = torch.empty(2, 4, 7, 16, device=device, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 9, 16, device=device, dtype=torch.bfloat16)
+        v = torch.empty(2, 2, 9, 24, device=device, dtype=torch.bfloat16)
+        out, lse = ops.attention(q, k, v, causal=True)
+        w = ops.attention_weights(q, k)
+    assert mode is not None
+    assert out.shape == (2, 4, 7, 24) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    assert w.shape == (2, 4, 7, 9) and w.dtype == torch.bfloat16
