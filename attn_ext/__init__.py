@@ -3,6 +3,8 @@
 Importing the package loads the compiled operators (torch.ops.attn_ext.*) and registers
 their fake kernels and autograd formulas.
 """
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from . import _C  # noqa: F401  (registers the operators)
 from . import _registration  # noqa: F401
 from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention

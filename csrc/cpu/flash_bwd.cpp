@@ -64,59 +64,106 @@ void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar
   }
 }
 
+// Key blocks of one (batch, head) are split into this many chunks so that few heads still
+// give every thread work; each chunk owns a partial dq, summed in a fixed order afterwards
+// (deterministic). Depends only on shapes, never on the thread count.
+inline int64_t bwd_key_chunks(int64_t batch_heads, int64_t key_blocks, int64_t sq, int64_t d,
+                              int64_t acc_bytes) {
+  constexpr int64_t kTargetTasks = 16;                  // enough for a 16-core machine
+  constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // memory for partial dq's
+  if (batch_heads == 0) return 1;
+  int64_t chunks = std::min(key_blocks, (kTargetTasks + batch_heads - 1) / batch_heads);
+  const int64_t per_chunk = std::max<int64_t>(batch_heads * sq * d * acc_bytes, 1);
+  chunks = std::min(chunks, kMaxPartialBytes / per_chunk);
+  return std::max<int64_t>(chunks, 1);
+}
+
 template <typename scalar_t>
-void flash_bwd(const AttentionBwdParams& p) {
+int64_t flash_bwd_chunks(const AttentionParams& p) {
+  using Traits = FlashTraits<scalar_t>;
+  const int64_t key_blocks = (p.seqlen_k + Traits::kBwdBlockN - 1) / Traits::kBwdBlockN;
+  return bwd_key_chunks(p.batch * p.heads, key_blocks, p.seqlen_q, p.head_dim,
+                        sizeof(typename Traits::acc_t));
+}
+
+// dq must hold chunks x (B, H, Sq, D) partials (chunk-major).
+template <typename scalar_t>
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   constexpr int64_t kM = Traits::kBwdBlockM, kN = Traits::kBwdBlockN;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int64_t BH = p.batch * p.heads;
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
   const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t s_scale = scale * static_cast<acc_t>(kLog2e);
   const bool dropout = p.dropout_p > 0.f;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  auto q_of = [&](int64_t b, int64_t h) {
+    return row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
+                   p.q_row_stride, b, h, 0);
+  };
+  auto k_of = [&](int64_t b, int64_t hk) {
+    return row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                   p.k_row_stride, b, hk, 0);
+  };
 
-  at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t begin, int64_t end) {
-    Buffer<acc_t> delta(Sq), lse2(Sq), p_buf(kM * kN), dp_buf(kM * kN);
-    const bool cv = Traits::kConvert;
-    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
-    Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
-    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
-
+  // ---- prologue, per (batch, head): delta_i = rowsum(dO_i * O_i) (minus the lse gradient)
+  // and the log2-domain lse each probability is recomputed from.
+  std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> s_buf(std::is_same_v<scalar_t, double> ? kM * kN : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
-      // ---- prologue: pointers of this (batch, head) and delta_i = rowsum(dO_i * O_i)
-      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
-      const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
-                              p.q_head_stride, p.q_row_stride, b, h, 0);
-      const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
-                              p.k_head_stride, p.k_row_stride, b, hk, 0);
-      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
-                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const int64_t b = bh / p.heads, h = bh % p.heads;
       const auto* o = row_ptr(static_cast<const scalar_t*>(p.out), p.o_batch_stride,
                               p.o_head_stride, p.o_row_stride, b, h, 0);
       const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
                                  p.do_head_stride, p.do_row_stride, b, h, 0);
-      if constexpr (std::is_same_v<scalar_t, double>) {
-        recompute_lse2(p, b, h, q, k, p_buf.get(), kN, kM, kN, lse2.get());
-      } else {
-        for (int64_t i = 0; i < Sq; ++i) {
-          lse2.get()[i] = static_cast<acc_t>(p.lse[bh * Sq + i]) * static_cast<acc_t>(kLog2e);
-        }
-      }
-      auto* dq = static_cast<acc_t*>(p.dq) + bh * Sq * D;
-      auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
-      auto* dv = static_cast<acc_t*>(p.dv) + bh * Sk * Dv;
       for (int64_t i = 0; i < Sq; ++i) {
         acc_t d = 0;
         for (int64_t c = 0; c < Dv; ++c)
           d += static_cast<acc_t>(dout[i * p.do_row_stride + c]) *
                static_cast<acc_t>(o[i * p.o_row_stride + c]);
         // d lse_i / d s_ij = P_ij, so an lse gradient enters as dS_ij += P_ij * glse_i.
-        delta.get()[i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[bh * Sq + i]) : d;
+        delta[bh * Sq + i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[bh * Sq + i]) : d;
       }
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        recompute_lse2(p, b, h, q_of(b, h), k_of(b, h / p.group()), s_buf.get(), kN, kM, kN,
+                       lse2.data() + bh * Sq);
+      } else {
+        for (int64_t i = 0; i < Sq; ++i)
+          lse2[bh * Sq + i] = static_cast<acc_t>(p.lse[bh * Sq + i]) * static_cast<acc_t>(kLog2e);
+      }
+    }
+  });
 
-      // ---- main loop: key blocks outside, the query rows that can see them inside
-      for (int64_t j0 = 0; j0 < Sk; j0 += kN) {
+  const int64_t key_blocks = (Sk + kN - 1) / kN;
+  const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
+  at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
+    const bool cv = Traits::kConvert;
+    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
+    Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
+    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task % chunks, bh = task / chunks;
+      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
+      const auto* q = q_of(b, h);
+      const auto* k = k_of(b, hk);
+      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
+                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
+                                 p.do_head_stride, p.do_row_stride, b, h, 0);
+      const acc_t* lse_r = lse2.data() + bh * Sq;
+      const acc_t* delta_r = delta.data() + bh * Sq;
+      auto* dq = static_cast<acc_t*>(p.dq) + (chunk * BH + bh) * Sq * D;
+      auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
+      auto* dv = static_cast<acc_t*>(p.dv) + bh * Sk * Dv;
+
+      // ---- main loop: this chunk's key blocks outside, the query rows that see them inside
+      const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
+      for (int64_t j0 = chunk * blocks_per_chunk * kN; j0 < j_end; j0 += kN) {
         const int64_t n = std::min(kN, Sk - j0);
         const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
         if (r_begin >= r_end) continue;
@@ -139,7 +186,7 @@ void flash_bwd(const AttentionBwdParams& p) {
             mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
           }
           for (int64_t r = 0; r < m; ++r) {
-            const acc_t l2 = lse2.get()[i0 + r];
+            const acc_t l2 = lse_r[i0 + r];
             acc_t* pr = pt + r * kN;
             if (l2 == -std::numeric_limits<acc_t>::infinity()) {
               std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
@@ -164,7 +211,7 @@ void flash_bwd(const AttentionBwdParams& p) {
           gemm(false, true, m, n, Dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dpt, kN);
           for (int64_t r = 0; r < m; ++r) {
             if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
-            softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta.get()[i0 + r]);
+            softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
           }
 
           // dQ += scale * dS K,  dK += scale * dS^T Q
@@ -201,7 +248,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
 
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
   const auto acc_opts = q.options().dtype(acc);
-  at::Tensor dq = at::zeros({B, H, Sq, D}, acc_opts);
+  int64_t chunks = 1;
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
+  at::Tensor dq = at::zeros({chunks, B, H, Sq, D}, acc_opts);
   at::Tensor dk = at::zeros({B, H, Sk, D}, acc_opts);
   at::Tensor dv = at::zeros({B, H, Sk, Dv}, acc_opts);
   if (B * H * Sq > 0 && Sk > 0) {
@@ -223,8 +272,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     p.dq = dq.data_ptr();
     p.dk = dk.data_ptr();
     p.dv = dv.data_ptr();
-    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p); });
+    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p, chunks); });
   }
+  dq = chunks == 1 ? dq.squeeze(0) : dq.sum(0);
   // dk/dv were accumulated per query head: sum each GQA group in acc_t, then cast.
   if (H != Hkv) {
     dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);

@@ -21,10 +21,11 @@ template <typename scalar_t>
 void flash_fwd(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  constexpr int64_t kM = Traits::kFwdBlockM, kN = Traits::kFwdBlockN;
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const int64_t kM = band.has_right() ? Traits::kFwdBlockMBanded : Traits::kFwdBlockM;
+  constexpr int64_t kN = Traits::kFwdBlockN;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int64_t num_m = (Sq + kM - 1) / kM;
-  const LocalBand band{p.key_offset, p.window_left, p.window_right};
   const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   const bool dropout = p.dropout_p > 0.f;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));

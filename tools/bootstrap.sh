@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets up a machine for attn_ext and builds it in place (editable install).
+#   bash tools/bootstrap.sh        what `python -m attn_ext` needs
+#   bash tools/bootstrap.sh test   ... plus the test dependencies
+# Installs only what is missing, so it also works offline where torch and pytest are
+# preinstalled (GPU machines). The build uses the installed torch (--no-build-isolation):
+# an isolated build environment would download a second, multi-GB torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+missing() { ! "$PY" -c "import $1" >/dev/null 2>&1; }
+
+# torch first: the build imports it. The pinned version is the CPU build this project is
+# developed and tested with; any torch >= 2.6 already present is used as it is.
+if missing torch; then "$PY" -m pip install "torch==${ATTN_EXT_TORCH_VERSION:-2.13.0}"; fi
+
+pkgs=()
+missing ninja && pkgs+=(ninja)
+missing setuptools && pkgs+=("setuptools>=64")
+missing wheel && pkgs+=(wheel)
+if [ "${1:-}" = "test" ]; then
+  missing pytest && pkgs+=("pytest>=7")
+  missing numpy && pkgs+=(numpy)
+fi
+if [ ${#pkgs[@]} -gt 0 ]; then "$PY" -m pip install "${pkgs[@]}"; fi
+
+MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e . 2>&1 \
+  | grep -vE "^(  |Running as root|WARNING: Running pip as)" || true
+"$PY" -c "import attn_ext, torch; print('attn_ext', attn_ext.__version__, 'built against torch', torch.__version__)"
