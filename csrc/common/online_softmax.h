@@ -45,7 +45,9 @@ struct SoftmaxState {
     if (!(sum > acc_t(0)) && !std::isnan(static_cast<double>(sum))) {
       return -std::numeric_limits<float>::infinity();
     }
-    return static_cast<float>((max + std::log2(sum)) * acc_t(kLn2));
+    // In double, so that the only rounding is the final one to float32: the backward
+    // rebuilds every probability from this value.
+    return static_cast<float>((static_cast<double>(max) + std::log2(static_cast<double>(sum))) * kLn2);
   }
 
  private:

@@ -110,7 +110,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
   // ---- prologue, per (batch, head): delta_i = rowsum(dO_i * O_i) (minus the lse gradient)
   // and the log2-domain lse each probability is recomputed from.
-  std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq);
+  // lse in the log2 domain as a float pair hi + lo (see exp2_shift2).
+  std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq), lse2_lo(BH * Sq, acc_t(0));
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> s_buf(std::is_same_v<scalar_t, double> ? kM * kN : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -131,8 +132,11 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         recompute_lse2(p, b, h, q_of(b, h), k_of(b, h / p.group()), s_buf.get(), kN, kM, kN,
                        lse2.data() + bh * Sq);
       } else {
-        for (int64_t i = 0; i < Sq; ++i)
-          lse2[bh * Sq + i] = static_cast<acc_t>(p.lse[bh * Sq + i]) * static_cast<acc_t>(kLog2e);
+        for (int64_t i = 0; i < Sq; ++i) {
+          const double l2 = static_cast<double>(p.lse[bh * Sq + i]) * kLog2e;
+          lse2[bh * Sq + i] = static_cast<acc_t>(l2);
+          lse2_lo[bh * Sq + i] = std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
+        }
       }
     }
   });
@@ -142,7 +146,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
     const bool cv = Traits::kConvert;
-    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
+    Buffer<acc_t> qs_buf(kM * D), do_buf(cv ? kM * Dv : 0);
     Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
     Buffer<uint8_t> keep(dropout ? kM * kN : 0);
 
@@ -156,6 +160,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
       const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
                                  p.do_head_stride, p.do_row_stride, b, h, 0);
       const acc_t* lse_r = lse2.data() + bh * Sq;
+      const acc_t* lse_lo_r = lse2_lo.data() + bh * Sq;
       const acc_t* delta_r = delta.data() + bh * Sq;
       auto* dq = static_cast<acc_t*>(p.dq) + (chunk * BH + bh) * Sq * D;
       auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
@@ -173,14 +178,21 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
         for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
           const int64_t m = std::min(kM, r_end - i0);
-          int64_t ldq, ldo;
-          const acc_t* qt = load_tile(q + i0 * p.q_row_stride, p.q_row_stride, m, D, q_buf.get(), &ldq);
+          // Scores from the query tile scaled exactly as the forward scaled it, so that they
+          // match the forward's lse to the rounding of the products.
+          acc_t* qs = qs_buf.get();
+          for (int64_t r = 0; r < m; ++r) load_row(q + (i0 + r) * p.q_row_stride, qs + r * D, D, s_scale);
+          // dK reads the unscaled query where it is at hand, else the scaled tile / (scale log2e).
+          const acc_t* qt = cv ? qs : reinterpret_cast<const acc_t*>(q + i0 * p.q_row_stride);
+          const int64_t ldq = cv ? D : p.q_row_stride;
+          const acc_t dk_alpha = cv ? acc_t(1) / static_cast<acc_t>(kLog2e) : scale;
+          int64_t ldo;
           const acc_t* dot = load_tile(dout + i0 * p.do_row_stride, p.do_row_stride, m, Dv, do_buf.get(), &ldo);
           acc_t* pt = p_buf.get();
           acc_t* dpt = dp_buf.get();
 
           // P = exp(scale * Q K^T - lse), masked entries 0
-          gemm(false, true, m, n, D, s_scale, qt, ldq, kt, ldk, acc_t(0), pt, kN);
+          gemm(false, true, m, n, D, acc_t(1), qs, D, kt, ldk, acc_t(0), pt, kN);
           const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
           if (band_partial || p.mask_kind != MaskKind::kNone) {
             mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
@@ -191,7 +203,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
             if (l2 == -std::numeric_limits<acc_t>::infinity()) {
               std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
             } else {
-              exp2_shift_sum(pr, n, l2);
+              exp2_shift2(pr, n, l2, lse_lo_r[i0 + r]);
             }
           }
 
@@ -216,7 +228,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
           // dQ += scale * dS K,  dK += scale * dS^T Q
           gemm(false, false, m, D, n, scale, dpt, kN, kt, ldk, acc_t(1), dq + i0 * D, D);
-          gemm(true, false, n, D, m, scale, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
+          gemm(true, false, n, D, m, dk_alpha, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
         }
       }
     }

@@ -82,6 +82,13 @@ inline T exp2_shift_sum(T* x, int64_t n, T shift) {
   return s;
 }
 
+// x[j] = exp2((x[j] - hi) - lo): the shift given as a float pair hi + lo, so a large
+// shift (a log-sum-exp) costs no extra rounding before the subtraction.
+template <typename T>
+inline void exp2_shift2(T* x, int64_t n, T hi, T lo) {
+  for (int64_t j = 0; j < n; ++j) x[j] = std::exp2((x[j] - hi) - lo);
+}
+
 // x[j] *= a
 template <typename T>
 inline void scale_row(T* x, int64_t n, T a) {
@@ -124,6 +131,17 @@ inline float exp2_shift_sum<float>(float* x, int64_t n, float shift) {
     s += x[j];
   }
   return s;
+}
+
+template <>
+inline void exp2_shift2<float>(float* x, int64_t n, float hi, float lo) {
+  const __m256 hv = _mm256_set1_ps(hi), lv = _mm256_set1_ps(lo);
+  int64_t j = 0;
+  for (; j + avx2::kWidth <= n; j += avx2::kWidth) {
+    const __m256 d = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), hv), lv);
+    _mm256_storeu_ps(x + j, avx2::exp2(d));
+  }
+  for (; j < n; ++j) x[j] = std::exp2((x[j] - hi) - lo);
 }
 
 template <>
