@@ -6,7 +6,7 @@
    bfloat16, forward and backward, against a float64 ground truth computed on
    the same (rounded) inputs. A check passes when attn_ext's max abs error is
    at most twice the error of the plain PyTorch reference run at the input
-   dtype, plus one ulp of the dtype (FlashAttention's rule).
+   dtype (FlashAttention's rule), plus a floor of a few float32 ulps.
 3. Times attn_ext against ``torch.nn.functional.scaled_dot_product_attention``
    at a moderate size and prints the ratios.
 
@@ -31,6 +31,11 @@ import attn_ext
 
 NEG_INF = float("-inf")
 CHECK_DTYPES = (torch.float32, torch.bfloat16)
+# Flash-style kernels recompute probabilities from the float32 lse and take the softmax
+# backward's row term from the rounded output; in float32 that costs a few ulps that the
+# materializing reference does not pay, so the tolerance has a floor of this many float32
+# ulps at the result's magnitude (negligible next to the reference's bfloat16 error).
+ACC_ULPS = 16
 
 
 # --------------------------------------------------------------------------- environment
@@ -295,9 +300,11 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float("inf") if diff.isnan().any() else diff.max().item() if diff.numel() else 0.0
 
 
-def ulp_floor(dtype: torch.dtype, tensors: Sequence[torch.Tensor]) -> float:
-    scale = max([1.0] + [t.abs().masked_fill(t.isinf(), 0).max().item() for t in tensors if t.numel()])
-    return torch.finfo(dtype).eps * scale
+def accumulation_floor(truth: torch.Tensor) -> float:
+    """ACC_ULPS float32 ulps at the result's magnitude (kernels accumulate in float32)."""
+    finite = truth.abs().masked_fill(truth.isinf(), 0)
+    scale = max(1.0, finite.max().item() if finite.numel() else 0.0)
+    return ACC_ULPS * torch.finfo(torch.float32).eps * scale
 
 
 def forward_backward(fn, inputs, grads, grad_out):
@@ -342,7 +349,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype) -> CheckResul
         return res
     labels = ["out", "lse"][: len(want)] + [f"d{n}" for n in case.grads]
     for label, g, b, w in zip(labels, got + got_g, base + base_g, want + want_g):
-        tol = 2 * max_error(b, w) + ulp_floor(dtype, [w])
+        tol = 2 * max_error(b, w) + accumulation_floor(w)
         if g.shape != w.shape:
             res.exception = f"{label}: shape {tuple(g.shape)}, expected {tuple(w.shape)}"
             return res
@@ -366,7 +373,7 @@ def format_result(r: CheckResult) -> str:
 
 def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
     print("\nchecks: max abs error vs float64 ground truth; "
-          "tol = 2 x (plain torch reference at the same dtype) + 1 ulp")
+          f"tol = 2 x (plain torch reference at the same dtype) + {ACC_ULPS} float32 ulps")
     results = []
     for device in devices:
         for dtype in CHECK_DTYPES:

@@ -77,10 +77,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Same arguments and semantics: (N, ..., L, E) inputs, ``is_causal`` aligned top-left,
     bool mask = keep, float mask = additive, ``enable_gqa`` for grouped key/value heads.
+    Like torch 2.13 on the CPU, ``attn_mask`` together with ``is_causal`` applies both.
     One difference: a query row that can see no key returns zeros here (torch returns NaN).
     """
-    if is_causal and attn_mask is not None:
-        raise RuntimeError("attn_ext.scaled_dot_product_attention: explicit attn_mask should not be set when is_causal=True")
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         raise ValueError("attn_ext.scaled_dot_product_attention: query, key and value must be at least 2-D")
     batch_shape = query.shape[:-2]

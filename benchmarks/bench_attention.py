@@ -405,7 +405,8 @@ def environment_lines(args) -> List[str]:
     if device.startswith("cuda") and torch.cuda.is_available():
         device += f" ({torch.cuda.get_device_name(torch.device(device))})"
     else:
-        device += f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        device += (f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+                   f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start)")
     lines = [
         f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"attn_ext {ext_version}, torch {torch.__version__}, python {platform.python_version()}",

@@ -16,6 +16,7 @@ import torch
 import attn_ext
 from reference import (
     assert_error_rule,
+    grad_slack_ulps,
     attention_reference,
     autograd_grads,
     doc001_causal_attention,
@@ -99,7 +100,7 @@ def test_p_zero_keeps_everything():
     assert m.all()
 
 
-def test_mask_does_not_depend_on_the_device(device):
+def test_attention_applies_the_returned_mask(device):
     """The keep mask attention applies on `device` is the one dropout_keep_mask
     returns (read back through v = identity)."""
     B, H, S, p = 1, 2, 16, 0.4
@@ -169,7 +170,7 @@ def test_dropout_backward_matches_reference(device, dtype, case):
                          [q, k, v], g)
     tru = ground_truth_grads(attention_reference, [q, k, v], g, dropout_p=p, dropout_keep=keep, **kw)
     for name, a, r, t in zip(("dq", "dk", "dv"), got, ref, tru):
-        assert_error_rule(a, r, t, name=name)
+        assert_error_rule(a, r, t, name=name, slack_ulps=grad_slack_ulps(a.dtype))
 
 
 def test_backward_does_not_reread_the_generator(device):

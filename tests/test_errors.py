@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attn_ext
-from reference import attention_reference, make_qkv, rand
+from reference import attention_reference, make_qkv
 
 ERRORS = (RuntimeError, ValueError)
 

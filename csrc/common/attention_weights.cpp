@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(
   const std::vector<int64_t> w_shape{B, H, Sq, Sk};
   check_companion(kOp, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
   check_companion(kOp, "weights", weights, q, w_shape, q.scalar_type());
-  const double sc = scale.has_value() ? *scale : static_cast<double>(p.scale);
+  const double sc = scale.has_value() ? *scale : p.scale;
   if (B * H * Sq * Sk == 0 || Hkv == 0) return {at::zeros_like(q), at::zeros_like(k)};
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
   const at::Tensor pw = weights.to(acc), g = grad_weights.to(acc);

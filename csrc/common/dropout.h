@@ -16,10 +16,9 @@ constexpr float kUint32ToUnit = 2.3283064365386963e-10f;  // 2^-32
 struct DropoutPolicy {
   uint64_t seed;
   uint64_t offset;
-  float p;  // probability of dropping
+  float p;  // probability of dropping (the threshold the uniform draw is compared with)
 
   C10_HOST_DEVICE bool active() const { return p > 0.f; }
-  C10_HOST_DEVICE float keep_scale() const { return 1.f / (1.f - p); }
 
   // One Philox subsequence per query row of every (batch, head).
   C10_HOST_DEVICE uint64_t row_id(int64_t b, int64_t h, int64_t i, int64_t heads,

@@ -82,7 +82,7 @@ void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
                     double dropout_p, AttentionParams& p) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
               dropout_p);
-  p.dropout_p = static_cast<float>(dropout_p);
+  p.dropout_p = dropout_p;
   if (dropout_p == 0.0) return;
   TORCH_CHECK(rng_state.has_value(), op,
               ": rng_state (int64 tensor [seed, offset]) is required when dropout_p > 0");
@@ -114,7 +114,7 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
   const double scale = o.scale.has_value() ? *o.scale
                                            : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  p.scale = static_cast<float>(scale);
+  p.scale = scale;
 
   TORCH_CHECK(o.window_left >= -1, op, ": window_size[0] (left) must be >= -1, got ",
               o.window_left);

@@ -29,14 +29,14 @@ struct AttentionParams {
   int64_t batch = 0, heads = 0, kv_heads = 0;
   int64_t seqlen_q = 0, seqlen_k = 0, head_dim = 0, head_dim_v = 0;
 
-  float scale = 1.f;
+  double scale = 1.0;  // double: fp64 inputs get an fp64 scale
   // Local (causal / sliding-window) band: query i sees keys
   // [i + key_offset - window_left, i + key_offset + window_right]; -1 = unbounded.
   int64_t key_offset = 0;
   int64_t window_left = -1, window_right = -1;
   MaskKind mask_kind = MaskKind::kNone;
 
-  float dropout_p = 0.f;
+  double dropout_p = 0.0;
   uint64_t seed = 0, rng_offset = 0;
 
   int64_t group() const { return heads / kv_heads; }

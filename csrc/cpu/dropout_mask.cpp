@@ -19,7 +19,7 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t 
   read_rng_state(kOp, rng_state, dropout_p, p);
   at::Tensor keep = at::ones({batch, heads, sq, sk}, rng_state.options().dtype(at::kBool));
   if (dropout_p == 0.0 || keep.numel() == 0) return keep;
-  const DropoutPolicy drop{p.seed, p.rng_offset, p.dropout_p};
+  const DropoutPolicy drop{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)};
   auto* out = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
   at::parallel_for(0, batch * heads * sq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {

@@ -97,7 +97,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
   const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t s_scale = scale * static_cast<acc_t>(kLog2e);
-  const bool dropout = p.dropout_p > 0.f;
+  const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   auto q_of = [&](int64_t b, int64_t h) {
     return row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,

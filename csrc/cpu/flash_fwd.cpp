@@ -27,7 +27,7 @@ void flash_fwd(const AttentionParams& p) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int64_t num_m = (Sq + kM - 1) / kM;
   const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
-  const bool dropout = p.dropout_p > 0.f;
+  const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
 
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {

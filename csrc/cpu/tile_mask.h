@@ -44,7 +44,7 @@ void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64
 // keep[r * n + c] for the tile's rows and keys.
 inline void dropout_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t m,
                          int64_t j0, int64_t n, uint8_t* keep) {
-  const DropoutPolicy drop{p.seed, p.rng_offset, p.dropout_p};
+  const DropoutPolicy drop{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)};
   for (int64_t r = 0; r < m; ++r)
     drop.row_keep(drop.row_id(b, h, i0 + r, p.heads, p.seqlen_q), j0, n, keep + r * n);
 }
