@@ -7,6 +7,7 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from . import _C  # noqa: F401  (registers the operators)
 from . import _registration  # noqa: F401
+from . import compat, nn  # noqa: F401  (drop-in and canonical modules)
 from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
 
 __version__ = "0.1.0"

@@ -23,7 +23,11 @@ if [ "${1:-}" = "test" ]; then
   missing numpy && pkgs+=(numpy)
 fi
 if [ ${#pkgs[@]} -gt 0 ]; then "$PY" -m pip install "${pkgs[@]}"; fi
+# transformers is optional for the suite (its tests skip without it): an offline machine goes on.
+if [ "${1:-}" = "test" ] && missing transformers; then
+  "$PY" -m pip install "transformers==5.23.0" ||
+    echo "bootstrap: could not install transformers (offline?): tests/test_transformers.py will be skipped"
+fi
 
-MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e . 2>&1 \
-  | grep -vE "^(  |Running as root|WARNING: Running pip as)" || true
+MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .
 "$PY" -c "import attn_ext, torch; print('attn_ext', attn_ext.__version__, 'built against torch', torch.__version__)"

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
 
 namespace attn_ext {
@@ -71,8 +72,9 @@ at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor
                 ": attn_mask must be broadcastable to (B, H, Sq, Sk) = (", target[0], ", ",
                 target[1], ", ", target[2], ", ", target[3], "), got shape ", mask.sizes());
   }
-  // Convert before expanding, so a broadcast mask is never materialized at full size.
-  at::Tensor m = dt == at::kBool ? mask : mask.to(at::kFloat);
+  // An additive mask is read in the kernels' accumulation type (fp64 for fp64 inputs, else
+  // fp32). Convert before expanding, so a broadcast mask is never materialized at full size.
+  at::Tensor m = dt == at::kBool ? mask : mask.to(at::toOpMathType(q.scalar_type()));
   return m.expand(target);
 }
 

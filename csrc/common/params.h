@@ -8,7 +8,7 @@ namespace attn_ext {
 enum class MaskKind : int {
   kNone = 0,      // no explicit mask
   kBool = 1,      // bool tensor, true = keep
-  kAdditive = 2,  // float32 tensor added to the scores (natural-log units)
+  kAdditive = 2,  // tensor of the accumulation type added to the scores (natural-log units)
 };
 
 struct AttentionParams {

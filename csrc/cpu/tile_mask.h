@@ -27,8 +27,8 @@ void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64
         for (int64_t c = 0; c < n; ++c)
           if (!mk[c * cs]) row[c] = kNegInf;
       } else {
-        const float* mk = static_cast<const float*>(p.mask) + off;
-        for (int64_t c = 0; c < n; ++c) row[c] += static_cast<acc_t>(mk[c * cs]) * acc_t(kLog2e);
+        const acc_t* mk = static_cast<const acc_t*>(p.mask) + off;
+        for (int64_t c = 0; c < n; ++c) row[c] += mk[c * cs] * acc_t(kLog2e);
       }
     }
   }

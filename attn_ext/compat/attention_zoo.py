@@ -1,0 +1,131 @@
+"""Drop-ins for document 004 ("Transformer 之 各种 Attention 原理和实现", the attention zoo).
+
+Same names, constructor signatures, parameter names (``W_q``, ``W_k``, ``W_v``, ``W_o``),
+forward signatures, accepted input ranks and return values as the document; the attention is
+computed by :func:`attn_ext.attention`. The document scales by
+``torch.sqrt(torch.tensor(n).float())``, a float32 square root; the drop-ins use that same number.
+
+Differences from the document's code:
+
+- ``GroupedAttention``: the document reshapes Q to ``(B, num_groups, num_heads // num_groups, S,
+  head_dim)`` and multiplies it with K of shape ``(B, num_heads // num_groups, S, head_dim)``;
+  broadcasting then aligns Q's *group* axis with K's *batch* axis, so query group ``g`` of every
+  batch element reads the keys and values of batch element ``g`` (and the call fails unless
+  ``batch_size`` is 1 or ``num_groups``). The drop-in keeps the document's head mapping — query
+  head ``h`` reads kv head ``h % (num_heads // num_groups)`` — but each batch element reads its
+  own keys and values. With ``batch_size == 1`` the two agree exactly.
+"""
+import torch.nn as nn
+
+from . import _attend, _check_last, _check_rank, _float32_sqrt
+
+__all__ = ["SelfAttention", "MultiHeadAttention", "CrossAttention", "GroupedAttention"]
+
+
+class SelfAttention(nn.Module):
+    """Single-head self-attention; x (..., S, input_dim) of any rank >= 2 -> (..., S, d_k)."""
+
+    def __init__(self, input_dim, d_k):
+        super(SelfAttention, self).__init__()
+        self.W_q = nn.Linear(input_dim, d_k)
+        self.W_k = nn.Linear(input_dim, d_k)
+        self.W_v = nn.Linear(input_dim, d_k)
+
+    def forward(self, x):
+        name = type(self).__name__
+        if x.dim() < 2:
+            raise ValueError(f"{name}: x must be at least 2-D (..., S, input_dim), got {x.dim()}-D {tuple(x.shape)}")
+        _check_last(name, x, self.W_q.in_features, "x")
+        Q = self.W_q(x)
+        K = self.W_k(x)
+        V = self.W_v(x)
+        return _attend(Q, K, V, scale=1.0 / _float32_sqrt(Q.size(-1)), name=name)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self-attention; x (B, S, input_dim) -> (B, S, input_dim), ``num_heads`` heads
+    of size ``d_k // num_heads``."""
+
+    def __init__(self, input_dim, num_heads, d_k):
+        super(MultiHeadAttention, self).__init__()
+        self.input_dim = input_dim
+        self.num_heads = num_heads
+        self.d_k = d_k
+        self.head_dim = d_k // num_heads
+        self.W_q = nn.Linear(input_dim, d_k)
+        self.W_k = nn.Linear(input_dim, d_k)
+        self.W_v = nn.Linear(input_dim, d_k)
+        self.W_o = nn.Linear(d_k, input_dim)
+
+    def forward(self, x):
+        name = type(self).__name__
+        _check_rank(name, x, (3,), "(batch_size, seq_len, input_dim)")
+        _check_last(name, x, self.input_dim, "x")
+        batch_size, seq_len, _ = x.size()
+        Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        K = self.W_k(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        V = self.W_v(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        output = _attend(Q, K, V, scale=1.0 / _float32_sqrt(self.head_dim), name=name)
+        output = output.transpose(1, 2).reshape(batch_size, seq_len, -1)
+        return self.W_o(output)
+
+
+class CrossAttention(nn.Module):
+    """Single-head cross-attention ``forward(x1, x2)``: queries from x1 (..., S1, input_dim),
+    keys and values from x2 (..., S2, input_dim) -> (..., S1, d_k)."""
+
+    def __init__(self, input_dim, d_k):
+        super(CrossAttention, self).__init__()
+        self.W_q = nn.Linear(input_dim, d_k)
+        self.W_k = nn.Linear(input_dim, d_k)
+        self.W_v = nn.Linear(input_dim, d_k)
+
+    def forward(self, x1, x2):
+        name = type(self).__name__
+        for n, t in (("x1", x1), ("x2", x2)):
+            if t.dim() < 2:
+                raise ValueError(f"{name}: {n} must be at least 2-D (..., S, input_dim), got {t.dim()}-D {tuple(t.shape)}")
+            _check_last(name, t, self.W_q.in_features, n)
+        Q = self.W_q(x1)
+        K = self.W_k(x2)
+        V = self.W_v(x2)
+        return _attend(Q, K, V, scale=1.0 / _float32_sqrt(Q.size(-1)), name=name)
+
+
+class GroupedAttention(nn.Module):
+    """Grouped-query self-attention; x (B, S, input_dim) -> (B, S, input_dim).
+
+    ``num_heads`` query heads of size ``d_k // num_heads``; ``num_heads // num_groups`` key/value
+    heads (``W_k``, ``W_v`` project to ``d_k // num_groups``); query head ``h`` reads kv head
+    ``h % (num_heads // num_groups)`` (the document's mapping). See the module docstring for the
+    document's batch bug, which is not reproduced."""
+
+    def __init__(self, input_dim, d_k, num_heads, num_groups):
+        super(GroupedAttention, self).__init__()
+        assert num_heads % num_groups == 0
+        self.num_heads = num_heads
+        self.num_groups = num_groups
+        self.head_dim = d_k // num_heads
+        self.W_q = nn.Linear(input_dim, d_k)
+        self.W_k = nn.Linear(input_dim, d_k // num_groups)
+        self.W_v = nn.Linear(input_dim, d_k // num_groups)
+        self.W_o = nn.Linear(d_k, input_dim)
+
+    def forward(self, x):
+        name = type(self).__name__
+        _check_rank(name, x, (3,), "(batch_size, seq_len, input_dim)")
+        _check_last(name, x, self.W_q.in_features, "x")
+        batch_size, seq_len, _ = x.size()
+        G, H = self.num_groups, self.num_heads
+        Hkv, hd = H // G, self.head_dim
+        # Query head h = g * Hkv + r reads kv head r. attn_ext maps head h' to kv head h' // G,
+        # so order the query heads as h' = r * G + g (one copy of Q when G > 1 and Hkv > 1).
+        Q = self.W_q(x).view(batch_size, seq_len, G, Hkv, hd).transpose(2, 3)
+        Q = Q.reshape(batch_size, seq_len, H, hd).transpose(1, 2)
+        K = self.W_k(x).view(batch_size, seq_len, Hkv, hd).transpose(1, 2)
+        V = self.W_v(x).view(batch_size, seq_len, Hkv, hd).transpose(1, 2)
+        output = _attend(Q, K, V, scale=1.0 / _float32_sqrt(hd), gqa=True, name=name)  # (B, H', S, hd)
+        # back to the document's head order h = g * Hkv + r, concatenated over heads
+        output = output.transpose(1, 2).reshape(batch_size, seq_len, Hkv, G, hd).transpose(2, 3)
+        output = output.reshape(batch_size, seq_len, -1)
+        return self.W_o(output)

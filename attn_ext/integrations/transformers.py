@@ -1,0 +1,249 @@
+"""HuggingFace transformers integration: ``attn_implementation="attn_ext"``.
+
+Usage::
+
+    import attn_ext.integrations.transformers as attn_ext_hf
+    attn_ext_hf.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attn_ext")
+
+:func:`register` adds two entries under the same name, as transformers requires for an
+attention backend:
+
+- an attention function (``AttentionInterface``), the counterpart of
+  ``transformers.integrations.sdpa_attention.sdpa_attention_forward``, computed by
+  :func:`attn_ext.attention`. Grouped-query attention is read in place (no ``repeat_kv``); the
+  ``(B, H, S, D)`` views transformers hands over are not copied.
+- a mask function (``AttentionMaskInterface``), the counterpart of
+  ``transformers.masking_utils.sdpa_mask``.
+
+How the mask reaches the kernel. When the mask transformers asks for is a plain causal or
+sliding-window causal pattern, possibly with padding, and the query block is aligned with the
+end of the key block (``q_offset + q_length == kv_offset + kv_length``: the case of no cache, of
+``DynamicCache`` prefill/decoding and of its sliding-window layers), the mask function returns
+no 4-D mask: ``None`` when nothing is padded, else the ``(B, Sk)`` bool keep-mask of the keys
+(the convention of transformers' flash-attention backends). The attention function then passes
+the structure as ``causal=True`` (taken from the ``is_causal`` argument or ``module.is_causal``)
+and ``window_size=(sliding_window - 1, 0)`` (from the ``sliding_window`` argument that models
+give their attention function, as for flash attention), bottom-right aligned, and the padding
+as a ``(B, 1, 1, Sk)`` bool mask read through stride-0 views. Everything else (static caches
+other than an aligned prefill, chunked attention, packed sequences, custom ``or``/``and`` mask
+functions, bidirectional masks, and sliding windows inside ``torch.compile``, where the mask
+function cannot be recognized) gets the 4-D bool mask that ``sdpa_mask`` builds (or ``None``
+where ``sdpa_mask`` itself skips a bidirectional mask); a 4-D mask handed to the attention
+function (bool: True = keep, floating: additive) is used as it is, with no causal flag.
+
+Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
+``q_length``/``q_offset`` arguments of recent versions and the older ``cache_position``), in
+eager mode and under ``torch.compile(fullgraph=True)``.
+
+Differences from ``"sdpa"``: a query row that sees no key (e.g. a left-padding position) gets
+zeros instead of whatever the torch backend returns there; a floating mask is added in
+float32 (attn_ext converts floating masks to float32), which matters only for float64 models
+with a non-0/-inf additive mask. ``softcap`` and attention sinks (``s_aux``) are not supported
+and raise, as in ``"sdpa"``; attention weights are never returned (``None``).
+"""
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        causal_mask_function,
+        sdpa_mask,
+    )
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "attn_ext.integrations.transformers needs HuggingFace transformers with AttentionInterface "
+        "and AttentionMaskInterface (transformers >= 4.57): pip install transformers") from e
+
+from .. import functional as _F
+
+NAME = "attn_ext"
+
+__all__ = ["NAME", "register", "attn_ext_attention_forward", "attn_ext_mask"]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# ----------------------------------------------------------------------------------------------
+# mask function
+# ----------------------------------------------------------------------------------------------
+
+def _closure(fn: Callable, name: str):
+    code = getattr(fn, "__code__", None)
+    if code is None or fn.__closure__ is None or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _sliding_window_of(mask_function: Callable, local_size: Optional[int]) -> Optional[int]:
+    """The window if ``mask_function`` is transformers'
+    ``sliding_window_causal_mask_function(local_size)``, i.e. ``and_masks(sliding_window_overlay(w),
+    causal_mask_function)`` (``kv_idx > q_idx - w`` and ``kv_idx <= q_idx``); None otherwise."""
+    if not isinstance(local_size, int) or local_size < 1 or _compiling():
+        # torch.compile cannot trace the closure introspection below: a compiled model gets
+        # the full mask for its sliding-window layers (correct, just not structured).
+        return None
+    parts = _closure(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    overlay = parts[0]
+    if not getattr(overlay, "__qualname__", "").startswith("sliding_window_overlay."):
+        return None
+    if _closure(overlay, "sliding_window") != local_size:
+        return None
+    # Belt and braces: the recognized function must give the expected band on a small probe.
+    w = local_size
+    q = torch.tensor([0, w - 1, w, 2 * w + 1]).view(1, 1, -1, 1)
+    kv = torch.arange(2 * w + 2).view(1, 1, 1, -1)
+    zero = torch.zeros(1, dtype=torch.long).view(1, 1, 1, 1)
+    got = mask_function(zero, zero, q, kv)
+    if not torch.equal(got.expand(1, 1, q.numel(), kv.numel()), (kv <= q) & (kv > q - w)):
+        return None
+    return local_size
+
+
+def _padding_keep(attention_mask: torch.Tensor, kv_length: int, kv_offset: int, device) -> torch.Tensor:
+    """The (B, kv_length) keep-mask of the keys at positions [kv_offset, kv_offset + kv_length)
+    from the 2-D padding mask (positions past its end, e.g. an unfilled cache, are not kept)."""
+    keep = attention_mask.to(device=device, dtype=torch.bool)
+    if (missing := kv_offset + kv_length - keep.size(-1)) > 0:
+        keep = torch.nn.functional.pad(keep, (0, missing))
+    return keep[:, kv_offset:kv_offset + kv_length]
+
+
+def attn_ext_mask(
+    batch_size: int,
+    q_length: Optional[int] = None,
+    kv_length: Optional[int] = None,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    cache_position: Optional[torch.Tensor] = None,
+    device="cpu",
+    **kwargs,
+) -> Optional[torch.Tensor]:
+    """The mask function registered under ``"attn_ext"`` (same arguments as ``sdpa_mask``; the
+    ``cache_position`` form of transformers < 5.2 is accepted too).
+
+    Returns ``None`` (plain causal / sliding-window causal, nothing padded), a ``(B, kv_length)``
+    bool keep-mask (the same with padding), or the 4-D ``(B, 1, q_length, kv_length)`` bool mask
+    of ``sdpa_mask`` for every other pattern. The first two only when transformers allows the
+    structure to replace the mask (``allow_is_causal_skip``) and the queries are aligned with the
+    end of the keys, which is what attn_ext's bottom-right ``causal``/``window_size`` express.
+    """
+    if cache_position is not None:  # older API: the queries' absolute positions
+        q_length = cache_position.shape[0]
+        # Reading the first position would break a compiled graph: then treat it as unaligned.
+        q_offset = None if _compiling() or q_length == 0 else int(cache_position[0])
+    structured = False
+    if allow_is_causal_skip and not kwargs.get("use_vmap", False):
+        if mask_function is causal_mask_function:
+            structured = True
+        elif local_size is not None:
+            structured = _sliding_window_of(mask_function, local_size) is not None
+    # Tensor offsets (static caches) are not read: that would break a compiled graph.
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int) and isinstance(kv_length, int)
+               and q_offset + q_length == kv_offset + kv_length)
+    if structured and aligned:
+        if attention_mask is None:
+            return None
+        padding = _padding_keep(attention_mask, kv_length, kv_offset, device)
+        if not _compiling() and bool(padding.all()):
+            return None
+        return padding
+    positions = dict(cache_position=cache_position) if cache_position is not None else dict(
+        q_length=q_length, q_offset=q_offset)
+    return sdpa_mask(
+        batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+        attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, device=device,
+        **positions, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention function
+# ----------------------------------------------------------------------------------------------
+
+def attn_ext_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    position_bias: Optional[torch.Tensor] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    cache=None,
+    **kwargs,
+):
+    """The attention function registered under ``"attn_ext"`` (same contract as
+    ``sdpa_attention_forward``): query ``(B, H, Sq, D)``, key/value ``(B, Hkv, Sk, D|Dv)``;
+    returns ``(out (B, Sq, H, Dv) contiguous, None)``."""
+    if softcap is not None:
+        raise ValueError("attn_ext attention does not support `softcap`; use `eager` or `flex_attention`")
+    if s_aux is not None:
+        raise NotImplementedError("attn_ext attention does not support attention sinks (`s_aux`)")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("attn_ext attention does not return attention weights (output_attentions=True); "
+                      "use attn_implementation='eager' for them", stacklevel=2)
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = False
+    window = (-1, -1)
+    mask = attention_mask
+    if mask is None or mask.dim() == 2:
+        # Structure from the module (see attn_ext_mask): causal / sliding window, bottom-right
+        # aligned, and at most a (B, Sk) padding keep-mask.
+        causal = bool(is_causal)
+        if causal and sliding_window is not None:
+            window = (int(sliding_window) - 1, 0)
+        if mask is not None:
+            if mask.size(-1) != key.size(-2):
+                raise ValueError(
+                    f"attn_ext attention: the 2-D padding mask covers {mask.size(-1)} keys, but there are "
+                    f"{key.size(-2)} keys")
+            if mask.dtype != torch.bool:
+                mask = mask.bool()
+            mask = mask[:, None, None, :]
+    if position_bias is not None:
+        bias = position_bias
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = torch.where(mask, bias, torch.tensor(float("-inf"), dtype=bias.dtype, device=bias.device))
+        else:
+            mask = bias + mask
+    if mask is not None and mask.requires_grad:
+        mask = mask.detach()
+
+    out = _F.attention(query, key, value, scale=scaling, causal=causal, window_size=window, attn_mask=mask,
+                       dropout_p=float(dropout))
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------
+
+def register(name: str = NAME) -> str:
+    """Register attn_ext's attention and mask functions with transformers under ``name`` (default
+    ``"attn_ext"``), so that ``attn_implementation=name`` selects them. Idempotent: calling it again
+    re-registers the same two functions. Returns ``name``."""
+    AttentionInterface.register(name, attn_ext_attention_forward)
+    AttentionMaskInterface.register(name, attn_ext_mask)
+    return name

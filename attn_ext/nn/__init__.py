@@ -1,0 +1,12 @@
+"""attn_ext.nn: attention layers computed by attn_ext's kernels.
+
+* :class:`MultiHeadAttention` -- the canonical layer for new code: self or cross attention,
+  GQA/MQA (``num_kv_heads``), bottom-right causal and sliding-window masks, optional bias,
+  attention dropout. The general layer that document-compatible classes are shells over.
+* :class:`MultiheadAttention` -- an exact drop-in for ``torch.nn.MultiheadAttention`` (same
+  constructor, parameters, ``state_dict`` keys, initialization, forward and returns).
+"""
+from .multi_head_attention import MultiHeadAttention
+from .multihead_attention import MultiheadAttention
+
+__all__ = ["MultiHeadAttention", "MultiheadAttention"]

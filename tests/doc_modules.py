@@ -1,0 +1,390 @@
+"""The source documents' attention code, reproduced in our own code for the tests of
+attn_ext.compat to compare against.
+
+Each class/function computes what its document computes, written as in the document (same
+names, parameters, operations). Where the document's code is wrong (design.md, "Where a
+document's code is wrong"), the reference computes what the document means and says so in a
+comment tagged CORRECTED; the document's literal code is kept beside it where a test uses it.
+
+Document 000 (TorchCode) has two plain classes (MultiHeadAttention, GroupQueryAttention, not
+nn.Modules); they are kept plain here, and `plain_state_dict` builds the state dict a user would
+load from one.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# =============================================================================================
+# Document 000: TorchCode, chapter 3
+# =============================================================================================
+class doc000:
+    @staticmethod
+    def scaled_dot_product_attention(Q, K, V):
+        d_k = Q.shape[-1]
+        scores = torch.matmul(Q, K.transpose(-1, -2)) / math.sqrt(d_k)
+        weights = torch.softmax(scores, dim=-1)
+        return weights @ V
+
+    class MultiHeadAttention:
+        def __init__(self, d_model: int, num_heads: int):
+            self.num_heads = num_heads
+            self.dk = d_model // num_heads
+            self.W_q = nn.Linear(d_model, d_model)
+            self.W_k = nn.Linear(d_model, d_model)
+            self.W_v = nn.Linear(d_model, d_model)
+            self.W_o = nn.Linear(d_model, d_model)
+
+        def forward(self, Q, K, V):
+            B, S_q, _ = Q.shape
+            S_k = K.shape[1]
+            q = self.W_q(Q)
+            k = self.W_k(K)
+            v = self.W_v(V)
+            q = q.view(B, S_q, self.num_heads, self.dk).transpose(1, 2)
+            k = k.view(B, S_k, self.num_heads, self.dk).transpose(1, 2)
+            v = v.view(B, S_k, self.num_heads, self.dk).transpose(1, 2)
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.dk)
+            weights = torch.softmax(scores, dim=-1)
+            attn = weights @ v
+            out = attn.transpose(1, 2).contiguous().view(B, S_q, -1)
+            return self.W_o(out)
+
+    @staticmethod
+    def causal_attention(Q, K, V):
+        d_k = Q.shape[-1]
+        scores = Q @ K.transpose(-1, -2) / math.sqrt(d_k)
+        mask = torch.triu(torch.full_like(scores, float('-inf')), diagonal=1)
+        scores = scores + mask
+        weights = torch.softmax(scores, dim=-1)
+        return weights @ V
+
+    class MultiHeadCrossAttention(nn.Module):
+        def __init__(self, d_model: int, num_heads: int):
+            super().__init__()
+            self.num_heads = num_heads
+            self.dk = d_model // num_heads
+            self.W_q = nn.Linear(d_model, d_model)
+            self.W_k = nn.Linear(d_model, d_model)
+            self.W_v = nn.Linear(d_model, d_model)
+            self.W_o = nn.Linear(d_model, d_model)
+
+        def forward(self, x_q, x_kv):
+            B, S_q, _ = x_q.shape
+            S_kv = x_kv.shape[1]
+            q = self.W_q(x_q).view(B, S_q, self.num_heads, self.dk).transpose(1, 2)
+            k = self.W_k(x_kv).view(B, S_kv, self.num_heads, self.dk).transpose(1, 2)
+            v = self.W_v(x_kv).view(B, S_kv, self.num_heads, self.dk).transpose(1, 2)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.dk)
+            weights = torch.softmax(scores, dim=-1)
+            attn = (weights @ v).transpose(1, 2).contiguous().view(B, S_q, -1)
+            return self.W_o(attn)
+
+    class GroupQueryAttention:
+        def __init__(self, d_model, num_heads, num_kv_heads):
+            self.num_heads = num_heads
+            self.num_kv_heads = num_kv_heads
+            self.dk = d_model // num_heads
+            self.groups = num_heads // num_kv_heads
+            self.W_q = nn.Linear(d_model, d_model)
+            self.W_k = nn.Linear(d_model, num_kv_heads * self.dk)
+            self.W_v = nn.Linear(d_model, num_kv_heads * self.dk)
+            self.W_o = nn.Linear(d_model, d_model)
+
+        def forward(self, x):
+            B, S, _ = x.shape
+            q = self.W_q(x).view(B, S, self.num_heads, self.dk).transpose(1, 2)
+            k = self.W_k(x).view(B, S, self.num_kv_heads, self.dk).transpose(1, 2)
+            v = self.W_v(x).view(B, S, self.num_kv_heads, self.dk).transpose(1, 2)
+            k = k.repeat_interleave(self.groups, dim=1)
+            v = v.repeat_interleave(self.groups, dim=1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.dk)
+            weights = torch.softmax(scores, dim=-1)
+            attn = (weights @ v).transpose(1, 2).contiguous().view(B, S, -1)
+            return self.W_o(attn)
+
+    @staticmethod
+    def sliding_window_attention(Q, K, V, window_size):
+        d_k = Q.shape[-1]
+        S = Q.shape[1]
+        scores = Q @ K.transpose(-1, -2) / math.sqrt(d_k)
+        # CORRECTED: the document's torch.arange(S) is on the CPU (fails for CUDA inputs).
+        positions = torch.arange(S, device=Q.device)
+        mask = (positions.unsqueeze(0) - positions.unsqueeze(1)).abs() > window_size
+        scores = scores.masked_fill(mask.unsqueeze(0), float('-inf'))
+        weights = torch.softmax(scores, dim=-1)
+        return weights @ V
+
+    @staticmethod
+    def flash_attention(Q, K, V, block_size=32):
+        B, S, D = Q.shape
+        scale = 1.0 / math.sqrt(D)
+        output = torch.zeros_like(Q)
+        row_max = torch.full((B, S, 1), float('-inf'), device=Q.device)
+        row_sum = torch.zeros((B, S, 1), device=Q.device)
+        for j_start in range(0, S, block_size):
+            j_end = min(j_start + block_size, S)
+            K_block = K[:, j_start:j_end]
+            V_block = V[:, j_start:j_end]
+            scores = torch.bmm(Q, K_block.transpose(1, 2)) * scale
+            block_max = scores.max(dim=-1, keepdim=True).values
+            new_max = torch.maximum(row_max, block_max)
+            correction = torch.exp(row_max - new_max)
+            output = output * correction
+            row_sum = row_sum * correction
+            exp_scores = torch.exp(scores - new_max)
+            output = output + torch.bmm(exp_scores, V_block)
+            row_sum = row_sum + exp_scores.sum(dim=-1, keepdim=True)
+            row_max = new_max
+        return output / row_sum
+
+
+def plain_state_dict(obj, names=("W_q", "W_k", "W_v", "W_o")):
+    """The state dict of one of document 000's plain classes (its nn.Linear attributes)."""
+    return {f"{n}.{p}": t for n in names for p, t in getattr(obj, n).named_parameters()}
+
+
+# =============================================================================================
+# Document 001: LLMs from scratch, chapter 3
+# =============================================================================================
+class doc001:
+    @staticmethod
+    def simplified_self_attention(inputs):
+        attn_scores = inputs @ inputs.T
+        attn_weights = torch.softmax(attn_scores, dim=-1)
+        return attn_weights @ inputs
+
+    class SelfAttention_v1(nn.Module):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.W_query = nn.Parameter(torch.rand(d_in, d_out))
+            self.W_key = nn.Parameter(torch.rand(d_in, d_out))
+            self.W_value = nn.Parameter(torch.rand(d_in, d_out))
+
+        def forward(self, x):
+            keys = x @ self.W_key
+            queries = x @ self.W_query
+            values = x @ self.W_value
+            attention_scores = queries @ keys.T
+            # CORRECTED: the document writes torch.soft (AttributeError); it means torch.softmax.
+            attention_weights = torch.softmax(attention_scores / keys.shape[-1] ** 0.5, dim=-1)
+            context_vec = attention_weights @ values
+            return context_vec
+
+    class SelfAttention_v2(nn.Module):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.W_query = nn.Linear(d_in, d_out)
+            self.W_key = nn.Linear(d_in, d_out)
+            self.W_value = nn.Linear(d_in, d_out)
+
+        def forward(self, x):
+            keys = self.W_key(x)
+            queries = self.W_query(x)
+            values = self.W_value(x)
+            attention_scores = queries @ keys.T
+            attention_weights = torch.softmax(attention_scores / keys.shape[-1] ** 0.5, dim=-1)
+            context_vec = attention_weights @ values
+            return context_vec
+
+    class CausalAttention(nn.Module):
+        def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+            super().__init__()
+            self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.dropout = nn.Dropout(dropout)
+            self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+        def forward(self, x):
+            b, num_tokens, d_in = x.shape
+            keys = self.W_key(x)
+            queries = self.W_query(x)
+            values = self.W_value(x)
+            attention_scores = queries @ keys.transpose(1, 2)
+            attention_scores.masked_fill_(self.mask.bool()[:num_tokens, :num_tokens], -torch.inf)
+            attention_weights = torch.softmax(attention_scores / keys.shape[-1] ** 0.5, dim=-1)
+            attention_weights = self.dropout(attention_weights)
+            context_vec = attention_weights @ values
+            return context_vec
+
+    class MultiHeadAttentionWrapper(nn.Module):
+        def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+            super().__init__()
+            self.heads = nn.ModuleList(
+                [doc001.CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)]
+            )
+
+        def forward(self, x):
+            return torch.cat([head(x) for head in self.heads], dim=-1)
+
+    class MultiHeadAttention(nn.Module):
+        def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+            super().__init__()
+            assert (d_out % num_heads == 0), "d_out must be divisible by num_heads"
+            self.d_out = d_out
+            self.num_heads = num_heads
+            self.head_dim = d_out // num_heads
+            self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.out_proj = nn.Linear(d_out, d_out)
+            self.dropout = nn.Dropout(dropout)
+            self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+        def forward(self, x):
+            b, num_tokens, d_in = x.shape
+            keys = self.W_key(x)
+            queries = self.W_query(x)
+            values = self.W_value(x)
+            keys = keys.view(b, num_tokens, self.num_heads, self.head_dim)
+            queries = queries.view(b, num_tokens, self.num_heads, self.head_dim)
+            values = values.view(b, num_tokens, self.num_heads, self.head_dim)
+            keys = keys.transpose(1, 2)
+            queries = queries.transpose(1, 2)
+            values = values.transpose(1, 2)
+            attention_scores = queries @ keys.transpose(2, 3)
+            attention_scores.masked_fill_(self.mask.bool()[:num_tokens, :num_tokens], -torch.inf)
+            attention_weights = torch.softmax(attention_scores / keys.shape[-1] ** 0.5, dim=-1)
+            attention_weights = self.dropout(attention_weights)
+            context_vec = attention_weights @ values
+            context_vec = context_vec.transpose(1, 2)
+            context_vec = context_vec.contiguous().view(b, num_tokens, self.d_out)
+            context_vec = self.out_proj(context_vec)
+            return context_vec
+
+
+# =============================================================================================
+# Document 003: textbook section 4.2
+# =============================================================================================
+class doc003:
+    @staticmethod
+    def attention(q, k, v, mask=None, dropout_p=0.0, training=False):
+        scores = q @ k.transpose(-2, -1)
+        scores = scores / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        # CORRECTED: the document's scores.float() upcasts low precision but *downcasts* float64;
+        # it means "at least float32".
+        softmax_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(q.dtype)
+        probs = F.dropout(probs, p=dropout_p, training=training)
+        out = probs @ v
+        return out
+
+    @staticmethod
+    def repeat_kv(x, n_rep):
+        if n_rep == 1:
+            return x
+        b, h, t, d = x.shape
+        x = x[:, :, None, :, :].expand(b, h, n_rep, t, d)
+        return x.reshape(b, h * n_rep, t, d)
+
+
+# =============================================================================================
+# Document 004: attention zoo
+# =============================================================================================
+class doc004:
+    class SelfAttention(nn.Module):
+        def __init__(self, input_dim, d_k):
+            super().__init__()
+            self.W_q = nn.Linear(input_dim, d_k)
+            self.W_k = nn.Linear(input_dim, d_k)
+            self.W_v = nn.Linear(input_dim, d_k)
+
+        def forward(self, x):
+            Q = self.W_q(x)
+            K = self.W_k(x)
+            V = self.W_v(x)
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(Q.size(-1)).float())
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            return output
+
+    class MultiHeadAttention(nn.Module):
+        def __init__(self, input_dim, num_heads, d_k):
+            super().__init__()
+            self.input_dim = input_dim
+            self.num_heads = num_heads
+            self.d_k = d_k
+            self.head_dim = d_k // num_heads
+            self.W_q = nn.Linear(input_dim, d_k)
+            self.W_k = nn.Linear(input_dim, d_k)
+            self.W_v = nn.Linear(input_dim, d_k)
+            self.W_o = nn.Linear(d_k, input_dim)
+
+        def forward(self, x):
+            batch_size, seq_len, _ = x.size()
+            Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+            K = self.W_k(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+            V = self.W_v(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            output = output.transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
+            output = self.W_o(output)
+            return output
+
+    class CrossAttention(nn.Module):
+        def __init__(self, input_dim, d_k):
+            super().__init__()
+            self.W_q = nn.Linear(input_dim, d_k)
+            self.W_k = nn.Linear(input_dim, d_k)
+            self.W_v = nn.Linear(input_dim, d_k)
+
+        def forward(self, x1, x2):
+            Q = self.W_q(x1)
+            K = self.W_k(x2)
+            V = self.W_v(x2)
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(Q.size(-1)).float())
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            return output
+
+    class GroupedAttentionLiteral(nn.Module):
+        """The document's GroupedAttention exactly as written (batch bug included: query group g
+        reads the keys of batch element g; runs only for batch_size 1 or num_groups)."""
+
+        def __init__(self, input_dim, d_k, num_heads, num_groups):
+            super().__init__()
+            assert num_heads % num_groups == 0
+            self.num_heads = num_heads
+            self.num_groups = num_groups
+            self.head_dim = d_k // num_heads
+            self.W_q = nn.Linear(input_dim, d_k)
+            self.W_k = nn.Linear(input_dim, d_k // num_groups)
+            self.W_v = nn.Linear(input_dim, d_k // num_groups)
+            self.W_o = nn.Linear(d_k, input_dim)
+
+        def forward(self, x):
+            batch_size, seq_len, _ = x.size()
+            Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+            K = self.W_k(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
+            V = self.W_v(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
+            Q = Q.view(batch_size, self.num_groups, self.num_heads // self.num_groups, seq_len, self.head_dim)
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            output = output.view(batch_size, self.num_heads, seq_len, self.head_dim).transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
+            output = self.W_o(output)
+            return output
+
+    class GroupedAttention(GroupedAttentionLiteral):
+        """CORRECTED: as the document, but K/V get an explicit group axis (B, 1, Hkv, S, hd) so
+        every batch element reads its own keys; query head h = g * Hkv + r reads kv head r."""
+
+        def forward(self, x):
+            batch_size, seq_len, _ = x.size()
+            Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+            K = self.W_k(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
+            V = self.W_v(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
+            Q = Q.view(batch_size, self.num_groups, self.num_heads // self.num_groups, seq_len, self.head_dim)
+            K, V = K.unsqueeze(1), V.unsqueeze(1)  # the correction
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            output = output.view(batch_size, self.num_heads, seq_len, self.head_dim).transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
+            output = self.W_o(output)
+            return output

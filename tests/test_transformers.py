@@ -1,0 +1,289 @@
+"""attn_implementation="attn_ext" in HuggingFace transformers against "sdpa".
+
+Small Llama (GQA) and Mistral (GQA + sliding window shorter than the sequences) models with
+random weights (no download), on the CPU: same logits as "sdpa" on the non-padded positions with
+left padding, same greedy `generate` output (dynamic and static caches), same gradients, and
+checks that the model really runs attn_ext's kernel with the causal / sliding-window structure
+passed as flags rather than as a 4-D mask. Logits of padded positions are not compared: a query
+row that sees no key gives zeros in attn_ext and something else in torch's SDPA.
+"""
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attn_ext.functional  # noqa: E402
+from attn_ext.integrations import transformers as attn_ext_hf  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    causal_mask_function,
+    chunked_causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+VOCAB, WINDOW, LAYERS = 128, 8, 2
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-11, rtol=1e-10)}
+
+
+def _config(kind):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.MistralConfig(sliding_window=WINDOW, **common)
+
+
+_MODELS = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: one intra-op thread is faster, and fair to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _models(kind, dtype):
+    """(sdpa model, attn_ext model) with the same random weights, in eval mode."""
+    key = (kind, dtype)
+    if key not in _MODELS:
+        attn_ext_hf.register()
+        cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.MistralForCausalLM
+        cfg = _config(kind)
+        models = []
+        for impl in ("sdpa", "attn_ext"):
+            torch.manual_seed(1234)
+            # Each model gets its own config: the attention implementation is stored in it.
+            models.append(cls._from_config(copy.deepcopy(cfg), attn_implementation=impl).to(dtype).eval())
+        models[1].load_state_dict(models[0].state_dict())
+        assert models[0].config._attn_implementation == "sdpa"
+        assert models[1].config._attn_implementation == "attn_ext"
+        _MODELS[key] = tuple(models)
+    return _MODELS[key]
+
+
+def _batch(seq=20, pads=(0, 6), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(pads), seq), generator=g)
+    mask = torch.ones(len(pads), seq, dtype=torch.long)
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+        ids[b, :p] = 0
+    return ids, mask
+
+
+class _Spy:
+    """Counts the calls of attn_ext.functional.attention made by the integration."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = attn_ext.functional.attention
+
+        def spy(q, k, v, **kw):
+            m = kw.get("attn_mask")
+            self.calls.append(dict(sq=q.size(-2), sk=k.size(-2), heads=(q.size(1), k.size(1)), causal=kw.get("causal"),
+                                   window=tuple(kw.get("window_size")),
+                                   mask=None if m is None else (tuple(m.shape), m.dtype)))
+            return real(q, k, v, **kw)
+
+        monkeypatch.setattr(attn_ext.functional, "attention", spy)
+
+
+def test_register_is_idempotent():
+    assert attn_ext_hf.register() == "attn_ext"
+    n_attn, n_mask = len(ALL_ATTENTION_FUNCTIONS), len(ALL_MASK_ATTENTION_FUNCTIONS)
+    assert attn_ext_hf.register() == "attn_ext"
+    assert (len(ALL_ATTENTION_FUNCTIONS), len(ALL_MASK_ATTENTION_FUNCTIONS)) == (n_attn, n_mask)
+    assert ALL_ATTENTION_FUNCTIONS["attn_ext"] is attn_ext_hf.attn_ext_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["attn_ext"] is attn_ext_hf.attn_ext_mask
+    assert "attn_ext" in ALL_ATTENTION_FUNCTIONS.valid_keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_logits_match_sdpa_with_left_padding(kind, dtype):
+    ref, ours = _models(kind, dtype)
+    ids, mask = _batch(seq=20, pads=(0, 6, 13))  # 20 > WINDOW, and a row shorter than WINDOW
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[keep], want[keep], **TOL[dtype])
+    # No padding at all: the mask function returns None, the kernel gets only the flags.
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids[:1]).logits, ref(ids[:1]).logits, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_model_calls_attn_ext_with_structure_not_a_4d_mask(kind, monkeypatch):
+    ref, ours = _models(kind, torch.float32)
+    spy = _Spy(monkeypatch)
+    ids, mask = _batch(seq=20, pads=(0, 6))
+    with torch.no_grad():
+        ours(ids, attention_mask=mask)
+    window = (WINDOW - 1, 0) if kind == "mistral" else (-1, -1)
+    assert spy.calls == [dict(sq=20, sk=20, heads=(4, 2), causal=True, window=window,
+                              mask=((2, 1, 1, 20), torch.bool))] * LAYERS
+    spy.calls.clear()
+    with torch.no_grad():
+        ref(ids, attention_mask=mask)  # the sdpa model does not go through attn_ext
+        ours(ids)
+    assert spy.calls == [dict(sq=20, sk=20, heads=(4, 2), causal=True, window=window, mask=None)] * LAYERS
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_generate_matches_sdpa(kind, monkeypatch):
+    ref, ours = _models(kind, torch.float32)
+    ids, mask = _batch(seq=12, pads=(0, 7), seed=1)
+    args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(ids, **args)
+        spy = _Spy(monkeypatch)
+        got = ours.generate(ids, **args)
+    assert got.shape == (2, 20)
+    assert torch.equal(got, want)
+    # Prefill, then one-token decoding steps on the KV cache, each with at most the padding mask.
+    assert len(spy.calls) == 8 * LAYERS
+    assert spy.calls[0]["sq"] == spy.calls[0]["sk"] == 12 and spy.calls[0]["mask"] == ((2, 1, 1, 12), torch.bool)
+    decode = spy.calls[LAYERS:]
+    assert all(c["sq"] == 1 and c["causal"] for c in decode)
+    if kind == "mistral":
+        # The sliding-window cache layers hold the last WINDOW - 1 keys: padding is among them
+        # for the first steps only, after which no mask is passed at all.
+        assert all(c["sk"] == WINDOW and c["window"] == (WINDOW - 1, 0) for c in decode)
+        masks = [c["mask"] for c in decode]
+        assert masks[0] == ((2, 1, 1, WINDOW), torch.bool) and masks[-1] is None
+    else:
+        assert [c["sk"] for c in decode[::LAYERS]] == list(range(13, 20))
+        assert all(c["mask"] == ((2, 1, 1, c["sk"]), torch.bool) for c in decode)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_chunked_prefill_on_a_cache_matches_sdpa(kind):
+    # Several new tokens on top of a cache: causal / window bottom-right aligned, Sk > Sq.
+    ref, ours = _models(kind, torch.float64)
+    ids, mask = _batch(seq=20, pads=(0, 3), seed=6)
+    logits = []
+    for model in (ref, ours):
+        with torch.no_grad():
+            first = model(ids[:, :11], attention_mask=mask[:, :11], use_cache=True)
+            rest = model(ids[:, 11:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        logits.append(torch.cat([first.logits, rest.logits], 1))
+    keep = mask.bool()
+    torch.testing.assert_close(logits[1][keep], logits[0][keep], **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_generate_with_static_cache_matches_sdpa(kind, monkeypatch):
+    # A static cache's keys are not aligned with the queries (unfilled tail; its decoding steps
+    # are compileable): there the mask function falls back to the 4-D mask.
+    ref, ours = _models(kind, torch.float32)
+    ids, mask = _batch(seq=12, pads=(0, 5), seed=2)
+    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                cache_implementation="static")
+    with torch.no_grad():
+        want = ref.generate(ids, **args)
+        spy = _Spy(monkeypatch)
+        got = ours.generate(ids, **args)
+    assert torch.equal(got, want)
+    assert len(spy.calls) == 6 * LAYERS
+    full = spy.calls if kind == "llama" else spy.calls[LAYERS:]  # Mistral's prefill is aligned
+    assert all(not c["causal"] and c["mask"] == ((2, 1, c["sq"], c["sk"]), torch.bool) for c in full)
+
+
+def test_user_4d_mask_is_used_as_is():
+    ref, ours = _models("llama", torch.float64)
+    ids, _ = _batch(seq=10, pads=(0, 0))
+    keep = torch.rand(2, 1, 10, 10, generator=torch.Generator().manual_seed(3)) > 0.3
+    keep |= torch.eye(10, dtype=torch.bool)  # no empty row
+    for m in (keep, torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))):
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids, attention_mask=m).logits, ref(ids, attention_mask=m).logits,
+                                       **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_gradients_match_sdpa(kind):
+    ref, ours = _models(kind, torch.float64)
+    ids, mask = _batch(seq=16, pads=(0, 4), seed=4)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ref, ours):
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-10, rtol=1e-8, msg=n)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compiled_model_matches_sdpa():
+    ref, ours = _models("llama", torch.float32)
+    ids, mask = _batch(seq=20, pads=(0, 6), seed=5)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    with torch.no_grad():
+        got, want = compiled(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch._dynamo.reset()
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], **TOL[torch.float32])
+
+
+# ---- the mask function alone ---------------------------------------------------------------
+
+new_mask_api = pytest.mark.skipif(
+    "q_length" not in inspect.signature(sdpa_mask).parameters,
+    reason="sdpa_mask of this transformers takes cache_position (the unit tests use q_length / q_offset)")
+
+
+def _sdpa_full(**kw):
+    return sdpa_mask(allow_is_causal_skip=False, **kw)
+
+
+@new_mask_api
+def test_mask_function_returns_structure_or_padding():
+    pad = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    m = attn_ext_hf.attn_ext_mask
+    assert m(batch_size=2, q_length=5, kv_length=5) is None
+    assert m(batch_size=2, q_length=5, kv_length=5, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    assert torch.equal(m(batch_size=2, q_length=5, kv_length=5, attention_mask=pad), pad)
+    # decoding on a dynamic cache: the 2-D mask grows with the cache
+    got = m(batch_size=2, q_length=1, kv_length=5, q_offset=4, attention_mask=pad)
+    assert torch.equal(got, pad)
+    # sliding-window cache layer: keys start at kv_offset; the padding mask is sliced to them
+    sw = sliding_window_causal_mask_function(3)
+    got = m(batch_size=2, q_length=1, kv_length=3, q_offset=4, kv_offset=2, mask_function=sw, local_size=3,
+            attention_mask=pad)
+    assert torch.equal(got, pad[:, 2:5])
+
+
+@new_mask_api
+@pytest.mark.parametrize("case", ["static", "chunked", "custom", "no_skip", "sliding_other_size"])
+def test_mask_function_falls_back_to_the_full_mask(case):
+    pad = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    kw = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=pad)
+    if case == "static":  # prefill into a longer static cache
+        kw.update(q_length=4, kv_length=8, attention_mask=pad[:, :4])
+    elif case == "chunked":
+        kw.update(mask_function=chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)), local_size=2)
+    elif case == "custom":
+        kw.update(mask_function=and_masks(causal_mask_function, lambda b, h, q, k: k != 1))
+    elif case == "no_skip":
+        kw.update(allow_is_causal_skip=False)
+    else:  # a window that does not match local_size is not trusted
+        kw.update(mask_function=sliding_window_causal_mask_function(3), local_size=4)
+    got = attn_ext_hf.attn_ext_mask(**kw)
+    want = _sdpa_full(**{k: v for k, v in kw.items() if k != "allow_is_causal_skip"})
+    assert got.dim() == 4 and torch.equal(got, want)
