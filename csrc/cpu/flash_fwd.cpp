@@ -22,7 +22,7 @@ void flash_fwd(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
-  const int64_t kM = band.has_right() ? Traits::kFwdBlockMBanded : Traits::kFwdBlockM;
+  const int64_t kM = Traits::fwd_block_m(band.has_right(), p.seqlen_k);
   constexpr int64_t kN = Traits::kFwdBlockN;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int64_t num_m = (Sq + kM - 1) / kM;

@@ -13,14 +13,19 @@ struct FlashTraits {
   using acc_t = at::opmath_type<scalar_t>;
   // Inputs of another type are converted block by block into acc_t buffers before the GEMMs.
   static constexpr bool kConvert = !std::is_same_v<scalar_t, acc_t>;
-  // Forward query rows per task: each K/V block read (and converted) serves this many rows
-  // and the 128 x 512 fp32 score tile (256 KiB) stays in a 512 KiB L2. Under a causal or
-  // window band, tiles crossing the band's edge compute masked work, so they are halved.
-  // (Measured on a 2-core Zen AVX2 machine: MKL reaches ~85% of its large-GEMM rate on
-  // these tiles; 64x256 and 256x512 were within 5% but never better.)
+  // Forward tiles: each K/V block read (and converted) serves kFwdBlockM query rows, and the
+  // 128 x 256 fp32 score tile (128 KiB) stays in L2 beside its K/V blocks. Under a causal or
+  // window band the tiles crossing the band's edge compute masked work; while rows see few
+  // keys (Sk <= kShortBand) that waste matters more than GEMM efficiency, so tiles are halved.
+  // (Measured on a 2-core Zen AVX2 machine against 64..256 x 256..512: MKL runs these tiles
+  // at ~85% of its large-GEMM rate; the choices below were best or within 2% in every cell.)
   static constexpr int64_t kFwdBlockM = 128;
-  static constexpr int64_t kFwdBlockMBanded = 64;
-  static constexpr int64_t kFwdBlockN = 512;
+  static constexpr int64_t kFwdBlockMShortBand = 64;
+  static constexpr int64_t kShortBand = 2048;
+  static constexpr int64_t kFwdBlockN = 256;
+  static constexpr int64_t fwd_block_m(bool banded, int64_t seqlen_k) {
+    return banded && seqlen_k <= kShortBand ? kFwdBlockMShortBand : kFwdBlockM;
+  }
   // Backward tiles are square and smaller: two score-sized tiles (P and dP) live at once.
   static constexpr int64_t kBwdBlockM = 64;
   static constexpr int64_t kBwdBlockN = 128;
