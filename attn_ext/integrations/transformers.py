@@ -37,9 +37,7 @@ Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 eager mode and under ``torch.compile(fullgraph=True)``.
 
 Differences from ``"sdpa"``: a query row that sees no key (e.g. a left-padding position) gets
-zeros instead of whatever the torch backend returns there; a floating mask is added in
-float32 (attn_ext converts floating masks to float32), which matters only for float64 models
-with a non-0/-inf additive mask. ``softcap`` and attention sinks (``s_aux``) are not supported
+zeros instead of whatever the torch backend returns there. ``softcap`` and attention sinks (``s_aux``) are not supported
 and raise, as in ``"sdpa"``; attention weights are never returned (``None``).
 """
 import warnings
