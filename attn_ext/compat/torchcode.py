@@ -93,18 +93,10 @@ def causal_attention(Q, K, V):
     return _F.scaled_dot_product_attention(Q, K, V, is_causal=True)
 
 
-class MultiHeadCrossAttention(nn.Module):
+class MultiHeadCrossAttention(MultiHeadAttention):
     """Multi-head cross-attention ``forward(x_q, x_kv)``: x_q (B, S_q, d_model) queries
-    x_kv (B, S_kv, d_model); returns (B, S_q, d_model)."""
-
-    def __init__(self, d_model: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.dk = d_model // num_heads
-        self.W_q = nn.Linear(d_model, d_model)
-        self.W_k = nn.Linear(d_model, d_model)
-        self.W_v = nn.Linear(d_model, d_model)
-        self.W_o = nn.Linear(d_model, d_model)
+    x_kv (B, S_kv, d_model); returns (B, S_q, d_model). Same constructor and parameters
+    (``W_q``, ``W_k``, ``W_v``, ``W_o``) as :class:`MultiHeadAttention`."""
 
     def forward(self, x_q, x_kv):
         name = type(self).__name__
