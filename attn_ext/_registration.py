@@ -8,11 +8,6 @@ import torch
 _ops = torch.ops.attn_ext
 
 
-def _check_heads(q, k):
-    torch._check(k.size(1) > 0, lambda: f"k must have at least one head, got {tuple(k.shape)}")
-    torch._check(q.size(1) % k.size(1) == 0, lambda: f"q heads must be a multiple of k heads, got {q.size(1)} and {k.size(1)}")
-
-
 @torch.library.register_fake("attn_ext::attention")
 def _attention_fake(q, k, v, attn_mask=None, rng_state=None, *, scale=None, causal=False,
                     window_left=-1, window_right=-1, key_offset=None, dropout_p=0.0):

@@ -10,7 +10,7 @@ _ops = torch.ops.attn_ext
 _SEED_BOUND = 2**63 - 1
 
 
-def _rng_state(dropout_p: float, generator: Optional[torch.Generator], device) -> Optional[torch.Tensor]:
+def _rng_state(dropout_p: float, generator: Optional[torch.Generator]) -> Optional[torch.Tensor]:
     """(seed, offset) for the dropout mask, drawn from `generator` (or the default CPU
     generator); a fresh seed per call, offset 0."""
     if dropout_p == 0.0:
@@ -65,7 +65,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     out, lse = _ops.attention(
         q4, k4, v4, attn_mask=_mask_as_4d(attn_mask, three_d), scale=scale, causal=causal,
         window_left=left, window_right=right, dropout_p=dropout_p,
-        rng_state=_rng_state(dropout_p, generator, q.device))
+        rng_state=_rng_state(dropout_p, generator))
     if three_d:
         out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
@@ -91,10 +91,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if k.size(0) != q.size(0) and k.size(0) == 1:  # torch broadcasts a batch of one
         k, v = k.expand(q.size(0), *k.shape[1:]), v.expand(q.size(0), *v.shape[1:])
     mask = attn_mask
-    if mask is not None and query.dim() != 4:
-        mask = _sdpa_mask_4d(mask, query.dim())
+    if mask is not None and query.dim() > 4:
+        mask = _sdpa_mask_4d(mask, batch_shape, query.size(-2), key.size(-2))
     out, _ = _ops.attention(q, k, v, attn_mask=mask, scale=scale, causal=is_causal, key_offset=0 if is_causal else None,
-                            dropout_p=dropout_p, rng_state=_rng_state(dropout_p, None, query.device))
+                            dropout_p=dropout_p, rng_state=_rng_state(dropout_p, None))
     return out.reshape(*batch_shape, out.size(-2), out.size(-1))
 
 
@@ -106,14 +106,10 @@ def _sdpa_4d(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, x.dim() - 4)
 
 
-def _sdpa_mask_4d(mask: torch.Tensor, query_dim: int) -> torch.Tensor:
-    if query_dim < 4:
-        return mask
-    # (N, A, ..., L, S) leading dims of a >4-D query were flattened into the batch axis.
-    full = mask.expand(*mask.shape[:-2], mask.size(-2), mask.size(-1)) if mask.dim() >= query_dim else mask
-    if full.dim() < query_dim:
-        return full if full.dim() <= 2 else full.reshape(-1, *full.shape[-3:])
-    return full.flatten(0, full.dim() - 4)
+def _sdpa_mask_4d(mask: torch.Tensor, batch_shape, sq: int, sk: int) -> torch.Tensor:
+    """The mask of a >4-D call, whose leading query dims were flattened into one batch axis:
+    broadcast to the full (*batch, Sq, Sk) and flattened the same way."""
+    return mask.expand(*batch_shape, sq, sk).flatten(0, len(batch_shape) - 2)
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
@@ -133,7 +129,7 @@ def dropout_keep_mask(batch: int, heads: int, sq: int, sk: int, dropout_p: float
                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """The keep-mask (True = kept) that ``attention(..., dropout_p=dropout_p, generator=g)``
     applies when called with the same generator state; shape (batch, heads, sq, sk)."""
-    state = _rng_state(dropout_p, generator, "cpu")
+    state = _rng_state(dropout_p, generator)
     if state is None:
         return torch.ones((batch, heads, sq, sk), dtype=torch.bool)
     return _ops.dropout_mask(state, batch, heads, sq, sk, dropout_p)

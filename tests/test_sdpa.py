@@ -144,6 +144,22 @@ def test_sdpa_3d_and_dv(device, dtype):
     check_sdpa(q, k, v, is_causal=True)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_5d_with_broadcast_mask(device, kind):
+    """(N, A, H, L, E) inputs: the leading dims are flattened into the batch, and a mask that
+    broadcasts over them (here (1, A, 1, L, S)) must follow the same flattening."""
+    q = rand((2, 3, 2, 5, 8), torch.float32, device)
+    k = rand((2, 3, 2, 6, 8), torch.float32, device)
+    v = rand((2, 3, 2, 6, 8), torch.float32, device)
+    shape = (1, 3, 1, 5, 6)
+    if kind == "bool":
+        mask = random_bool_mask(shape, device)
+    else:
+        mask = random_float_mask(shape, torch.float32, device)
+    out = check_sdpa(q, k, v, attn_mask=mask)
+    assert out.shape == (2, 3, 2, 5, 8)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sdpa_strided(device, dtype):
     q, k, v = make_qkv(2, 4, 4, 19, 19, 32, dtype=dtype, device=device, layout="bshd")

@@ -79,7 +79,11 @@ class SelfAttention_v2(nn.Module):
         return _attend(queries, keys, values, scale=keys.shape[-1] ** -0.5, name=type(self).__name__)
 
 
-def _check_context(name: str, num_tokens: int, context_length: int) -> None:
+def _check_tokens(name: str, x: torch.Tensor, d_in: int, context_length: int) -> None:
+    """x must be (b, num_tokens, d_in) with num_tokens <= context_length."""
+    _check_rank(name, x, (3,), "(b, num_tokens, d_in)")
+    _check_last(name, x, d_in, "x")
+    num_tokens = x.size(1)
     if num_tokens > context_length:
         raise ValueError(f"{name}: the sequence has {num_tokens} tokens, more than context_length "
                          f"= {context_length} (the size of the registered causal mask)")
@@ -102,10 +106,8 @@ class CausalAttention(nn.Module):
 
     def forward(self, x):
         name = type(self).__name__
-        _check_rank(name, x, (3,), "(b, num_tokens, d_in)")
-        _check_last(name, x, self.W_query.in_features, "x")
+        _check_tokens(name, x, self.W_query.in_features, self.mask.size(0))
         b, num_tokens, d_in = x.shape
-        _check_context(name, num_tokens, self.mask.size(0))
         keys = self.W_key(x)
         queries = self.W_query(x)
         values = self.W_value(x)
@@ -142,10 +144,8 @@ class MultiHeadAttentionWrapper(nn.Module):
         name = type(self).__name__
         heads = list(self.heads)
         h0 = heads[0]
-        _check_rank(name, x, (3,), "(b, num_tokens, d_in)")
-        _check_last(name, x, h0.W_query.in_features, "x")
+        _check_tokens(name, x, h0.W_query.in_features, min(h.mask.size(0) for h in heads))
         b, num_tokens, _ = x.shape
-        _check_context(name, num_tokens, min(h.mask.size(0) for h in heads))
         n, d_out = len(heads), h0.W_query.out_features
 
         def project(attr):
@@ -185,10 +185,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x):
         name = type(self).__name__
-        _check_rank(name, x, (3,), "(b, num_tokens, d_in)")
-        _check_last(name, x, self.W_query.in_features, "x")
+        _check_tokens(name, x, self.W_query.in_features, self.mask.size(0))
         b, num_tokens, d_in = x.shape
-        _check_context(name, num_tokens, self.mask.size(0))
         # (b, T, d_out) -> (b, num_heads, T, head_dim): views, read in place by the kernel
         keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
