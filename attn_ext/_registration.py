@@ -80,3 +80,50 @@ def _weights_backward(ctx, grad_weights):
 
 torch.library.register_autograd("attn_ext::attention_weights", _weights_backward,
                                 setup_context=_weights_setup_context)
+
+
+# ------------------------------------------------------------------------------- decoding ops
+
+
+@torch.library.register_fake("attn_ext::rope")
+def _rope_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=True, rotary_dim=None):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("attn_ext::rope_")
+def _rope_inplace_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=True,
+                       rotary_dim=None):
+    return None
+
+
+@torch.library.register_fake("attn_ext::rope_backward")
+def _rope_backward_fake(grad_out, positions=None, *, offset=0, base=10000.0, interleaved=True,
+                        rotary_dim=None):
+    return torch.empty_like(grad_out)
+
+
+def _rope_setup_context(ctx, inputs, keyword_only_inputs, output):
+    _, positions = inputs
+    ctx.positions = positions
+    ctx.kw = keyword_only_inputs
+
+
+def _rope_backward(ctx, grad):
+    # RoPE is a rotation: its gradient is the inverse rotation of the incoming gradient.
+    return _ops.rope_backward(grad, ctx.positions, **ctx.kw), None
+
+
+torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=_rope_setup_context)
+
+
+@torch.library.register_fake("attn_ext::kv_cache_append")
+def _kv_cache_append_fake(k_cache, v_cache, cache_seqlens, k, v, new_lengths=None, *, rope=False,
+                          rope_base=10000.0, rope_interleaved=True, rotary_dim=None):
+    return None
+
+
+@torch.library.register_fake("attn_ext::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, *, scale=None, causal=True,
+                           window_left=-1, num_splits=0):
+    B, H, Sq, _ = q.shape
+    return q.new_empty((B, H, Sq, v_cache.size(3))), q.new_empty((B, H, Sq), dtype=torch.float32)

@@ -17,6 +17,22 @@
 //   positional).
 // Dropout: rng_state is an int64 CPU tensor (seed, offset); the mask is a pure function
 //   of it, so the backward regenerates it.
+//
+// Decoding:
+//   rope rotates x (B, H, S, D): pair i < rotary_dim / 2 (features (2i, 2i+1) interleaved,
+//   or (i, i + rotary_dim/2) as halves) turns by pos * base^(-2i / rotary_dim), the angle
+//   in fp32; pos = positions[b, s] (positions (B, S) or (S,), int) or offset + s.
+//   rope_backward rotates by the negative angle (the rotation is orthogonal).
+//   KV cache: k_cache (B, Hkv, L, D), v_cache (B, Hkv, L, Dv) with capacity L;
+//   cache_seqlens (B,) int32/int64 counts each sequence's valid rows. kv_cache_append
+//   writes the last n_b = new_lengths[b] (default S_new) of k/v (B, Hkv, S_new, *) at rows
+//   [len_b, len_b + n_b) (batched generation pads on the left), optionally rotating keys
+//   by RoPE at those positions, then adds n_b to cache_seqlens; if any sequence would
+//   overflow L it raises and writes nothing.
+//   decode_attention: q (B, H, Sq, D) against the cache; query i of sequence b sits at
+//   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
+//   [pos - window_left, pos] (causal) or [pos - window_left, len_b) (not causal);
+//   num_splits = 0 picks the split-KV factor.
 #include <torch/library.h>
 
 TORCH_LIBRARY(attn_ext, m) {
@@ -40,4 +56,22 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt sq, SymInt sk, "
       "float dropout_p) -> Tensor keep");
+
+  m.def(
+      "rope(Tensor x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
+      "bool interleaved=True, SymInt? rotary_dim=None) -> Tensor");
+  m.def(
+      "rope_(Tensor(a!) x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
+      "bool interleaved=True, SymInt? rotary_dim=None) -> ()");
+  m.def(
+      "rope_backward(Tensor grad_out, Tensor? positions=None, *, SymInt offset=0, "
+      "float base=10000.0, bool interleaved=True, SymInt? rotary_dim=None) -> Tensor grad_x");
+  m.def(
+      "kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) cache_seqlens, "
+      "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
+      "float rope_base=10000.0, bool rope_interleaved=True, SymInt? rotary_dim=None) -> ()");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
+      "float? scale=None, bool causal=True, int window_left=-1, int num_splits=0) "
+      "-> (Tensor out, Tensor lse)");
 }

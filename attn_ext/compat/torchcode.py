@@ -28,17 +28,26 @@ Differences from the document's code (each only where the document fails or is i
   does not depend on ``block_size`` (exact attention either way); it must still be a positive
   integer. The output has ``Q``'s dtype (the document's float32 running statistics promote a
   float16/bfloat16 result to float32).
+- ``KVCacheAttention``: the same tuple cache ``(k, v)`` of full (B, H, S_total, dk) tensors in
+  and out, grown by concatenation as in the document (its contract); the attention over it is
+  attn_ext's bottom-right causal kernel (the document's ``triu(diagonal=S_total - S_new + 1)``
+  mask). For generation without per-step concatenation use :class:`attn_ext.KVCache`.
+- ``apply_rope``: the document's interleaved pairs ``(2i, 2i + 1)``, positions ``0..S-1``,
+  angles in fp32; the output has the input's dtype (the document's fp32 tables promote a
+  float16/bfloat16 input to float32).
 """
 import math
 
+import torch
 import torch.nn as nn
 
+from .. import decoding as _decoding
 from .. import functional as _F
 from . import _attend, _check_last, _check_rank
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "causal_attention",
            "MultiHeadCrossAttention", "GroupQueryAttention", "sliding_window_attention",
-           "flash_attention"]
+           "flash_attention", "KVCacheAttention", "apply_rope"]
 
 
 def scaled_dot_product_attention(Q, K, V):
@@ -174,3 +183,60 @@ def flash_attention(Q, K, V, block_size=32):
     if bs != block_size or bs <= 0:
         raise ValueError(f"{name}: block_size must be a positive integer, got {block_size!r}")
     return _attend(Q, K, V, name=name)
+
+
+class KVCacheAttention(nn.Module):
+    """Multi-head self-attention with a key/value cache, ``forward(x, cache=None)``.
+
+    x (B, S_new, d_model); ``cache`` is ``None`` or the ``(k, v)`` tuple a previous call
+    returned, each (B, num_heads, S_past, dk). Returns ``(out, (k, v))``: out
+    (B, S_new, d_model) and the cache grown by the new tokens. The new queries sit at the end
+    of the sequence (causal, bottom-right), so prefill followed by single-token steps equals
+    one full causal forward."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dk = d_model // num_heads
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, d_model)
+        self.W_v = nn.Linear(d_model, d_model)
+        self.W_o = nn.Linear(d_model, d_model)
+
+    def forward(self, x, cache=None):
+        name = type(self).__name__
+        _check_rank(name, x, (3,), "(B, S_new, d_model)")
+        _check_last(name, x, self.W_q.in_features, "x")
+        B, S_new, _ = x.shape
+        q = self.W_q(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+        k = self.W_k(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+        v = self.W_v(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+        if cache is not None:
+            try:
+                k_past, v_past = cache
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}: cache must be the (k, v) tuple a previous call returned, "
+                                 f"got {type(cache).__name__}") from None
+            want = (B, self.num_heads, self.dk)
+            for n, t in (("k", k_past), ("v", v_past)):
+                if t.dim() != 4 or (t.size(0), t.size(1), t.size(3)) != want:
+                    raise ValueError(f"{name}: cache {n} must be (B, num_heads, S_past, dk) = "
+                                     f"({B}, {self.num_heads}, S_past, {self.dk}), got {tuple(t.shape)}")
+            k = torch.cat([k_past, k], dim=2)
+            v = torch.cat([v_past, v], dim=2)
+        attn = _F.attention(q, k, v, scale=1.0 / math.sqrt(self.dk), causal=True)
+        return self.W_o(attn.transpose(1, 2).reshape(B, S_new, -1)), (k, v)
+
+
+def apply_rope(q, k):
+    """Rotary position embedding of q and k (B, S, D) at positions ``0..S-1``: pairs
+    ``(2i, 2i + 1)`` turn by ``pos / 10000 ** (2i / D)``. Returns ``(q_rot, k_rot)``."""
+    name = "apply_rope"
+    for n, t in (("q", q), ("k", k)):
+        _check_rank(name, t, (3,), "(B, S, D)")
+    if q.shape != k.shape:
+        raise ValueError(f"{name}: q and k must have the same shape (B, S, D), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if q.size(-1) % 2:
+        raise ValueError(f"{name}: the feature size D must be even, got {q.size(-1)}")
+    return _decoding.rope(q), _decoding.rope(k)

@@ -5,8 +5,11 @@
   attention dropout. The general layer that document-compatible classes are shells over.
 * :class:`MultiheadAttention` -- an exact drop-in for ``torch.nn.MultiheadAttention`` (same
   constructor, parameters, ``state_dict`` keys, initialization, forward and returns).
+* :class:`DecoderAttention` -- causal self-attention of a decoder-only model: GQA/MQA, RoPE,
+  sliding window, and prefill + decode against a preallocated :class:`attn_ext.KVCache`.
 """
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
+from .decoder_attention import DecoderAttention
 
-__all__ = ["MultiHeadAttention", "MultiheadAttention"]
+__all__ = ["MultiHeadAttention", "MultiheadAttention", "DecoderAttention"]

@@ -29,6 +29,15 @@ struct FlashTraits {
   // Backward tiles are square and smaller: two score-sized tiles (P and dP) live at once.
   static constexpr int64_t kBwdBlockM = 64;
   static constexpr int64_t kBwdBlockN = 128;
+  // Decode: the query heads of one KV head (and their Sq new rows) form one row block, so
+  // each key/value row is read once per block; decode is bound by reading the cache, and
+  // 256-key tiles keep a K tile, a V tile and the scores in L2 while MKL streams them.
+  static constexpr int64_t kDecodeBlockM = 128;
+  static constexpr int64_t kDecodeBlockN = 256;
+  // Split-KV: a split below 512 keys costs more in its merge and task overhead than it
+  // gains in parallelism; aim for two tasks per thread so uneven lengths balance.
+  static constexpr int64_t kMinSplitKeys = 512;
+  static constexpr int64_t kTasksPerThread = 2;
 };
 
 // Per-thread scratch, allocated once per parallel chunk.

@@ -1,0 +1,136 @@
+"""Autoregressive decoding: rotary position embedding, a preallocated KV cache and attention of
+new queries against it. Thin wrappers over the registered operators (shapes and arguments
+only)."""
+from typing import Optional
+
+import torch
+
+from .functional import _as_4d
+
+_ops = torch.ops.attn_ext
+
+__all__ = ["rope", "rope_", "decode_attention", "KVCache"]
+
+
+def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
+         base: float = 10000.0, interleaved: bool = True,
+         rotary_dim: Optional[int] = None) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (B, H, S, D) or (B, S, D), out of place.
+
+    Pair ``i`` of the first ``rotary_dim`` features (default D) turns by the angle
+    ``pos * base ** (-2i / rotary_dim)`` computed in fp32. ``interleaved=True`` rotates the pairs
+    ``(2i, 2i + 1)`` (document 000, GPT-J); ``False`` rotates the halves ``(i, i + rotary_dim/2)``
+    (LLaMA, GPT-NeoX, HuggingFace ``rotate_half``). Token ``s`` of sequence ``b`` is at
+    ``pos = positions[b, s]`` (``positions`` int (B, S) or (S,)) or else ``offset + s``.
+    Differentiable (the gradient is the inverse rotation); the output keeps ``x``'s strides.
+    """
+    x4 = _as_4d("x", x)
+    out = _ops.rope(x4, positions, offset=offset, base=base, interleaved=interleaved,
+                    rotary_dim=rotary_dim)
+    return out.squeeze(1) if x.dim() == 3 else out
+
+
+def rope_(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
+          base: float = 10000.0, interleaved: bool = True,
+          rotary_dim: Optional[int] = None) -> torch.Tensor:
+    """In-place :func:`rope`; returns ``x``. Not differentiable (use :func:`rope` in training)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("attn_ext.rope_: in-place RoPE is not differentiable and x requires "
+                           "grad; use attn_ext.rope (out of place) or torch.no_grad()")
+    _ops.rope_(_as_4d("x", x), positions, offset=offset, base=base, interleaved=interleaved,
+               rotary_dim=rotary_dim)
+    return x
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, *, scale: Optional[float] = None,
+                     causal: bool = True, window_left: int = -1, num_splits: int = 0,
+                     return_lse: bool = False):
+    """Attention of ``Sq`` new queries against a KV cache with per-sequence lengths.
+
+    q: (B, H, Sq, D); k_cache: (B, Hkv, L, D); v_cache: (B, Hkv, L, Dv) (any strides with the
+    last dimension contiguous, e.g. a view of a wider cache); cache_seqlens: (B,) int, the
+    number of valid rows of each sequence, *including* the new tokens (append first). Query
+    ``i`` of sequence ``b`` sits at key position ``cache_seqlens[b] - Sq + i`` (bottom-right) and
+    sees keys ``[pos - window_left, pos]`` (``causal``) or all valid keys from
+    ``pos - window_left`` (``causal=False``); ``-1`` is unbounded. GQA/MQA read each cache row
+    once for all the query heads sharing it. ``num_splits`` splits the key sequence for short
+    batches (0 = automatic); partial results are merged by their log-sum-exp.
+
+    Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
+    only: not differentiable.
+    """
+    out, lse = _ops.decode_attention(q, k_cache, v_cache, cache_seqlens, scale=scale,
+                                     causal=causal, window_left=window_left,
+                                     num_splits=num_splits)
+    return (out, lse) if return_lse else out
+
+
+class KVCache:
+    """A preallocated key/value cache for incremental decoding.
+
+    ``k`` (B, Hkv, max_len, D) and ``v`` (B, Hkv, max_len, Dv) are allocated once; ``lengths``
+    (B,) int32 on the same device counts the valid rows of each sequence. :meth:`append` writes
+    new keys/values in place at each sequence's length (optionally rotating the keys by RoPE at
+    their cache positions) and raises, writing nothing, if a sequence would overflow
+    ``max_len``. :meth:`attend` runs :func:`decode_attention` against the cache.
+
+    Each (batch, head) block of rows is contiguous, so a step reads each sequence's keys and
+    values as one stream; per-sequence lengths let a batch hold prompts of different lengths.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 head_dim_v: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
+                 device=None):
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                            ("max_len", max_len), ("head_dim", head_dim)):
+            if int(value) < 0:
+                raise ValueError(f"attn_ext.KVCache: {name} must be >= 0, got {value}")
+        dv = head_dim if head_dim_v is None else head_dim_v
+        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch_size, num_kv_heads, max_len, dv, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.k.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(2)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(0)
+
+    def reset(self) -> None:
+        """Forgets every sequence (the memory is kept)."""
+        self.lengths.zero_()
+
+    def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, seqlen) int64 positions of the next ``seqlen`` tokens of each sequence, the
+        first ``seqlen - new_lengths[b]`` of them left padding (negative positions)."""
+        steps = torch.arange(seqlen, device=self.lengths.device, dtype=torch.int64)
+        start = self.lengths.to(torch.int64)
+        if new_lengths is not None:
+            start = start - (seqlen - new_lengths.to(torch.int64))
+        return start[:, None] + steps
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, *, new_lengths: Optional[torch.Tensor] = None,
+               rope: bool = False, rope_base: float = 10000.0, rope_interleaved: bool = True,
+               rotary_dim: Optional[int] = None) -> None:
+        """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length and
+        advances ``lengths``. ``new_lengths`` (B,) int: sequence ``b`` appends only its last
+        ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
+        cache positions on the way in."""
+        _ops.kv_cache_append(self.k, self.v, self.lengths, k, v, new_lengths, rope=rope,
+                             rope_base=rope_base, rope_interleaved=rope_interleaved,
+                             rotary_dim=rotary_dim)
+
+    def attend(self, q: torch.Tensor, *, scale: Optional[float] = None, causal: bool = True,
+               window_left: int = -1, num_splits: int = 0, return_lse: bool = False):
+        """:func:`decode_attention` of q (B, H, Sq, D) against this cache."""
+        return decode_attention(q, self.k, self.v, self.lengths, scale=scale, causal=causal,
+                                window_left=window_left, num_splits=num_splits,
+                                return_lse=return_lse)
+
+    def __repr__(self) -> str:
+        B, Hkv, L, D = self.k.shape
+        return (f"KVCache(batch_size={B}, num_kv_heads={Hkv}, max_len={L}, head_dim={D}, "
+                f"head_dim_v={self.v.size(3)}, dtype={self.k.dtype}, device={self.k.device})")

@@ -1,0 +1,54 @@
+#pragma once
+// Validation at the boundary of the decoding ops (rope, kv_cache_append, decode_attention)
+// and construction of their parameter structs. Messages name the argument, the expected
+// and the actual value; nothing is written before every check has passed.
+#include <optional>
+#include <ATen/core/Tensor.h>
+#include "decode_params.h"
+
+namespace attn_ext {
+
+struct RopeOptions {
+  std::optional<at::Tensor> positions;
+  int64_t offset = 0;
+  double base = 10000.0;
+  bool interleaved = true;
+  std::optional<int64_t> rotary_dim;
+};
+
+// Checks the RoPE options against a head dim and returns the policy.
+RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool interleaved,
+                            std::optional<int64_t> rotary_dim);
+
+struct PreparedRope {
+  at::Tensor positions;  // int64, (1 or B, S) rows contiguous, or undefined
+  RopeParams params;     // everything but out
+};
+PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions& o);
+void set_rope_output(RopeParams& p, const at::Tensor& out);
+
+// Per-sequence lengths as int64 on the host (CPU ops), validated against (B,) and [0, hi].
+at::Tensor host_lengths(const char* op, const char* name, const at::Tensor& lengths,
+                        int64_t batch, const at::Tensor& like, int64_t hi);
+
+struct PreparedAppend {
+  at::Tensor lengths, appended;  // int64 host copies
+  KVAppendParams params;
+};
+PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                 const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& new_lengths, bool rope,
+                                 double rope_base, bool rope_interleaved,
+                                 std::optional<int64_t> rotary_dim);
+
+struct PreparedDecode {
+  at::Tensor q, k_cache, v_cache, lengths;
+  DecodeParams params;  // everything but the outputs
+};
+PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                              std::optional<double> scale, bool causal, int64_t window_left,
+                              int64_t num_splits);
+
+}  // namespace attn_ext

@@ -1,0 +1,49 @@
+#pragma once
+// Rotary position embedding (RoPE) as a policy shared by the CPU kernels, the CUDA kernels
+// and the KV-cache append: which features form a rotated pair, and the rotation angle.
+//
+// Pair i (0 <= i < rotary_dim / 2) rotates features (first(i), second(i)) by the angle
+// pos * inv_freq(i), inv_freq(i) = base^(-2i / rotary_dim):
+//   interleaved (document 000, GPT-J): features (2i, 2i + 1);
+//   halves (LLaMA, GPT-NeoX):          features (i, i + rotary_dim / 2).
+// Features at and beyond rotary_dim pass through unchanged.
+#include <cmath>
+#include <cstdint>
+#include <c10/macros/Macros.h>
+
+namespace attn_ext {
+
+struct RopePolicy {
+  double base = 10000.0;
+  int64_t rotary_dim = 0;  // even, <= head dim
+  bool interleaved = true;
+
+  C10_HOST_DEVICE int64_t pairs() const { return rotary_dim / 2; }
+  C10_HOST_DEVICE int64_t first(int64_t i) const { return interleaved ? 2 * i : i; }
+  C10_HOST_DEVICE int64_t second(int64_t i) const {
+    return interleaved ? 2 * i + 1 : i + rotary_dim / 2;
+  }
+  // The float32 frequency the references and checkpoints use, 1 / base ** (2i / d) with every
+  // step in fp32 (as torch evaluates it), so positions far out rotate by the same angles.
+  C10_HOST_DEVICE float inv_freq(int64_t i) const {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(rotary_dim);
+    return 1.0f / ::powf(static_cast<float>(base), exponent);
+  }
+  // Angles are formed in fp32 (position * inv_freq, one fp32 rounding) as the references
+  // and checkpoints trained with them do; cos / sin of that angle are then exact to the
+  // compute type.
+  C10_HOST_DEVICE static float angle(int64_t pos, float inv_freq) {
+    return static_cast<float>(pos) * inv_freq;
+  }
+};
+
+// (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); the backward rotates by -angle, which is
+// the same formula with sin negated (the rotation is orthogonal).
+template <typename acc_t>
+C10_HOST_DEVICE inline void rotate_pair(acc_t x0, acc_t x1, acc_t c, acc_t s, acc_t* y0,
+                                        acc_t* y1) {
+  *y0 = x0 * c - x1 * s;
+  *y1 = x0 * s + x1 * c;
+}
+
+}  // namespace attn_ext
