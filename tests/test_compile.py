@@ -173,3 +173,49 @@ def test_compile_in_a_module(device):
         y.sum().backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
         watch.step()
+
+
+def test_compile_rope_offsets_and_backward(device):
+    def fn(x, pos, offset):
+        return attn_ext.rope(x, positions=pos, interleaved=False) + attn_ext.rope(x, offset=offset)
+
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for s, offset in ((23, 5), (40, 6), (57, 700)):
+        x = torch.randn(2, 3, s, 16, device=device, requires_grad=True)
+        pos = torch.randint(0, 1000, (2, s), device=device)
+        out = cfn(x, pos, offset)
+        ref = fn(x, pos, offset)
+        _close(out, ref)
+        g, = torch.autograd.grad(out.sum(), x)
+        g_ref, = torch.autograd.grad(ref.sum(), x)
+        _close(g, g_ref)
+        watch.step()
+
+
+def test_compile_decode_loop(device):
+    """A prefill + decode loop of DecoderAttention over a KVCache compiles into graphs with
+    the in-place cache ops (no graph break), and later steps reuse them."""
+    torch.manual_seed(0)
+    m = attn_ext.nn.DecoderAttention(64, 8, 2, device=device)
+    x = torch.randn(2, 30, 64, device=device)
+
+    def step(x_t, cache):
+        return m(x_t, cache)
+
+    cstep, counter = _compile(step)
+    with torch.no_grad():
+        ref_cache = m.new_cache(2, 40)
+        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t:t + 1], ref_cache) for t in range(23, 30)]
+        c = m.new_cache(2, 40)
+        outs = [cstep(x[:, :23], c)]
+        first = None
+        for t in range(23, 30):
+            outs.append(cstep(x[:, t:t + 1], c))
+            if t == 24:  # the prefill graph and the single-token graph exist now
+                first = counter.frame_count
+    assert counter.frame_count == first, f"recompiled: {counter.frame_count} vs {first}"
+    assert c.lengths.tolist() == [30, 30]
+    for a, b in zip(outs, ref):
+        _close(a, b)
+    _close(c.k, ref_cache.k)

@@ -136,3 +136,55 @@ def test_fake_shapes_match(device):
     assert out.shape == (2, 4, 7, 24) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     assert w.shape == (2, 4, 7, 9) and w.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------- decoding ops
+
+
+def rope_samples(device):
+    x = torch.randn(2, 3, 5, 8, device=device)
+    xs = torch.randn(2, 5, 3, 8, device=device).transpose(1, 2)
+    pos = torch.randint(0, 50, (2, 5), device=device)
+    return [
+        ("plain", (x,), {}),
+        ("grad_strided_halves", (xs.requires_grad_(True),),
+         dict(interleaved=False, offset=3)),
+        ("positions_partial", (x.double().requires_grad_(True), pos), dict(rotary_dim=4, base=500.0)),
+        ("shared_positions_bf16", (x.bfloat16(), pos[0].int()), {}),
+    ]
+
+
+ROPE_IDS = _ids(rope_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(ROPE_IDS)), ids=ROPE_IDS)
+def test_opcheck_rope(device, idx):
+    _, args, kwargs = rope_samples(device)[idx]
+    torch.library.opcheck(ops.rope.default, args, kwargs)
+    detached = tuple(a.detach() if a.is_floating_point() else a for a in args)
+    torch.library.opcheck(ops.rope_backward.default, detached, kwargs)
+    torch.library.opcheck(ops.rope_.default, (detached[0].clone(), *detached[1:]), kwargs)
+
+
+def test_opcheck_kv_cache_append(device):
+    kc = torch.zeros(2, 2, 12, 8, device=device)
+    vc = torch.zeros(2, 2, 12, 6, device=device)
+    lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    k = torch.randn(2, 2, 3, 8, device=device)
+    v = torch.randn(2, 2, 3, 6, device=device)
+    # opcheck runs the op several times on copies; leave room for every run
+    torch.library.opcheck(ops.kv_cache_append.default, (kc, vc, lens, k, v), {})
+    torch.library.opcheck(ops.kv_cache_append.default,
+                          (kc.clone(), vc.clone(), torch.zeros(2, dtype=torch.long, device=device), k, v,
+                           torch.tensor([3, 1], device=device)),
+                          dict(rope=True, rope_interleaved=False))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_opcheck_decode_attention(device, splits):
+    q = torch.randn(2, 4, 2, 16, device=device).transpose(1, 2).contiguous().transpose(1, 2)
+    kc = torch.randn(2, 2, 40, 16, device=device)
+    vc = torch.randn(2, 2, 40, 24, device=device)[..., :12]
+    lens = torch.tensor([40, 7], dtype=torch.int32, device=device)
+    torch.library.opcheck(ops.decode_attention.default, (q, kc, vc, lens),
+                          dict(num_splits=splits, window_left=5))

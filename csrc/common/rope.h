@@ -23,11 +23,13 @@ struct RopePolicy {
   C10_HOST_DEVICE int64_t second(int64_t i) const {
     return interleaved ? 2 * i + 1 : i + rotary_dim / 2;
   }
-  // The float32 frequency the references and checkpoints use, 1 / base ** (2i / d) with every
-  // step in fp32 (as torch evaluates it), so positions far out rotate by the same angles.
+  // The float32 frequency 1 / base ** (2i / d): the exponent in fp32 as the references form
+  // it (arange / d), then the power in double rounded once, so the value is the correctly
+  // rounded fp32 one on every device (fp32 pow implementations differ by an ulp, which a
+  // position in the tens of thousands turns into a visible angle error).
   C10_HOST_DEVICE float inv_freq(int64_t i) const {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(rotary_dim);
-    return 1.0f / ::powf(static_cast<float>(base), exponent);
+    return static_cast<float>(1.0 / ::pow(base, static_cast<double>(exponent)));
   }
   // Angles are formed in fp32 (position * inv_freq, one fp32 rounding) as the references
   // and checkpoints trained with them do; cos / sin of that angle are then exact to the

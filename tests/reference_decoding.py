@@ -1,0 +1,143 @@
+"""References for the decoding family (RoPE, KV cache, decode attention), plain PyTorch
+written for the tests (no attn_ext import).
+
+* document 000 ``apply_rope``: (B, S, D) inputs at positions ``0..S-1``; the frequencies
+  ``1 / 10000 ** (2i / D)`` and the angles in float32; features ``(2i, 2i + 1)`` rotated as a
+  pair and interleaved back;
+* the "halves" layout of LLaMA / GPT-NeoX (HuggingFace ``rotate_half``): pair ``i`` is
+  ``(i, i + d/2)``, computed as ``x * cos + rotate_half(x) * sin`` in the input dtype;
+* document 000 ``KVCacheAttention``: the cache grows by ``torch.cat`` along the sequence, and
+  a prefill of ``S_new > 1`` tokens adds ``triu(-inf, diagonal=S_total - S_new + 1)``;
+* document 003 ``decode_step``: positions of new tokens continue at the cache length, and the
+  grouped KV heads are expanded with ``repeat_kv`` before plain attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from reference import attention_reference, repeat_kv
+
+
+def rope_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
+    """float32 frequencies 1 / base ** (2i / rotary_dim) as attn_ext defines them: the exponent
+    formed in float32 (arange / d, as the documents and HuggingFace do), the power in float64,
+    rounded once. (torch's own float32 pow is off by an ulp for ~1.5% of the exponents, which
+    plain references inherit.)"""
+    exponent = torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim
+    return (1.0 / (base ** exponent.double())).float()
+
+
+def rope_angles(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,
+                inv_freq=None) -> torch.Tensor:
+    """float32 angles (..., rotary_dim / 2) = float32(position) * inv_freq, one float32
+    rounding; ``inv_freq`` defaults to :func:`rope_inv_freq`."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(rotary_dim, base, positions.device)
+    return positions.float().unsqueeze(-1) * inv_freq
+
+
+def torch_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
+    """The frequencies as the documents compute them: every step in torch float32."""
+    pairs = torch.arange(0, rotary_dim, 2, device=device).float()
+    return 1.0 / (base ** (pairs / rotary_dim))
+
+
+def _positions(x: torch.Tensor, positions, offset: int) -> torch.Tensor:
+    """(B or 1, S) positions for x (B, H, S, D)."""
+    S = x.size(-2)
+    if positions is None:
+        return (torch.arange(S, device=x.device) + offset).unsqueeze(0)
+    return positions.reshape(-1, S).to(x.device)
+
+
+def rope_reference(x: torch.Tensor, *, positions=None, offset: int = 0, base: float = 10000.0,
+                   interleaved: bool = True, rotary_dim=None, compute_dtype=None) -> torch.Tensor:
+    """RoPE of x (B, H, S, D) with fp32 angles. ``compute_dtype`` None: a plain implementation
+    at x's dtype (torch's float32 frequencies, cos/sin cast to x's dtype, as HuggingFace
+    does); float64: the ground truth (attn_ext's frequencies, cos/sin and rotation in
+    float64)."""
+    rot = x.size(-1) if rotary_dim is None else rotary_dim
+    dt = compute_dtype or x.dtype
+    truth = compute_dtype == torch.float64
+    inv = (rope_inv_freq if truth else torch_inv_freq)(rot, base, x.device)
+    ang = rope_angles(_positions(x, positions, offset), rot, base, inv_freq=inv)  # (B|1, S, rot/2)
+    cos = torch.cos(ang.to(torch.float64) if dt == torch.float64 else ang).to(dt)[:, None]
+    sin = torch.sin(ang.to(torch.float64) if dt == torch.float64 else ang).to(dt)[:, None]
+    xr, rest = x[..., :rot].to(dt), x[..., rot:].to(dt)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    else:
+        cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        half = rot // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)  # rotate_half
+        y = xr * cos2 + rotated * sin2
+    return torch.cat([y, rest], dim=-1)
+
+
+def doc000_apply_rope(q: torch.Tensor, k: torch.Tensor):
+    """Document 000's apply_rope on (B, S, D): interleaved pairs, positions 0..S-1. (Like the
+    document, the float32 tables promote a low-precision input to float32.)"""
+    _, S, D = q.shape
+    ang = rope_angles(torch.arange(S, device=q.device), D, inv_freq=torch_inv_freq(D, device=q.device))
+    cos, sin = torch.cos(ang)[None], torch.sin(ang)[None]
+
+    def rotate(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    return rotate(q), rotate(k)
+
+
+class Doc000KVCacheAttention(nn.Module):
+    """Document 000's KVCacheAttention: W_q/W_k/W_v/W_o, a (k, v) tuple cache grown by cat,
+    the bottom-right triu mask for a multi-token call."""
+
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dk = d_model // num_heads
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, d_model)
+        self.W_v = nn.Linear(d_model, d_model)
+        self.W_o = nn.Linear(d_model, d_model)
+
+    def forward(self, x, cache=None):
+        B, S_new, _ = x.shape
+
+        def split(t):
+            return t.view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+
+        q, k, v = split(self.W_q(x)), split(self.W_k(x)), split(self.W_v(x))
+        if cache is not None:
+            k = torch.cat([cache[0], k], dim=2)
+            v = torch.cat([cache[1], v], dim=2)
+        S_total = k.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.dk)
+        if S_new > 1:
+            scores = scores + torch.triu(torch.full((S_new, S_total), float("-inf"), device=x.device),
+                                         diagonal=S_total - S_new + 1)
+        attn = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(B, S_new, -1)
+        return self.W_o(attn), (k, v)
+
+
+def decode_reference(q, k_cache, v_cache, lengths, *, scale=None, causal=True, window_left=-1):
+    """Attention of q (B, H, Sq, D) against each sequence's first lengths[b] cache rows,
+    bottom-right aligned, GQA by expanding the KV heads (document 003's repeat_kv).
+    Returns (out, lse) like attention_reference."""
+    outs, lses = [], []
+    n_rep = q.size(1) // k_cache.size(1)
+    for b in range(q.size(0)):
+        n = int(lengths[b])
+        k = repeat_kv(k_cache[b:b + 1, :, :n], n_rep)
+        v = repeat_kv(v_cache[b:b + 1, :, :n], n_rep)
+        out, lse = attention_reference(q[b:b + 1], k, v, scale=scale, causal=causal,
+                                       window_size=(window_left, 0 if causal else -1),
+                                       return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
