@@ -1,7 +1,7 @@
 """Autoregressive decoding: rotary position embedding, a preallocated KV cache and attention of
 new queries against it. Thin wrappers over the registered operators (shapes and arguments
 only)."""
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -90,6 +90,10 @@ class KVCache:
         self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch_size, num_kv_heads, max_len, dv, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.k.device)
+        # A GPU op cannot read the lengths without synchronizing, so on a GPU the cache keeps a
+        # host copy to refuse an overflowing append with a clear error (the CPU op checks the
+        # tensor itself). Change `lengths` through the methods only.
+        self._host_lengths = [0] * batch_size
 
     @property
     def max_len(self) -> int:
@@ -102,6 +106,22 @@ class KVCache:
     def reset(self) -> None:
         """Forgets every sequence (the memory is kept)."""
         self.lengths.zero_()
+        self._host_lengths = [0] * self.batch_size
+
+    def _check_room(self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]) -> List[int]:
+        if k.dim() != 4:  # the op reports the shape error
+            return self._host_lengths
+        s_new = k.size(2)
+        add = [s_new] * self.batch_size if new_lengths is None else [int(n) for n in new_lengths.cpu()]
+        if len(add) != self.batch_size:
+            return self._host_lengths
+        for b, (n, a) in enumerate(zip(self._host_lengths, add)):
+            if not 0 <= a <= s_new:
+                raise RuntimeError(f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}")
+            if n + a > self.max_len:
+                raise RuntimeError(f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
+                                   f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)")
+        return [n + a for n, a in zip(self._host_lengths, add)]
 
     def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next ``seqlen`` tokens of each sequence, the
@@ -119,9 +139,13 @@ class KVCache:
         advances ``lengths``. ``new_lengths`` (B,) int: sequence ``b`` appends only its last
         ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
         cache positions on the way in."""
+        on_host = self.k.device.type == "cpu"
+        after = None if on_host else self._check_room(k, new_lengths)
         _ops.kv_cache_append(self.k, self.v, self.lengths, k, v, new_lengths, rope=rope,
                              rope_base=rope_base, rope_interleaved=rope_interleaved,
                              rotary_dim=rotary_dim)
+        if after is not None:
+            self._host_lengths = after
 
     def attend(self, q: torch.Tensor, *, scale: Optional[float] = None, causal: bool = True,
                window_left: int = -1, num_splits: int = 0, return_lse: bool = False):

@@ -95,14 +95,15 @@ void set_rope_output(RopeParams& p, const at::Tensor& out) {
   p.o_col_stride = out.stride(3);
 }
 
-at::Tensor host_lengths(const char* op, const char* name, const at::Tensor& lengths,
-                        int64_t batch, const at::Tensor& like, int64_t hi) {
+at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths,
+                         int64_t batch, const at::Tensor& like, int64_t hi, bool check_values) {
   check_index_dtype(op, name, lengths);
   TORCH_CHECK(lengths.device() == like.device(), op, ": ", name, " must be on the cache's device ",
               like.device(), ", got ", lengths.device());
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == batch, op, ": ", name,
               " must have shape (B,) = (", batch, ",), got ", lengths.sizes());
   at::Tensor h = lengths.to(at::kLong).contiguous();
+  if (!check_values) return h;
   const int64_t* d = h.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(d[b] >= 0 && d[b] <= hi, op, ": ", name, "[", b, "] must be in [0, ", hi,
@@ -116,7 +117,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim) {
+                                 std::optional<int64_t> rotary_dim, bool check_values) {
   check_float_4d(op, "k_cache", k_cache, "(B, Hkv, L, D)");
   check_float_4d(op, "v_cache", v_cache, "(B, Hkv, L, Dv)");
   check_float_4d(op, "k", k, "(B, Hkv, S_new, D)");
@@ -146,15 +147,16 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   p.capacity = L;
   p.head_dim = k_cache.size(3);
   p.head_dim_v = v_cache.size(3);
-  r.lengths = host_lengths(op, "cache_seqlens", cache_seqlens, B, k_cache, L);
+  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, B, k_cache, L, check_values);
   if (new_lengths.has_value() && new_lengths->defined()) {
-    r.appended = host_lengths(op, "new_lengths", *new_lengths, B, k_cache, p.seqlen_new);
+    r.appended = int64_lengths(op, "new_lengths", *new_lengths, B, k_cache, p.seqlen_new,
+                               check_values);
   } else {
     r.appended = at::full({B}, p.seqlen_new, r.lengths.options());
   }
   const int64_t* len = r.lengths.data_ptr<int64_t>();
   const int64_t* add = r.appended.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; check_values && b < B; ++b) {
     TORCH_CHECK(len[b] + add[b] <= L, op, ": sequence ", b, " would overflow the cache: length ",
                 len[b], " + ", add[b], " new tokens > capacity ", L,
                 " (nothing was written)");
@@ -182,7 +184,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                               std::optional<double> scale, bool causal, int64_t window_left,
-                              int64_t num_splits) {
+                              int64_t num_splits, bool check_values) {
   TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ",
               num_splits);
   check_float_4d(op, "q", q, "(B, H, Sq, D)");
@@ -208,7 +210,8 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
   r.k_cache = in.k;
   r.v_cache = in.v;
   static_cast<AttentionParams&>(r.params) = in.params;
-  r.lengths = host_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, k_cache.size(2));
+  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache,
+                            k_cache.size(2), check_values);
   r.params.lengths = r.lengths.data_ptr<int64_t>();
   r.params.num_splits = num_splits;
   return r;

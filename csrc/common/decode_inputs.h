@@ -27,12 +27,14 @@ struct PreparedRope {
 PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions& o);
 void set_rope_output(RopeParams& p, const at::Tensor& out);
 
-// Per-sequence lengths as int64 on the host (CPU ops), validated against (B,) and [0, hi].
-at::Tensor host_lengths(const char* op, const char* name, const at::Tensor& lengths,
-                        int64_t batch, const at::Tensor& like, int64_t hi);
+// Per-sequence lengths as int64 on their device, validated against (B,). With check_values
+// (CPU) every value must lie in [0, hi]; a GPU op cannot read them without synchronizing,
+// so its kernels clamp instead.
+at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths,
+                         int64_t batch, const at::Tensor& like, int64_t hi, bool check_values);
 
 struct PreparedAppend {
-  at::Tensor lengths, appended;  // int64 host copies
+  at::Tensor lengths, appended;  // int64 copies on the cache's device
   KVAppendParams params;
 };
 PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
@@ -40,7 +42,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim);
+                                 std::optional<int64_t> rotary_dim, bool check_values);
 
 struct PreparedDecode {
   at::Tensor q, k_cache, v_cache, lengths;
@@ -49,6 +51,6 @@ struct PreparedDecode {
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                               std::optional<double> scale, bool causal, int64_t window_left,
-                              int64_t num_splits);
+                              int64_t num_splits, bool check_values);
 
 }  // namespace attn_ext

@@ -2,6 +2,7 @@
 // Plain parameter structs of the decoding ops (RoPE, KV-cache append, decode attention),
 // built by decode_inputs.cpp after validation. Strides are in elements.
 #include <cstdint>
+#include <c10/macros/Macros.h>
 #include "params.h"
 #include "rope.h"
 
@@ -22,7 +23,7 @@ struct RopeParams {
   int64_t pos_batch_stride = 0;
   int64_t offset = 0;
 
-  int64_t position(int64_t b, int64_t s) const {
+  C10_HOST_DEVICE int64_t position(int64_t b, int64_t s) const {
     return positions != nullptr ? positions[b * pos_batch_stride + s] : offset + s;
   }
 };
@@ -38,8 +39,8 @@ struct KVAppendParams {
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0, v_col_stride = 1;
   int64_t kc_batch_stride = 0, kc_head_stride = 0, kc_row_stride = 0;
   int64_t vc_batch_stride = 0, vc_head_stride = 0, vc_row_stride = 0;
-  // Host copies: current lengths and the number of tokens each sequence appends (the last
-  // `appended[b]` of the S_new inputs: batched generation pads on the left).
+  // Current lengths and the number of tokens each sequence appends (the last `appended[b]`
+  // of the S_new inputs: batched generation pads on the left); int64, on the op's device.
   const int64_t* lengths = nullptr;
   const int64_t* appended = nullptr;
   bool rope = false;  // rotate the keys at their cache positions on the way in
@@ -50,7 +51,7 @@ struct KVAppendParams {
 // attention fields: seqlen_k is the cache capacity L, window_right is 0 (causal) or -1.
 // Query i of sequence b sits at key position lengths[b] - Sq + i (bottom-right).
 struct DecodeParams : AttentionParams {
-  const int64_t* lengths = nullptr;  // (B,) host copy, each in [0, L]
+  const int64_t* lengths = nullptr;  // (B,) int64 on the op's device (CPU: checked in [0, L])
   int64_t num_splits = 1;            // key-sequence splits per (batch, kv head)
 };
 

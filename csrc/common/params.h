@@ -2,6 +2,7 @@
 // Plain parameter structs handed from the op boundary (validation) to the kernels.
 // Every stride is in elements; the last dimension of every tensor is contiguous.
 #include <cstdint>
+#include <c10/macros/Macros.h>
 
 namespace attn_ext {
 
@@ -39,7 +40,7 @@ struct AttentionParams {
   double dropout_p = 0.0;
   uint64_t seed = 0, rng_offset = 0;
 
-  int64_t group() const { return heads / kv_heads; }
+  C10_HOST_DEVICE int64_t group() const { return heads / kv_heads; }
 };
 
 // The backward pass reads the forward's tensors and writes gradients.

@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
   constexpr const char* kOp = "attn_ext.decode_attention";
   check_cpu_support(kOp);
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
-                                     window_left, num_splits);
+                                     window_left, num_splits, /*check_values=*/true);
   DecodeParams& p = in.params;
   at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
   at::Tensor lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));

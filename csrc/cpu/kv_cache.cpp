@@ -66,7 +66,8 @@ void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& c
                          std::optional<int64_t> rotary_dim) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
-                                       rope, rope_base, rope_interleaved, rotary_dim);
+                                       rope, rope_base, rope_interleaved, rotary_dim,
+                                       /*check_values=*/true);
   if (k.numel() > 0 || v.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(k.scalar_type(), kOp, [&] { kv_append_kernel<scalar_t>(r.params); });
   }
