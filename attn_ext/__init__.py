@@ -9,6 +9,8 @@ from . import _C  # noqa: F401  (registers the operators)
 from . import _registration  # noqa: F401
 from . import compat, nn  # noqa: F401  (drop-in and canonical modules)
 from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
+from .linear import linear_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_weights", "dropout_keep_mask", "linear_attention",
+           "scaled_dot_product_attention"]

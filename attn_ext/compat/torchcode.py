@@ -28,17 +28,21 @@ Differences from the document's code (each only where the document fails or is i
   does not depend on ``block_size`` (exact attention either way); it must still be a positive
   integer. The output has ``Q``'s dtype (the document's float32 running statistics promote a
   float16/bfloat16 result to float32).
+- ``linear_attention``: the same values and signature; for float16/bfloat16 inputs the features,
+  sums and quotient are computed in float32 and rounded once (the document rounds after every
+  step), so the result is closer to the exact one.
 """
 import math
 
 import torch.nn as nn
 
 from .. import functional as _F
+from ..linear import linear_attention as _linear_attention
 from . import _attend, _check_last, _check_rank
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "causal_attention",
            "MultiHeadCrossAttention", "GroupQueryAttention", "sliding_window_attention",
-           "flash_attention"]
+           "flash_attention", "linear_attention"]
 
 
 def scaled_dot_product_attention(Q, K, V):
@@ -174,3 +178,15 @@ def flash_attention(Q, K, V, block_size=32):
     if bs != block_size or bs <= 0:
         raise ValueError(f"{name}: block_size must be a positive integer, got {block_size!r}")
     return _attend(Q, K, V, name=name)
+
+
+def linear_attention(Q, K, V):
+    """Linear attention with the feature map ``elu(x) + 1``:
+    ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + 1e-6)`` (non-causal), in O(S * D * D_v).
+
+    Q: (B, S_q, D_k), K: (B, S_k, D_k), V: (B, S_k, D_v) (``torch.bmm`` operands, as in the
+    document); returns (B, S_q, D_v)."""
+    name = "linear_attention"
+    for n, t in (("Q", Q), ("K", K), ("V", V)):
+        _check_rank(name, t, (3,), "(B, S, D)")
+    return _linear_attention(Q, K, V, eps=1e-6, feature_map="elu+1")

@@ -5,8 +5,11 @@
   attention dropout. The general layer that document-compatible classes are shells over.
 * :class:`MultiheadAttention` -- an exact drop-in for ``torch.nn.MultiheadAttention`` (same
   constructor, parameters, ``state_dict`` keys, initialization, forward and returns).
+* :class:`LinearAttention` -- multi-head linear attention (``elu+1`` feature map by default),
+  non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
 """
+from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 
-__all__ = ["MultiHeadAttention", "MultiheadAttention"]
+__all__ = ["LinearAttention", "LinearAttentionState", "MultiHeadAttention", "MultiheadAttention"]
