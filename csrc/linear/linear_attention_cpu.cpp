@@ -135,19 +135,38 @@ void scale_by_feature_grad(acc_t* g, const acc_t* phi, int64_t n, FeatureMap f) 
 
 // ---------------------------------------------------------------------------- chunking
 
+// Waking the worker threads costs about as much as this many multiply-adds; smaller tasks
+// (a decode step, a short sequence, the scans of a few chunks) are grouped until a thread's
+// share is at least this large, so tiny calls run inline.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 17;
+
+// at::parallel_for grain for tasks of `work` multiply-adds each.
+inline int64_t grain_for(int64_t work) {
+  return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work, 1));
+}
+
 struct Chunking {
   int64_t size;    // rows per chunk
   int64_t num_q;   // query chunks
   int64_t num_k;   // key chunks (== num_q when causal)
   int64_t state;   // elements of one D x Dp state
   int64_t dp;      // Dv + 1
+  // Grains (tasks per thread at least) of the chunk phases and of the per-(batch, head) scans,
+  // from the multiply-adds of one task (a full chunk, or the whole sequence if shorter).
+  int64_t chunk_grain;
+  int64_t scan_grain;
 
   explicit Chunking(const LinearAttentionParams& p)
       : size(p.causal ? kCausalChunk : kNonCausalBlock),
         num_q((p.seqlen_q + size - 1) / size),
         num_k((p.seqlen_k + size - 1) / size),
         state(p.head_dim * (p.head_dim_v + 1)),
-        dp(p.head_dim_v + 1) {}
+        dp(p.head_dim_v + 1) {
+    const int64_t rows = std::min(size, std::max(p.seqlen_q, p.seqlen_k));
+    const int64_t intra = p.causal ? rows * rows * (p.head_dim + dp) : 0;
+    chunk_grain = grain_for(rows * state + intra);
+    scan_grain = grain_for(std::max(num_q, num_k) * state);
+  }
 };
 
 // A D x Dp scratch or state array of `count` states in acc_t, uninitialized.
@@ -188,7 +207,7 @@ void accumulate_states(const LinearAttentionParams& p, const Chunking& ch, acc_t
                        acc_t* final_state) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Dp = ch.dp, C = ch.size;
   const int64_t BH = p.batch * p.heads;
-  at::parallel_for(0, BH * ch.num_k, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH * ch.num_k, ch.chunk_grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> phik(C * D), vp(C * Dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / ch.num_k, c = task % ch.num_k;
@@ -202,7 +221,7 @@ void accumulate_states(const LinearAttentionParams& p, const Chunking& ch, acc_t
   });
   const auto* init_kv = static_cast<const acc_t*>(p.initial_kv);
   const auto* init_k = static_cast<const acc_t*>(p.initial_k);
-  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH, ch.scan_grain, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       acc_t* running = final_state + bh * ch.state;
       pack_state(init_kv ? init_kv + bh * D * Dv : nullptr, init_k ? init_k + bh * D : nullptr,
@@ -235,7 +254,7 @@ void linear_fwd(const LinearAttentionParams& p, scalar_t* out, at::Tensor& final
   acc_t* final_state = final_buf.data_ptr<acc_t>();
   accumulate_states<scalar_t>(p, ch, chunk_states, final_state);
 
-  at::parallel_for(0, BH * ch.num_q, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH * ch.num_q, ch.chunk_grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> phiq(C * D), num(C * Dp);
     Buffer<acc_t> phik(p.causal ? C * D : 0), vp(p.causal ? C * Dp : 0), a(p.causal ? C * C : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -321,7 +340,7 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
   acc_t* dnum_all = dnum_buf.data_ptr<acc_t>();
 
   // ---- phase 3: dn', dq and each query chunk's state-gradient contribution
-  at::parallel_for(0, BH * ch.num_q, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH * ch.num_q, ch.chunk_grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> phiq(C * D), num(C * Dp), dphi(C * D), dnum_local(p.causal ? 0 : C * Dp);
     Buffer<acc_t> phik(p.causal ? C * D : 0), vp(p.causal ? C * Dp : 0), a(p.causal ? C * C : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -366,7 +385,7 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
   // ---- phase 4: scan from the last chunk back. Causal: each chunk gets the gradient of the
   // rows after it (exclusive suffix); every case ends with the gradient of the initial state.
   const bool has_grad_final = grad_final_kv.defined();
-  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH, ch.scan_grain, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       acc_t* running = grad_total + bh * ch.state;
       pack_state(has_grad_final ? grad_final_kv.data_ptr<acc_t>() + bh * D * Dv : nullptr,
@@ -383,7 +402,7 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
   });
 
   // ---- phase 5: dk, dv per key chunk
-  at::parallel_for(0, BH * ch.num_k, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH * ch.num_k, ch.chunk_grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> phik(C * D), vp(C * Dp), dphi(C * D), dvb(C * Dv);
     Buffer<acc_t> phiq(p.causal ? C * D : 0), a(p.causal ? C * C : 0);
     for (int64_t task = begin; task < end; ++task) {
