@@ -18,7 +18,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
 from attn_ext.compat import torchcode
-from reference import ALL_DTYPES, assert_error_rule, grad_slack_ulps, ground_truth, ground_truth_grads, autograd_grads, rand
+from reference import (ALL_DTYPES, assert_error_rule, autograd_grads, grad_slack_ulps, ground_truth,
+                       ground_truth_grads, rand)
 from reference_linear import (doc000_linear_attention, final_state, linear_attention_quadratic,
                               linear_attention_recurrent)
 

@@ -254,6 +254,7 @@ void linear_fwd(const LinearAttentionParams& p, scalar_t* out, at::Tensor& final
   acc_t* final_state = final_buf.data_ptr<acc_t>();
   accumulate_states<scalar_t>(p, ch, chunk_states, final_state);
 
+  const acc_t eps = static_cast<acc_t>(p.eps);
   at::parallel_for(0, BH * ch.num_q, ch.chunk_grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> phiq(C * D), num(C * Dp);
     Buffer<acc_t> phik(p.causal ? C * D : 0), vp(p.causal ? C * Dp : 0), a(p.causal ? C * C : 0);
@@ -272,7 +273,6 @@ void linear_fwd(const LinearAttentionParams& p, scalar_t* out, at::Tensor& final
         mask_future(a.get(), m, C);
         gemm(false, false, m, Dp, m, acc_t(1), a.get(), C, vp.get(), Dp, acc_t(1), num.get(), Dp);
       }
-      const acc_t eps = static_cast<acc_t>(p.eps);
       scalar_t* o = out + (bh * p.seqlen_q + i0) * Dv;
       for (int64_t r = 0; r < m; ++r) {
         const acc_t* nr = num.get() + r * Dp;
