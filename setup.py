@@ -41,7 +41,8 @@ def _extension():
     debug = os.environ.get("ATTN_EXT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     cxx = opt + ["-fopenmp", "-fvisibility=hidden"] + _cpu_isa_flags()
-    sources = _sources("csrc/*.cpp") + _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp")
+    sources = (_sources("csrc/*.cpp") + _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp")
+               + _sources("csrc/linear/*.cpp"))
     kwargs = dict(extra_link_args=["-fopenmp"])
     if _cuda_enabled():
         cxx.append("-DATTN_EXT_WITH_CUDA")

@@ -127,3 +127,53 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, *, scale=None, ca
                            window_left=-1, num_splits=0):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v_cache.size(3))), q.new_empty((B, H, Sq), dtype=torch.float32)
+def _state_dtype(q):
+    # The state accumulates in float32, or float64 for float64 inputs.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("attn_ext::linear_attention")
+def _linear_attention_fake(q, k, v, initial_state_kv=None, initial_state_k=None, *, causal=False, eps=1e-6,
+                           feature_map="elu+1"):
+    B, H, Sq, D = q.shape
+    out = q.new_empty((B, H, Sq, v.size(3)))
+    state_kv = q.new_empty((B, H, D, v.size(3)), dtype=_state_dtype(q))
+    state_k = q.new_empty((B, H, D), dtype=_state_dtype(q))
+    return out, state_kv, state_k
+
+
+@torch.library.register_fake("attn_ext::linear_attention_backward")
+def _linear_attention_backward_fake(grad_out, q, k, v, initial_state_kv=None, initial_state_k=None,
+                                    grad_state_kv=None, grad_state_k=None, *, causal=False, eps=1e-6,
+                                    feature_map="elu+1"):
+    B, H, _, D = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((B, H, D, v.size(3)), dtype=_state_dtype(q)),
+            q.new_empty((B, H, D), dtype=_state_dtype(q)))
+
+
+def _linear_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.kw = dict(keyword_only_inputs)
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_backward(ctx, grad_out, grad_state_kv, grad_state_k):
+    q, k, v, init_kv, init_k = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = q.new_zeros((*q.shape[:3], v.size(3)))
+    # The op takes the final state's gradient as a pair or not at all.
+    if (grad_state_kv is None) != (grad_state_k is None):
+        B, H, _, D = q.shape
+        if grad_state_kv is None:
+            grad_state_kv = grad_state_k.new_zeros((B, H, D, v.size(3)))
+        else:
+            grad_state_k = grad_state_kv.new_zeros((B, H, D))
+    dq, dk, dv, d_init_kv, d_init_k = _ops.linear_attention_backward(
+        grad_out, q, k, v, init_kv, init_k, grad_state_kv, grad_state_k, **ctx.kw)
+    if init_kv is None:
+        d_init_kv = d_init_k = None
+    return dq, dk, dv, d_init_kv, d_init_k
+
+
+torch.library.register_autograd("attn_ext::linear_attention", _linear_backward,
+                                setup_context=_linear_setup_context)

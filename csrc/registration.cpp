@@ -74,4 +74,22 @@ TORCH_LIBRARY(attn_ext, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int num_splits=0) "
       "-> (Tensor out, Tensor lse)");
+
+  // Linear attention (out_i = phi(q_i) S_i / (phi(q_i) . z_i + eps)):
+  //   q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv), no grouped heads; causal needs
+  //   Sq == Sk (position i sees keys j <= i). State: kv (B, H, D, Dv) = sum phi(k) v^T,
+  //   k (B, H, D) = sum phi(k), float32 (float64 for float64 inputs); the initial state (both
+  //   or neither) is added to the keys' sums, and the final state (initial + every key) is
+  //   returned. feature_map: "elu+1" | "relu" | "identity". The backward also takes the
+  //   gradient of the final state and returns that of the initial state.
+  m.def(
+      "linear_attention(Tensor q, Tensor k, Tensor v, Tensor? initial_state_kv=None, "
+      "Tensor? initial_state_k=None, *, bool causal=False, float eps=1e-6, "
+      "str feature_map=\"elu+1\") -> (Tensor out, Tensor state_kv, Tensor state_k)");
+  m.def(
+      "linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor? initial_state_kv=None, Tensor? initial_state_k=None, Tensor? grad_state_kv=None, "
+      "Tensor? grad_state_k=None, *, bool causal=False, float eps=1e-6, "
+      "str feature_map=\"elu+1\") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
+      "Tensor grad_initial_state_kv, Tensor grad_initial_state_k)");
 }

@@ -35,6 +35,9 @@ Differences from the document's code (each only where the document fails or is i
 - ``apply_rope``: the document's interleaved pairs ``(2i, 2i + 1)``, positions ``0..S-1``,
   angles in fp32; the output has the input's dtype (the document's fp32 tables promote a
   float16/bfloat16 input to float32).
+- ``linear_attention``: the same values and signature; for float16/bfloat16 inputs the features,
+  sums and quotient are computed in float32 and rounded once (the document rounds after every
+  step), so the result is closer to the exact one.
 """
 import math
 
@@ -43,11 +46,12 @@ import torch.nn as nn
 
 from .. import decoding as _decoding
 from .. import functional as _F
+from ..linear import linear_attention as _linear_attention
 from . import _attend, _check_last, _check_rank
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "causal_attention",
            "MultiHeadCrossAttention", "GroupQueryAttention", "sliding_window_attention",
-           "flash_attention", "KVCacheAttention", "apply_rope"]
+           "flash_attention", "KVCacheAttention", "apply_rope", "linear_attention"]
 
 
 def scaled_dot_product_attention(Q, K, V):
@@ -240,3 +244,13 @@ def apply_rope(q, k):
     if q.size(-1) % 2:
         raise ValueError(f"{name}: the feature size D must be even, got {q.size(-1)}")
     return _decoding.rope(q), _decoding.rope(k)
+def linear_attention(Q, K, V):
+    """Linear attention with the feature map ``elu(x) + 1``:
+    ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + 1e-6)`` (non-causal), in O(S * D * D_v).
+
+    Q: (B, S_q, D_k), K: (B, S_k, D_k), V: (B, S_k, D_v) (``torch.bmm`` operands, as in the
+    document); returns (B, S_q, D_v)."""
+    name = "linear_attention"
+    for n, t in (("Q", Q), ("K", K), ("V", V)):
+        _check_rank(name, t, (3,), "(B, S, D)")
+    return _linear_attention(Q, K, V, eps=1e-6, feature_map="elu+1")

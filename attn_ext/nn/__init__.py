@@ -7,9 +7,13 @@
   constructor, parameters, ``state_dict`` keys, initialization, forward and returns).
 * :class:`DecoderAttention` -- causal self-attention of a decoder-only model: GQA/MQA, RoPE,
   sliding window, and prefill + decode against a preallocated :class:`attn_ext.KVCache`.
+* :class:`LinearAttention` -- multi-head linear attention (``elu+1`` feature map by default),
+  non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
 """
+from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
 
-__all__ = ["MultiHeadAttention", "MultiheadAttention", "DecoderAttention"]
+__all__ = ["DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
+           "MultiheadAttention"]

@@ -1,0 +1,110 @@
+#include "linear_inputs.h"
+
+#include <cmath>
+#include <sstream>
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <c10/util/Exception.h>
+
+#include "../common/inputs.h"
+
+namespace attn_ext::linear {
+namespace {
+
+FeatureMap parse_feature_map(const char* op, std::string_view name) {
+  for (int i = 0; i < kNumFeatureMaps; ++i) {
+    if (name == kFeatureMapNames[i]) return static_cast<FeatureMap>(i);
+  }
+  std::ostringstream valid;
+  for (int i = 0; i < kNumFeatureMaps; ++i) valid << (i ? ", " : "") << '"' << kFeatureMapNames[i] << '"';
+  TORCH_CHECK(false, op, ": feature_map must be one of ", valid.str(), ", got \"", name, "\"");
+}
+
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               bool causal) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, H, Sk, D), got ", k.dim(), "-D ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, H, Sk, Dv), got ", v.dim(), "-D ", v.sizes());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op,
+              ": q must be float32, float64, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ",
+              q.scalar_type(), ", got ", k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ",
+              q.scalar_type(), ", got ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(), ", got ",
+              k.device());
+  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
+              v.device());
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), op,
+              ": k and v batch size must equal q's ", q.size(0), ", got k ", k.sizes(), " and v ",
+              v.sizes());
+  // Every query head owns its state; grouped key/value heads are not supported.
+  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1), op,
+              ": k and v must have q's number of heads ", q.size(1), ", got k ", k.sizes(),
+              " and v ", v.sizes());
+  TORCH_CHECK(v.size(2) == k.size(2), op, ": v sequence length must equal k's ", k.size(2),
+              ", got ", v.size(2));
+  TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3), ", got ",
+              k.size(3));
+  // Causal position i is both the i-th query and the i-th key.
+  TORCH_CHECK(!causal || q.size(2) == k.size(2), op,
+              ": causal linear attention needs Sq == Sk, got Sq=", q.size(2), " and Sk=",
+              k.size(2));
+}
+
+Rows rows_of(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), blas_row_stride(t)};
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> check_state_pair(const char* op, const char* kv_name,
+                                                   const char* k_name,
+                                                   const std::optional<at::Tensor>& kv,
+                                                   const std::optional<at::Tensor>& k,
+                                                   const at::Tensor& q, int64_t dv) {
+  const bool has_kv = kv.has_value() && kv->defined(), has_k = k.has_value() && k->defined();
+  TORCH_CHECK(has_kv == has_k, op, ": ", kv_name, " and ", k_name,
+              " must be given together, got only ", has_kv ? kv_name : k_name);
+  if (!has_kv) return {};
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  check_companion(op, kv_name, *kv, q, {B, H, D, dv}, acc);
+  check_companion(op, k_name, *k, q, {B, H, D}, acc);
+  return {kv->contiguous(), k->contiguous()};
+}
+
+LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v,
+                                      const std::optional<at::Tensor>& initial_kv,
+                                      const std::optional<at::Tensor>& initial_k, bool causal,
+                                      double eps, std::string_view feature_map) {
+  check_qkv(op, q, k, v, causal);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be finite and >= 0, got ", eps);
+  LinearInputs r;
+  LinearAttentionParams& p = r.params;
+  p.feature_map = parse_feature_map(op, feature_map);
+  r.q = blas_rows(q);
+  r.k = blas_rows(k);
+  r.v = blas_rows(v);
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.seqlen_q = q.size(2);
+  p.seqlen_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
+  p.causal = causal;
+  p.eps = eps;
+  p.q = rows_of(r.q);
+  p.k = rows_of(r.k);
+  p.v = rows_of(r.v);
+  std::tie(r.initial_kv, r.initial_k) = check_state_pair(
+      op, "initial_state_kv", "initial_state_k", initial_kv, initial_k, q, p.head_dim_v);
+  if (r.initial_kv.defined()) {
+    p.initial_kv = r.initial_kv.data_ptr();
+    p.initial_k = r.initial_k.data_ptr();
+  }
+  return r;
+}
+
+}  // namespace attn_ext::linear

@@ -1,0 +1,57 @@
+#pragma once
+// Validation at the linear-attention ops' boundary and the kernel parameter struct; shared
+// by the CPU and CUDA implementations so both reject the same inputs with the same messages.
+#include <optional>
+#include <string_view>
+#include <ATen/core/Tensor.h>
+#include "feature_map.h"
+
+namespace attn_ext::linear {
+
+// A (B, H, S, X) tensor read row by row: element (b, h, i, x) is at
+// data[b * batch_stride + h * head_stride + i * row_stride + x].
+struct Rows {
+  const void* data = nullptr;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0;
+
+  template <typename T>
+  const T* row(int64_t b, int64_t h, int64_t i) const {
+    return static_cast<const T*>(data) + b * batch_stride + h * head_stride + i * row_stride;
+  }
+};
+
+struct LinearAttentionParams {
+  Rows q, k, v;
+  int64_t batch = 0, heads = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0, head_dim_v = 0;
+  bool causal = false;
+  double eps = 0.0;
+  FeatureMap feature_map = FeatureMap::kEluPlusOne;
+  // Initial state, contiguous in the accumulation type (null = zero state):
+  // kv (B, H, D, Dv) = sum phi(k) v^T, k (B, H, D) = sum phi(k).
+  const void* initial_kv = nullptr;
+  const void* initial_k = nullptr;
+};
+
+// Inputs as the kernels read them (last dimension contiguous, states contiguous) and the
+// parameters pointing into them.
+struct LinearInputs {
+  at::Tensor q, k, v, initial_kv, initial_k;
+  LinearAttentionParams params;
+};
+
+LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v,
+                                      const std::optional<at::Tensor>& initial_kv,
+                                      const std::optional<at::Tensor>& initial_k, bool causal,
+                                      double eps, std::string_view feature_map);
+
+// Checks an optional (kv, k)-shaped state tensor pair the op receives (initial state or the
+// gradient of the final state): both or neither, accumulation dtype, q's device, shapes
+// (B, H, D, Dv) and (B, H, D). Returns them contiguous (undefined tensors when absent).
+std::pair<at::Tensor, at::Tensor> check_state_pair(const char* op, const char* kv_name,
+                                                   const char* k_name,
+                                                   const std::optional<at::Tensor>& kv,
+                                                   const std::optional<at::Tensor>& k,
+                                                   const at::Tensor& q, int64_t dv);
+
+}  // namespace attn_ext::linear

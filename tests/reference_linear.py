@@ -1,0 +1,90 @@
+"""Reference implementations of linear attention for the tests (plain PyTorch, no attn_ext).
+
+* ``doc000_linear_attention`` -- document 000's function, verbatim: feature map
+  ``elu(x) + 1``, ``phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + 1e-6)`` on (B, S, D) tensors,
+  every step at the input dtype.
+* ``linear_attention_quadratic`` -- the masked quadratic form
+  ``A = phi(Q) phi(K)^T`` (lower-triangular, diagonal included, when causal),
+  ``out = (A V + phi(Q) S0) / (A 1 + phi(Q) z0 + eps)``; the causal reference, and the
+  non-causal one for the other feature maps and for an initial state.
+* ``linear_attention_recurrent`` -- the "transformers are RNNs" recurrence, one position at a
+  time: ``S += phi(k_i) v_i^T``, ``z += phi(k_i)``, ``out_i = phi(q_i) S / (phi(q_i) z + eps)``.
+
+Inputs are (B, H, S, D) (or 3-D (B, S, D) where noted); the state is ``(kv (B, H, D, Dv),
+k (B, H, D))``. Each runs at the dtype of its inputs (the "plain reference at the same dtype" of
+the numerics rule); call it on float64 copies for the ground truth.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+FEATURE_MAPS = ("elu+1", "relu", "identity")
+
+
+def doc000_linear_attention(Q, K, V):
+    """Document 000, verbatim."""
+    Q_prime = F.elu(Q) + 1  # (B, S, D_k)
+    K_prime = F.elu(K) + 1  # (B, S, D_k)
+    KV = torch.bmm(K_prime.transpose(1, 2), V)  # (B, D_k, D_v)
+    numerator = torch.bmm(Q_prime, KV)  # (B, S, D_v)
+    K_sum = K_prime.sum(dim=1, keepdim=True)  # (B, 1, D_k)
+    denominator = torch.bmm(Q_prime, K_sum.transpose(1, 2))  # (B, S, 1)
+    return numerator / (denominator + 1e-6)
+
+
+def feature(x: torch.Tensor, feature_map: str) -> torch.Tensor:
+    if feature_map == "elu+1":
+        return F.elu(x) + 1
+    if feature_map == "relu":
+        return F.relu(x)
+    if feature_map == "identity":
+        return x
+    raise ValueError(feature_map)
+
+
+def final_state(k, v, *, feature_map="elu+1", initial_state=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(S0 + phi(K)^T V, z0 + sum phi(K)) over every key, at the inputs' dtype."""
+    fk = feature(k, feature_map)
+    kv, ks = fk.transpose(-1, -2) @ v, fk.sum(-2)
+    if initial_state is not None:
+        kv, ks = kv + initial_state[0], ks + initial_state[1]
+    return kv, ks
+
+
+def linear_attention_quadratic(q, k, v, *, causal=False, eps=1e-6, feature_map="elu+1",
+                               initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+    """The masked quadratic form (materializes Sq x Sk); causal needs Sq == Sk."""
+    fq, fk = feature(q, feature_map), feature(k, feature_map)
+    a = fq @ fk.transpose(-1, -2)
+    if causal:
+        a = a.tril()
+    num, den = a @ v, a.sum(-1, keepdim=True)
+    if initial_state is not None:
+        s0, z0 = initial_state
+        num = num + fq @ s0.to(q.dtype)
+        den = den + fq @ z0.to(q.dtype).unsqueeze(-1)
+    return num / (den + eps)
+
+
+def linear_attention_recurrent(q, k, v, *, eps=1e-6, feature_map="elu+1", initial_state=None):
+    """Causal linear attention one position at a time; returns (out, (kv, k) final state)."""
+    B, H, S, D = q.shape
+    Dv = v.size(-1)
+    if initial_state is None:
+        s = q.new_zeros(B, H, D, Dv)
+        z = q.new_zeros(B, H, D)
+    else:
+        s, z = (t.to(q.dtype).clone() for t in initial_state)
+    fq, fk = feature(q, feature_map), feature(k, feature_map)
+    outs = []
+    for i in range(S):
+        s = s + fk[:, :, i, :, None] * v[:, :, i, None, :]
+        z = z + fk[:, :, i]
+        num = torch.einsum("bhd,bhde->bhe", fq[:, :, i], s)
+        den = (fq[:, :, i] * z).sum(-1, keepdim=True)
+        outs.append(num / (den + eps))
+    out = torch.stack(outs, dim=2) if outs else q.new_zeros(B, H, 0, Dv)
+    return out, (s, z)
