@@ -153,6 +153,17 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
   return r;
 }
 
+std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q) {
+  at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
+  at::Tensor lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.o_batch_stride = out.stride(0);
+  p.o_head_stride = out.stride(1);
+  p.o_row_stride = std::max<int64_t>(out.stride(2), 1);
+  return {out, lse};
+}
+
 void check_companion(const char* op, const char* name, const at::Tensor& t,
                      const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
   TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on q's device ",

@@ -3,6 +3,7 @@
 // Shared by the CPU and CUDA implementations so both reject the same inputs with the
 // same messages.
 #include <optional>
+#include <tuple>
 #include <ATen/core/Tensor.h>
 #include "params.h"
 
@@ -39,6 +40,10 @@ void check_companion(const char* op, const char* name, const at::Tensor& t,
 at::Tensor blas_rows(const at::Tensor& t);
 // The row stride to hand to BLAS (any valid value for a single-row tensor).
 int64_t blas_row_stride(const at::Tensor& t);
+
+// Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
+// float32, and points the params at them.
+std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q);
 
 // Reads (seed, offset) from an int64 rng_state tensor of shape (2,).
 void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,

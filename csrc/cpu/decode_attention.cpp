@@ -10,6 +10,7 @@
 
 #include "../common/constants.h"
 #include "../common/decode_inputs.h"
+#include "../common/inputs.h"
 #include "../common/dispatch.h"
 #include "../common/mask.h"
 #include "../common/online_softmax.h"
@@ -196,14 +197,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
                                      window_left, num_splits, /*check_values=*/true);
   DecodeParams& p = in.params;
-  at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
+  auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.o_batch_stride = out.stride(0);
-  p.o_head_stride = out.stride(1);
-  p.o_row_stride = std::max<int64_t>(out.stride(2), 1);
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { decode<scalar_t>(p); });
   return {out, lse};
 }

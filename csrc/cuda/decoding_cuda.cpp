@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "../common/decode_inputs.h"
+#include "../common/inputs.h"
 #include "launch.h"
 
 namespace attn_ext::cuda {
@@ -105,14 +106,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
               " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
-  at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
+  auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.o_batch_stride = out.stride(0);
-  p.o_head_stride = out.stride(1);
-  p.o_row_stride = out.stride(2);
   const int64_t rows = p.group() * p.seqlen_q;
   const int64_t blocks = p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
   if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
