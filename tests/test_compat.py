@@ -1,4 +1,4 @@
-"""attn_ext.compat: each drop-in against the document's own code (tests/doc_modules.py).
+"""attn_ext.compat: each drop-in against the document's own code (attn_ext.testing.documents).
 
 For every class: build the document's object and ours with the same arguments, load the
 document's state dict into ours with strict=True, and compare the forward output and the
@@ -22,7 +22,7 @@ import attn_ext.compat.attention_zoo as zoo
 import attn_ext.compat.llms_from_scratch as lfs
 import attn_ext.compat.textbook as tb
 import attn_ext.compat.torchcode as tc
-from doc_modules import doc000, doc001, doc003, doc004, plain_state_dict
+from attn_ext.testing.documents import doc000, doc001, doc003, doc004, plain_state_dict, plain_to
 
 DTYPES = [torch.float64, torch.float32]
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
@@ -67,12 +67,6 @@ CASE_IDS = [c[0] for c in MODULE_CASES]
 CASES = dict((c[0], c) for c in MODULE_CASES)
 
 
-def _move_plain(obj, device, dtype):
-    for n in ("W_q", "W_k", "W_v", "W_o"):
-        getattr(obj, n).to(device=device, dtype=dtype)
-    return obj
-
-
 def _doc_params(doc, plain):
     return plain_state_dict(doc) if plain else dict(doc.named_parameters())
 
@@ -84,7 +78,7 @@ def build(case_id, device, dtype, args=None):
     _, doc_cls, our_cls, default_args, _, plain = CASES[case_id]
     args = default_args if args is None else args
     doc = doc_cls(*args)
-    doc = _move_plain(doc, device, dtype) if plain else doc.to(device=device, dtype=dtype)
+    doc = plain_to(doc, device, dtype) if plain else doc.to(device=device, dtype=dtype)
     ours = our_cls(*args).to(device=device, dtype=dtype)
     state = plain_state_dict(doc) if plain else doc.state_dict()
     ours.load_state_dict(state, strict=True)
@@ -447,7 +441,7 @@ def test_low_precision_error_rule(case_id, dtype, device):
     xs = make_inputs(case_id, device, torch.float64, requires_grad=False)
     with torch.no_grad():
         truth = doc.forward(*xs)
-        doc = _move_plain(doc, device, dtype) if plain else doc.to(dtype)
+        doc = plain_to(doc, device, dtype) if plain else doc.to(dtype)
         ours = ours.to(dtype)
         low = [x.to(dtype) for x in xs]
         err_doc = (doc.forward(*low).double() - truth).abs().max().item()

@@ -1,14 +1,24 @@
-"""The source documents' attention code, reproduced in our own code for the tests of
-attn_ext.compat to compare against.
+"""The source documents' attention code, reproduced in our own code: the ground truth that
+:mod:`attn_ext.compat` is checked against, by ``python -m attn_ext`` and by the test suite.
 
-Each class/function computes what its document computes, written as in the document (same
-names, parameters, operations). Where the document's code is wrong (design.md, "Where a
-document's code is wrong"), the reference computes what the document means and says so in a
-comment tagged CORRECTED; the document's literal code is kept beside it where a test uses it.
+Each class/function computes what its document (``../shared/seeds/``) computes, written as in
+the document (same names, parameters, operations), under one namespace per document:
+
+- :class:`doc000` -- document 000, TorchCode chapter 3 (:mod:`attn_ext.compat.torchcode`)
+- :class:`doc001` -- document 001, LLMs from scratch chapter 3 (:mod:`attn_ext.compat.llms_from_scratch`)
+- :class:`doc003` -- document 003, textbook section 4.2 (:mod:`attn_ext.compat.textbook`)
+- :class:`doc004` -- document 004, the attention zoo (:mod:`attn_ext.compat.attention_zoo`)
+
+Where the document's code is wrong (design.md, "Where a document's code is wrong"), the
+reproduction computes what the document means and says so in a comment tagged CORRECTED; the
+document's literal code is kept beside it where a test uses it.
 
 Document 000 (TorchCode) has two plain classes (MultiHeadAttention, GroupQueryAttention, not
-nn.Modules); they are kept plain here, and `plain_state_dict` builds the state dict a user would
-load from one.
+nn.Modules); they are kept plain here: :func:`plain_state_dict` builds the state dict a user
+would load from one and :func:`plain_to` moves one to a device/dtype.
+
+This module is plain PyTorch (it does not use attn_ext) and is slow by design: it materializes
+every score matrix, as the documents do.
 """
 import math
 
@@ -141,9 +151,20 @@ class doc000:
         return output / row_sum
 
 
-def plain_state_dict(obj, names=("W_q", "W_k", "W_v", "W_o")):
+PLAIN_LAYERS = ("W_q", "W_k", "W_v", "W_o")
+
+
+def plain_state_dict(obj, names=PLAIN_LAYERS):
     """The state dict of one of document 000's plain classes (its nn.Linear attributes)."""
     return {f"{n}.{p}": t for n in names for p, t in getattr(obj, n).named_parameters()}
+
+
+def plain_to(obj, device=None, dtype=None, names=PLAIN_LAYERS):
+    """``.to(device, dtype)`` for one of document 000's plain classes (moves its nn.Linear
+    attributes in place); returns ``obj``."""
+    for n in names:
+        getattr(obj, n).to(device=device, dtype=dtype)
+    return obj
 
 
 # =============================================================================================
