@@ -272,6 +272,87 @@ def weights_case(name, make, **opts):
     return Case(name, make, ext, ref, grads=("q", "k"))
 
 
+def reference_rope(x, positions, interleaved, exact):
+    """RoPE with fp32 angles. exact=False: the plain float32 way (torch's fp32 frequencies,
+    cos/sin cast to x's dtype, as HuggingFace computes it); exact=True: the float64 truth from
+    the correctly rounded fp32 frequencies attn_ext defines."""
+    d = x.shape[-1]
+    exponent = torch.arange(0, d, 2, device=x.device).float() / d
+    inv = (1.0 / 10000.0 ** exponent.double()).float() if exact else 1.0 / (10000.0 ** exponent)
+    ang = positions.float()[:, None, :, None] * inv  # (B, 1, S, D/2) float32
+    dt = torch.float64 if exact else x.dtype
+    cos, sin = (torch.cos(ang.double()) if exact else torch.cos(ang)).to(dt), \
+        (torch.sin(ang.double()) if exact else torch.sin(ang)).to(dt)
+    x = x.to(dt)
+    if interleaved:
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * torch.cat([cos, cos], -1) + rotated * torch.cat([sin, sin], -1)
+
+
+def rope_case(interleaved):
+    def make(dev):
+        return {"x": randn(2, 4, 37, 64, device=dev).transpose(1, 2).contiguous().transpose(1, 2),
+                "positions": torch.randint(0, 8192, (2, 37), device=dev)}
+
+    def ext(x, positions):
+        return (attn_ext.rope(x, positions=positions, interleaved=interleaved),)
+
+    def ref(x, positions):
+        return (reference_rope(x, positions, interleaved, exact=False),)
+
+    def truth(x, positions):
+        return (reference_rope(x, positions, interleaved, exact=True),)
+
+    layout = "pairs (2i, 2i+1)" if interleaved else "halves (LLaMA)"
+    return Case(f"rope {layout}, positions < 8192", make, ext, ref, grads=("x",), truth=truth)
+
+
+def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):
+    def make(dev):
+        b, cap = len(lengths), max(lengths) + 5
+        return {"q": randn(b, h, sq, 64, device=dev), "k_cache": randn(b, hkv, cap, 64, device=dev),
+                "v_cache": randn(b, hkv, cap, 64, device=dev),
+                "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev)}
+
+    def ext(q, k_cache, v_cache, lengths):
+        return tuple(attn_ext.decode_attention(q, k_cache, v_cache, lengths, num_splits=splits,
+                                               return_lse=True))
+
+    def ref(q, k_cache, v_cache, lengths):
+        outs, lses = [], []
+        for b, n in enumerate(lengths.tolist()):
+            q_b, k_b, v_b = q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n]
+            keep = keep_mask(sq, n, q.device, causal=True)
+            outs.append(reference_attention(q_b, k_b, v_b, keep=keep))
+            lses.append(reference_lse(q_b, k_b, keep=keep))
+        return torch.cat(outs), torch.cat(lses)
+
+    return Case(name, make, ext, ref, grads=())
+
+
+def reference_linear(q, k, v, causal, eps=1e-6):
+    """Document 000's linear attention with phi = elu + 1; causal as the masked quadratic form."""
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    if not causal:
+        return (fq @ (fk.transpose(-1, -2) @ v)) / (fq @ fk.sum(-2, keepdim=True).transpose(-1, -2) + eps)
+    w = (fq @ fk.transpose(-1, -2)).tril()
+    return (w @ v) / (w.sum(-1, keepdim=True) + eps)
+
+
+def linear_case(causal):
+    def ext(q, k, v):
+        return (attn_ext.linear_attention(q, k, v, causal=causal),)
+
+    def ref(q, k, v):
+        return (reference_linear(q, k, v, causal),)
+
+    name = "linear_attention " + ("causal (chunked)" if causal else "non-causal")
+    return Case(name, lambda d: qkv(sq=150, sk=150, dv=48, device=d), ext, ref)
+
+
 def all_cases() -> List[Case]:
     return [
         attention_case("attention", lambda d: qkv(device=d)),
@@ -298,6 +379,12 @@ def all_cases() -> List[Case]:
         weights_case("attention_weights causal Sq>Sk", lambda d: qkv(sq=40, sk=24, device=d), causal=True),
         weights_case("attention_weights window + bool mask", lambda d: with_mask(qkv(device=d), bool_mask),
                      window_size=(8, 8)),
+        rope_case(interleaved=True),
+        rope_case(interleaved=False),
+        decode_case("decode_attention GQA 8/2, ragged lengths"),
+        decode_case("decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4),
+        linear_case(causal=False),
+        linear_case(causal=True),
     ]
 
 
@@ -319,6 +406,8 @@ def forward_backward(fn, inputs, grads, grad_out):
     """Runs fn on leaf copies of the inputs; returns (outputs, input grads)."""
     leaves = {n: (t.detach().requires_grad_() if n in grads else t) for n, t in inputs.items()}
     outs = fn(**leaves)
+    if not grads:  # inference-only ops (decode)
+        return [o.detach() for o in outs], []
     gs = torch.autograd.grad((outs[0] * grad_out.to(outs[0].dtype)).sum(), [leaves[n] for n in grads])
     return [o.detach() for o in outs], list(gs)
 
