@@ -510,6 +510,14 @@ class CompatCase:
     shapes: Tuple[Tuple[int, ...], ...]
     args: Tuple = ()
     kwargs: Callable[[torch.device], dict] = lambda device: {}
+    # float64 tolerance relative to the magnitude, where the document itself computes part of
+    # its float64 result in float32 (default COMPAT_F64_RTOL: the document is exact in float64)
+    f64_rtol: Optional[float] = None
+
+
+def _concat(fn):
+    """A function returning a tuple of tensors, as one tensor (the checks compare one output)."""
+    return lambda *xs, **kw: torch.cat(fn(*xs, **kw), dim=-1)
 
 
 def compat_cases() -> List[CompatCase]:
@@ -532,6 +540,12 @@ def compat_cases() -> List[CompatCase]:
                    tc.sliding_window_attention, same3, kwargs=lambda device: {"window_size": 2}),
         CompatCase("torchcode.flash_attention", doc000.flash_attention, tc.flash_attention,
                    ((2, 37, 8),) * 3, kwargs=lambda device: {"block_size": 16}),
+        # The document's cos/sin tables are float32 for any input (angle error ~ position x 2^-24),
+        # while attn_ext takes cos/sin of the same fp32 angles in float64 for float64 inputs.
+        CompatCase("torchcode.apply_rope (q_rot, k_rot)", _concat(doc000.apply_rope), _concat(tc.apply_rope),
+                   ((2, 37, 16), (2, 37, 16)), f64_rtol=37 * 2.0**-22),
+        CompatCase("torchcode.linear_attention", doc000.linear_attention, tc.linear_attention,
+                   ((2, 37, 8), (2, 37, 8), (2, 37, 5))),
         CompatCase("llms_from_scratch.simplified_self_attention", doc001.simplified_self_attention,
                    lfs.simplified_self_attention, ((6, 3),)),
         CompatCase("llms_from_scratch.SelfAttention_v1", doc001.SelfAttention_v1, lfs.SelfAttention_v1,
@@ -615,7 +629,7 @@ def run_compat_case(case: CompatCase, device: torch.device, dtype: torch.dtype) 
             return res
         if dtype == torch.float64:
             finite = w.abs().masked_fill(w.isinf(), 0)
-            tol = COMPAT_F64_RTOL * max(1.0, finite.max().item() if finite.numel() else 0.0)
+            tol = (case.f64_rtol or COMPAT_F64_RTOL) * max(1.0, finite.max().item() if finite.numel() else 0.0)
         else:
             tol = 2 * max_error(b, w) + accumulation_floor(w)
         res.errors[label] = (max_error(g, w), tol)

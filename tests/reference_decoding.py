@@ -1,5 +1,5 @@
 """References for the decoding family (RoPE, KV cache, decode attention), plain PyTorch
-written for the tests (no attn_ext import).
+written for the tests (the documents' own code comes from attn_ext.testing.documents).
 
 * document 000 ``apply_rope``: (B, S, D) inputs at positions ``0..S-1``; the frequencies
   ``1 / 10000 ** (2i / D)`` and the angles in float32; features ``(2i, 2i + 1)`` rotated as a
@@ -14,11 +14,9 @@ written for the tests (no attn_ext import).
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import nn
 
+from attn_ext.testing.documents import doc000
 from reference import attention_reference, repeat_kv
 
 
@@ -79,50 +77,10 @@ def rope_reference(x: torch.Tensor, *, positions=None, offset: int = 0, base: fl
     return torch.cat([y, rest], dim=-1)
 
 
-def doc000_apply_rope(q: torch.Tensor, k: torch.Tensor):
-    """Document 000's apply_rope on (B, S, D): interleaved pairs, positions 0..S-1. (Like the
-    document, the float32 tables promote a low-precision input to float32.)"""
-    _, S, D = q.shape
-    ang = rope_angles(torch.arange(S, device=q.device), D, inv_freq=torch_inv_freq(D, device=q.device))
-    cos, sin = torch.cos(ang)[None], torch.sin(ang)[None]
-
-    def rotate(x):
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-
-    return rotate(q), rotate(k)
-
-
-class Doc000KVCacheAttention(nn.Module):
-    """Document 000's KVCacheAttention: W_q/W_k/W_v/W_o, a (k, v) tuple cache grown by cat,
-    the bottom-right triu mask for a multi-token call."""
-
-    def __init__(self, d_model: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.dk = d_model // num_heads
-        self.W_q = nn.Linear(d_model, d_model)
-        self.W_k = nn.Linear(d_model, d_model)
-        self.W_v = nn.Linear(d_model, d_model)
-        self.W_o = nn.Linear(d_model, d_model)
-
-    def forward(self, x, cache=None):
-        B, S_new, _ = x.shape
-
-        def split(t):
-            return t.view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
-
-        q, k, v = split(self.W_q(x)), split(self.W_k(x)), split(self.W_v(x))
-        if cache is not None:
-            k = torch.cat([cache[0], k], dim=2)
-            v = torch.cat([cache[1], v], dim=2)
-        S_total = k.shape[2]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.dk)
-        if S_new > 1:
-            scores = scores + torch.triu(torch.full((S_new, S_total), float("-inf"), device=x.device),
-                                         diagonal=S_total - S_new + 1)
-        attn = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(B, S_new, -1)
-        return self.W_o(attn), (k, v)
+# Document 000's apply_rope and KVCacheAttention (attn_ext.testing.documents reproduces the
+# documents' code; its apply_rope computes the frequencies in torch float32 like the document).
+doc000_apply_rope = doc000.apply_rope
+Doc000KVCacheAttention = doc000.KVCacheAttention
 
 
 def decode_reference(q, k_cache, v_cache, lengths, *, scale=None, causal=True, window_left=-1):

@@ -1,6 +1,6 @@
 """Reference implementations of linear attention for the tests (plain PyTorch, no attn_ext).
 
-* ``doc000_linear_attention`` -- document 000's function, verbatim: feature map
+* ``doc000_linear_attention`` -- document 000's function (from attn_ext.testing.documents): feature map
   ``elu(x) + 1``, ``phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + 1e-6)`` on (B, S, D) tensors,
   every step at the input dtype.
 * ``linear_attention_quadratic`` -- the masked quadratic form
@@ -21,18 +21,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from attn_ext.testing.documents import doc000
+
 FEATURE_MAPS = ("elu+1", "relu", "identity")
 
 
-def doc000_linear_attention(Q, K, V):
-    """Document 000, verbatim."""
-    Q_prime = F.elu(Q) + 1  # (B, S, D_k)
-    K_prime = F.elu(K) + 1  # (B, S, D_k)
-    KV = torch.bmm(K_prime.transpose(1, 2), V)  # (B, D_k, D_v)
-    numerator = torch.bmm(Q_prime, KV)  # (B, S, D_v)
-    K_sum = K_prime.sum(dim=1, keepdim=True)  # (B, 1, D_k)
-    denominator = torch.bmm(Q_prime, K_sum.transpose(1, 2))  # (B, S, 1)
-    return numerator / (denominator + 1e-6)
+# Document 000's function (attn_ext.testing.documents reproduces the documents' code).
+doc000_linear_attention = doc000.linear_attention
 
 
 def feature(x: torch.Tensor, feature_map: str) -> torch.Tensor:

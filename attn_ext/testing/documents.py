@@ -150,6 +150,57 @@ class doc000:
             row_max = new_max
         return output / row_sum
 
+    class KVCacheAttention(nn.Module):
+        """Self-attention with a (k, v) tuple cache grown by concatenation; a call of
+        S_new > 1 tokens masks with triu(-inf, diagonal=S_total - S_new + 1)."""
+
+        def __init__(self, d_model, num_heads):
+            super().__init__()
+            self.num_heads = num_heads
+            self.dk = d_model // num_heads
+            self.W_q = nn.Linear(d_model, d_model)
+            self.W_k = nn.Linear(d_model, d_model)
+            self.W_v = nn.Linear(d_model, d_model)
+            self.W_o = nn.Linear(d_model, d_model)
+
+        def forward(self, x, cache=None):
+            B, S_new, _ = x.shape
+            heads = [proj(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+                     for proj in (self.W_q, self.W_k, self.W_v)]
+            q, k, v = heads
+            if cache is not None:
+                k = torch.cat([cache[0], k], dim=2)
+                v = torch.cat([cache[1], v], dim=2)
+            S_total = k.shape[2]
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.dk)
+            if S_new > 1:
+                future = torch.full((S_new, S_total), float('-inf'), device=x.device)
+                scores = scores + torch.triu(future, diagonal=S_total - S_new + 1)
+            attn = torch.softmax(scores, dim=-1) @ v
+            return self.W_o(attn.transpose(1, 2).contiguous().view(B, S_new, -1)), (k, v)
+
+    @staticmethod
+    def apply_rope(q, k):
+        """Interleaved RoPE on (B, S, D) at positions 0..S-1, tables in float32."""
+        _, S, D = q.shape
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=q.device).float() / D))
+        angles = torch.arange(S, device=q.device).float()[:, None] * freqs[None]
+        cos, sin = torch.cos(angles)[None], torch.sin(angles)[None]
+
+        def rotate(x):
+            even, odd = x[..., 0::2], x[..., 1::2]
+            return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+        return rotate(q), rotate(k)
+
+    @staticmethod
+    def linear_attention(Q, K, V):
+        """phi = elu + 1; phi(Q) (phi(K)^T V) normalized by phi(Q) . sum phi(K) + 1e-6, (B, S, D)."""
+        Qf, Kf = F.elu(Q) + 1, F.elu(K) + 1
+        numerator = torch.bmm(Qf, torch.bmm(Kf.transpose(1, 2), V))
+        denominator = torch.bmm(Qf, Kf.sum(dim=1, keepdim=True).transpose(1, 2))
+        return numerator / (denominator + 1e-6)
+
 
 PLAIN_LAYERS = ("W_q", "W_k", "W_v", "W_o")
 
