@@ -77,19 +77,9 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
       for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
         const int64_t n = std::min(kN, j_end - j0);
-        const acc_t* kt;
-        const acc_t* vt;
         int64_t ldk, ldv;
-        if constexpr (Traits::kConvert) {
-          for (int64_t c = 0; c < n; ++c) {
-            load_row(k + (j0 + c) * p.k_row_stride, k_buf.get() + c * D, D, acc_t(1));
-            load_row(v + (j0 + c) * p.v_row_stride, v_buf.get() + c * Dv, Dv, acc_t(1));
-          }
-          kt = k_buf.get(), vt = v_buf.get(), ldk = D, ldv = Dv;
-        } else {
-          kt = k + j0 * p.k_row_stride, vt = v + j0 * p.v_row_stride;
-          ldk = p.k_row_stride, ldv = p.v_row_stride;
-        }
+        const acc_t* kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
+        const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
         if (!band.tile_unmasked(i_begin, i_end, j0, j0 + n)) {

@@ -19,20 +19,6 @@
 namespace attn_ext::cpu {
 namespace {
 
-// Points at a tile of `rows` rows of a strided input, converting it to acc_t if needed.
-template <typename scalar_t, typename acc_t>
-const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols,
-                       acc_t* buf, int64_t* ld_out) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    *ld_out = ld;
-    return src;
-  } else {
-    for (int64_t r = 0; r < rows; ++r) load_row(src + r * ld, buf + r * cols, cols, acc_t(1));
-    *ld_out = cols;
-    return buf;
-  }
-}
-
 // The log-sum-exp rows of one (batch, head) in acc_t, log2 domain. The forward reports lse
 // in float32 (design), which caps fp64 gradients at ~1e-7 relative error; fp64 callers ask
 // for exactness, so for them the backward recomputes it in fp64 (one extra Q K^T pass).

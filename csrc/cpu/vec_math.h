@@ -4,6 +4,7 @@
 // (double rows, other ISAs, the tails) takes the scalar loop, which defines the semantics.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <limits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -176,6 +177,20 @@ inline void load_row(const scalar_t* src, acc_t* dst, int64_t n, acc_t a) {
 template <typename scalar_t, typename acc_t>
 inline void store_row(const acc_t* src, scalar_t* dst, int64_t n, acc_t a) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j] * a);
+}
+
+// Points at a tile of `rows` rows of a strided input, converting it to acc_t if needed.
+template <typename scalar_t, typename acc_t>
+const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols,
+                       acc_t* buf, int64_t* ld_out) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    *ld_out = ld;
+    return src;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) load_row(src + r * ld, buf + r * cols, cols, acc_t(1));
+    *ld_out = cols;
+    return buf;
+  }
 }
 
 }  // namespace attn_ext::cpu
