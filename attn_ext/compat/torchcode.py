@@ -75,6 +75,11 @@ class MultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(d_model, d_model)
         self.W_o = nn.Linear(d_model, d_model)
 
+    def _heads(self, proj: nn.Linear, x):
+        """(B, S, d_model) projected and viewed as (B, num_heads, S, dk)."""
+        B, S, _ = x.shape
+        return proj(x).view(B, S, self.num_heads, self.dk).transpose(1, 2)
+
     def forward(self, Q, K, V):
         name = type(self).__name__
         d_model = self.W_q.in_features
@@ -82,13 +87,10 @@ class MultiHeadAttention(nn.Module):
             _check_rank(name, t, (3,), "(B, S, d_model)")
             _check_last(name, t, d_model, n)
         B, S_q, _ = Q.shape
-        S_k = K.shape[1]
         if V.shape[:2] != K.shape[:2] or K.shape[0] != B:
             raise ValueError(f"{name}: K and V must be (B, S_k, d_model) with Q's batch size {B}, "
                              f"got K {tuple(K.shape)}, V {tuple(V.shape)}")
-        q = self.W_q(Q).view(B, S_q, self.num_heads, self.dk).transpose(1, 2)
-        k = self.W_k(K).view(B, S_k, self.num_heads, self.dk).transpose(1, 2)
-        v = self.W_v(V).view(B, S_k, self.num_heads, self.dk).transpose(1, 2)
+        q, k, v = self._heads(self.W_q, Q), self._heads(self.W_k, K), self._heads(self.W_v, V)
         attn = _attend(q, k, v, scale=1.0 / math.sqrt(self.dk), name=name)
         out = attn.transpose(1, 2).reshape(B, S_q, -1)
         return self.W_o(out)
@@ -118,12 +120,9 @@ class MultiHeadCrossAttention(MultiHeadAttention):
             _check_rank(name, t, (3,), "(B, S, d_model)")
             _check_last(name, t, d_model, n)
         B, S_q, _ = x_q.shape
-        S_kv = x_kv.shape[1]
         if x_kv.shape[0] != B:
             raise ValueError(f"{name}: x_kv batch size must equal x_q's {B}, got {tuple(x_kv.shape)}")
-        q = self.W_q(x_q).view(B, S_q, self.num_heads, self.dk).transpose(1, 2)
-        k = self.W_k(x_kv).view(B, S_kv, self.num_heads, self.dk).transpose(1, 2)
-        v = self.W_v(x_kv).view(B, S_kv, self.num_heads, self.dk).transpose(1, 2)
+        q, k, v = self._heads(self.W_q, x_q), self._heads(self.W_k, x_kv), self._heads(self.W_v, x_kv)
         attn = _attend(q, k, v, scale=1.0 / math.sqrt(self.dk), name=name)
         return self.W_o(attn.transpose(1, 2).reshape(B, S_q, -1))
 
@@ -189,32 +188,22 @@ def flash_attention(Q, K, V, block_size=32):
     return _attend(Q, K, V, name=name)
 
 
-class KVCacheAttention(nn.Module):
+class KVCacheAttention(MultiHeadAttention):
     """Multi-head self-attention with a key/value cache, ``forward(x, cache=None)``.
 
     x (B, S_new, d_model); ``cache`` is ``None`` or the ``(k, v)`` tuple a previous call
     returned, each (B, num_heads, S_past, dk). Returns ``(out, (k, v))``: out
     (B, S_new, d_model) and the cache grown by the new tokens. The new queries sit at the end
     of the sequence (causal, bottom-right), so prefill followed by single-token steps equals
-    one full causal forward."""
-
-    def __init__(self, d_model, num_heads):
-        super().__init__()
-        self.num_heads = num_heads
-        self.dk = d_model // num_heads
-        self.W_q = nn.Linear(d_model, d_model)
-        self.W_k = nn.Linear(d_model, d_model)
-        self.W_v = nn.Linear(d_model, d_model)
-        self.W_o = nn.Linear(d_model, d_model)
+    one full causal forward. Same constructor and parameters (``W_q``, ``W_k``, ``W_v``,
+    ``W_o``) as :class:`MultiHeadAttention`."""
 
     def forward(self, x, cache=None):
         name = type(self).__name__
         _check_rank(name, x, (3,), "(B, S_new, d_model)")
         _check_last(name, x, self.W_q.in_features, "x")
         B, S_new, _ = x.shape
-        q = self.W_q(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
-        k = self.W_k(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
-        v = self.W_v(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+        q, k, v = self._heads(self.W_q, x), self._heads(self.W_k, x), self._heads(self.W_v, x)
         if cache is not None:
             try:
                 k_past, v_past = cache

@@ -21,8 +21,6 @@ int64_t blas_row_stride(const at::Tensor& t) {
   return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
 }
 
-namespace {
-
 void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
   TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, Hkv, Sk, D), got ", k.dim(), "-D ", k.sizes());
@@ -37,10 +35,9 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
               ", got ", k.device());
   TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(),
               ", got ", v.device());
-  TORCH_CHECK(k.size(0) == q.size(0), op, ": k batch size must equal q's ", q.size(0),
-              ", got ", k.size(0));
-  TORCH_CHECK(v.size(0) == q.size(0), op, ": v batch size must equal q's ", q.size(0),
-              ", got ", v.size(0));
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), op,
+              ": k and v batch size must equal q's ", q.size(0), ", got k ", k.sizes(), " and v ",
+              v.sizes());
   TORCH_CHECK(v.size(1) == k.size(1), op, ": v must have k's number of heads ", k.size(1),
               ", got ", v.size(1));
   TORCH_CHECK(k.size(1) > 0 || q.size(1) == 0, op, ": k must have at least one head, got ",
@@ -53,6 +50,8 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3),
               ", got ", k.size(3));
 }
+
+namespace {
 
 at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor& q,
                         int64_t sk) {

@@ -27,6 +27,10 @@ struct PreparedInputs {
   AttentionParams params;  // shapes, strides, scale, band, mask and dropout; no outputs
 };
 
+// The q/k/v checks every attention-like op shares: 4-D, one floating dtype, one device, one
+// batch size, H % Hkv == 0, v's heads and length equal to k's, k's head dim equal to q's.
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
 PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const AttentionOptions& opts);
 

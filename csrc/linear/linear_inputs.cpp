@@ -20,32 +20,12 @@ FeatureMap parse_feature_map(const char* op, std::string_view name) {
   TORCH_CHECK(false, op, ": feature_map must be one of ", valid.str(), ", got \"", name, "\"");
 }
 
-void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               bool causal) {
-  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
-  TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, H, Sk, D), got ", k.dim(), "-D ", k.sizes());
-  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, H, Sk, Dv), got ", v.dim(), "-D ", v.sizes());
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op,
-              ": q must be float32, float64, bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ",
-              q.scalar_type(), ", got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ",
-              q.scalar_type(), ", got ", v.scalar_type());
-  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(), ", got ",
-              k.device());
-  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
-              v.device());
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), op,
-              ": k and v batch size must equal q's ", q.size(0), ", got k ", k.sizes(), " and v ",
-              v.sizes());
+void check_linear_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, bool causal) {
+  check_qkv(op, q, k, v);
   // Every query head owns its state; grouped key/value heads are not supported.
-  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1), op,
-              ": k and v must have q's number of heads ", q.size(1), ", got k ", k.sizes(),
-              " and v ", v.sizes());
-  TORCH_CHECK(v.size(2) == k.size(2), op, ": v sequence length must equal k's ", k.size(2),
-              ", got ", v.size(2));
-  TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3), ", got ",
-              k.size(3));
+  TORCH_CHECK(k.size(1) == q.size(1), op, ": k and v must have q's number of heads ", q.size(1),
+              ", got k ", k.sizes(), " and v ", v.sizes());
   // Causal position i is both the i-th query and the i-th key.
   TORCH_CHECK(!causal || q.size(2) == k.size(2), op,
               ": causal linear attention needs Sq == Sk, got Sq=", q.size(2), " and Sk=",
@@ -79,7 +59,7 @@ LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const
                                       const std::optional<at::Tensor>& initial_kv,
                                       const std::optional<at::Tensor>& initial_k, bool causal,
                                       double eps, std::string_view feature_map) {
-  check_qkv(op, q, k, v, causal);
+  check_linear_qkv(op, q, k, v, causal);
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be finite and >= 0, got ", eps);
   LinearInputs r;
   LinearAttentionParams& p = r.params;
