@@ -93,12 +93,12 @@ size_t generic_smem(const AttentionParams& p, bool backward) {
 
 const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
                                        size_t max_smem) {
-  // Grids are 1-D over (b, h, 16-row or 16-key block) at the finest: at most 2^31 - 1 blocks.
+  // Grids are 1-D; the finest is the backward's preprocess, 4 rows (one per warp) per block.
   constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
-  constexpr int64_t kFinestBlock = 16;
+  constexpr int64_t kFinestBlock = 4;
   const int64_t longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
   if (p.batch * p.heads * ceil_div(longest, kFinestBlock) > kMaxBlocks) {
-    return "B * H * ceil(max(Sq, Sk) / 16) exceeds the 2^31 - 1 blocks of a CUDA grid";
+    return "B * H * ceil(max(Sq, Sk) / 4) exceeds the 2^31 - 1 blocks of a CUDA grid";
   }
   const char* why = nullptr;
   dispatch_elem(kind, [&](auto* tag) {
