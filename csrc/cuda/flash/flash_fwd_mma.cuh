@@ -22,7 +22,7 @@
 namespace attn_ext::cuda {
 
 // rows x cols of a strided (row_stride) global tile into a [max_rows][kPitch] shared tile,
-// zero outside rows x cols; 16-byte loads where the addresses allow.
+// zero outside rows x cols; 16-byte loads where the addresses allow. T is a 16-bit type.
 template <typename Tr, typename T>
 __device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_stride, int64_t rows,
                                               int max_rows, int64_t cols) {
@@ -36,8 +36,13 @@ __device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_
       if (vec_ok && c + Tr::kVec <= cols) {
         val = *reinterpret_cast<const uint4*>(s);
       } else {
-        T* v = reinterpret_cast<T*>(&val);
-        for (int e = 0; e < Tr::kVec && c + e < cols; ++e) v[e] = s[e];
+        // element by element as 16-bit patterns packed into the four words (registers only)
+        const unsigned short* bits = reinterpret_cast<const unsigned short*>(s);
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int e = 0; e < Tr::kVec; ++e)
+          if (c + e < cols) w[e / 2] |= static_cast<uint32_t>(bits[e]) << (16 * (e % 2));
+        val = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
     *reinterpret_cast<uint4*>(dst + r * Tr::kPitch + c) = val;
