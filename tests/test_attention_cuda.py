@@ -173,7 +173,10 @@ def test_fully_masked_rows(dtype):
 def test_windows(dtype, window):
     q, k, v = make_qkv(1, 2, 2, 600, 777, 64, dtype=dtype, device=DEV)
     check_vs_truth(q, k, v, window_size=window)
-    check_grads(q, k, v, window_size=window)
+    if window != (0, 0):
+        # (0, 0): every row sees one key, so the reference's dq is exactly 0 (P = 1) while a
+        # kernel recomputing P from lse gets P = 1 - O(eps): the 2x rule cannot apply there
+        check_grads(q, k, v, window_size=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
