@@ -37,19 +37,30 @@ DTYPES = LOW + [pytest.param(torch.float32, id="float32")]
 TRUTH_CHUNK = 1024  # query rows per float64 truth chunk: 1024 x 16k x 8 B = 128 MiB of scores
 
 
-def truth_chunked(q, k, v, causal):
-    """float64 attention (bottom-right causal), query rows in chunks so that S = 16k fits."""
-    q64, k64, v64 = (x.double() for x in (q, k, v))
+def plain_chunked(q, k, v, causal, dtype=torch.float64):
+    """softmax(q k^T / sqrt(D)) v at `dtype` (softmax in fp32 for 16-bit dtypes; bottom-right
+    causal), query rows in chunks so that S = 16k fits; float64 is the truth."""
+    q2, k2, v2 = (x.to(dtype) for x in (q, k, v))
     sq, sk = q.shape[2], k.shape[2]
-    out = torch.empty(*q.shape[:3], v.shape[3], dtype=torch.float64, device=q.device)
+    out = torch.empty(*q.shape[:3], v.shape[3], dtype=dtype, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[3])
     for i0 in range(0, sq, TRUTH_CHUNK):
-        s = (q64[:, :, i0:i0 + TRUTH_CHUNK] @ k64.transpose(-2, -1)) * scale
+        s = (q2[:, :, i0:i0 + TRUTH_CHUNK] @ k2.transpose(-2, -1)) * scale
         if causal:
             i = torch.arange(i0, min(sq, i0 + TRUTH_CHUNK), device=q.device).unsqueeze(1) + (sk - sq)
             s = s.masked_fill(torch.arange(sk, device=q.device) > i, float("-inf"))
-        out[:, :, i0:i0 + TRUTH_CHUNK] = torch.softmax(s, dim=-1) @ v64
+        p = torch.softmax(s.float() if dtype in (torch.bfloat16, torch.float16) else s, dim=-1)
+        out[:, :, i0:i0 + TRUTH_CHUNK] = p.to(dtype) @ v2
     return out
+
+
+def less_exact(a, b, truth):
+    """Whichever of two torch results is further from the truth: the allowance of the rule is
+    torch's own error at this dtype, from its fused kernel (SDPA) or its plain matmul path,
+    whichever is larger (fp32 SDPA on a GPU is exact to ~1 ulp, tighter than any blocked
+    fp32 accumulation)."""
+    err = lambda x: (x.double() - truth).abs().max().item()
+    return a if err(a) >= err(b) else b
 
 
 def sdpa(q, k, v, causal=False, **kw):
@@ -87,8 +98,8 @@ def check_grads(q, k, v, **kw):
 def test_large_forward_vs_sdpa(dtype, S, D, causal):
     q, k, v = make_qkv(1, 2, 2, S, S, D, dtype=dtype, device=DEV)
     out = attn_ext.attention(q, k, v, causal=causal)
-    tru = truth_chunked(q, k, v, causal)
-    assert_error_rule(out, sdpa(q, k, v, causal), tru)
+    tru = plain_chunked(q, k, v, causal)
+    assert_error_rule(out, less_exact(sdpa(q, k, v, causal), plain_chunked(q, k, v, causal, dtype), tru), tru)
 
 
 @pytest.mark.slow

@@ -118,17 +118,22 @@ flash_fwd_generic_kernel(AttentionParams p) {
 
     // output: thread t owns features t, t + kThreads, ... of every row
     const int64_t n = min(int64_t(kTile), bi.n_end - j0);
+    // (the tile's sum is formed apart and then added: blocked summation, so the rounding error
+    // grows with kTile + Sk / kTile rather than with Sk)
     for (int64_t f = threadIdx.x; f < Dv; f += blockDim.x) {
       acc_t o[kRows];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) o[r] = o_s[r * Dv + f] * (r < bi.rows ? factor_s[r] : acc_t(1));
+      for (int r = 0; r < kRows; ++r) o[r] = 0;
       for (int64_t jj = 0; jj < n; ++jj) {
         const acc_t vv = Elem<T>::load(v[(j0 + jj) * p.v_row_stride + f]);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) o[r] += s_s[r * kTile + jj] * vv;
       }
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) o_s[r * Dv + f] = o[r];
+      for (int r = 0; r < kRows; ++r) {
+        const acc_t factor = r < bi.rows ? factor_s[r] : acc_t(1);
+        o_s[r * Dv + f] = o_s[r * Dv + f] * factor + o[r];
+      }
     }
     __syncthreads();
   }
