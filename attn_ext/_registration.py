@@ -195,7 +195,8 @@ def _map_format(channels_last):
 @torch.library.register_fake("attn_ext::channel_pool")
 def _channel_pool_fake(x):
     N, _, H, W = x.shape
-    pooled = x.new_empty((N, 2, H, W)).contiguous(memory_format=_map_format(_channels_last(x)))
+    # pooled is channels-last whatever x's layout (the convolution's fastest input)
+    pooled = torch.empty((N, 2, H, W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     return pooled, x.new_empty((N, 1, H, W), dtype=torch.int32)
 
 
@@ -203,6 +204,11 @@ def _channel_pool_fake(x):
 def _channel_pool_backward_fake(grad_pooled, argmax, channels, *, channels_last=False):
     N, _, H, W = grad_pooled.shape
     return grad_pooled.new_empty((N, channels, H, W)).contiguous(memory_format=_map_format(channels_last))
+
+
+@torch.library.register_fake("attn_ext::channel_pool_backward_accumulate_")
+def _channel_pool_backward_accumulate_fake(grad_x, grad_pooled, argmax):
+    return None
 
 
 def _channel_pool_setup_context(ctx, inputs, output):
@@ -232,7 +238,7 @@ def _spatial_gate_fake(x, gate):
 def _spatial_gate_backward_fake(grad_out, x, gate):
     N, _, H, W = x.shape
     return (x.new_empty(x.shape).contiguous(memory_format=_map_format(_channels_last(x))),
-            x.new_empty((N, 1, H, W)))
+            x.new_empty((N, 1, H, W), dtype=gate.dtype))
 
 
 def _spatial_gate_setup_context(ctx, inputs, output):

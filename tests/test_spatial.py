@@ -67,7 +67,7 @@ def test_channel_pool_float64(device, shape, layout):
     torch.testing.assert_close(pooled, expect, rtol=1e-12, atol=1e-12)
     assert torch.equal(argmax.long(), torch.max(x, dim=1, keepdim=True).indices)
     assert argmax.dtype == torch.int32 and pooled.shape == (shape[0], 2, *shape[2:])
-    assert is_layout(pooled, layout, shape)
+    assert pooled.is_contiguous(memory_format=torch.channels_last)  # always: the conv's layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -76,7 +76,7 @@ def test_channel_pool_float64(device, shape, layout):
 def test_channel_pool_low_precision(device, shape, dtype, layout):
     x = make_x(shape, dtype, layout, device)
     pooled = attn_ext.channel_pool(x)
-    assert pooled.dtype == dtype and is_layout(pooled, layout, shape)
+    assert pooled.dtype == dtype and pooled.is_contiguous(memory_format=torch.channels_last)
     truth = ref.channel_pool(x.double())
     assert_numerics(pooled, ref.channel_pool(x), truth, dtype, "pooled")
     # the max is a selection: exact at any dtype
@@ -156,6 +156,43 @@ def test_channel_pool_backward(device, layout):
     assert is_layout(gx, layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_spatial_gate_float32_gate(device, dtype):
+    """A float32 gate (a float32 convolution's output) for a low-precision x: the gate is used
+    unrounded and its gradient comes back in float32."""
+    x = torch.randn(2, 6, 5, 7, device=device).to(dtype).requires_grad_(True)
+    a = torch.randn(2, 1, 5, 7, device=device, requires_grad=True)
+    out = attn_ext.spatial_gate(x, a)
+    g = torch.randn_like(out)
+    gx, ga = torch.autograd.grad(out, (x, a), g)
+    assert out.dtype == dtype and gx.dtype == dtype and ga.dtype == torch.float32
+    xd, ad = x.detach().double().requires_grad_(True), a.detach().double().requires_grad_(True)
+    truth = ref.spatial_gate(xd, ad)
+    tgx, tga = torch.autograd.grad(truth, (xd, ad), g.double())
+    # one rounding to the dtype of a float32-exact value: half an ulp
+    torch.testing.assert_close(out.double(), truth, rtol=eps_of(dtype), atol=0)
+    torch.testing.assert_close(gx.double(), tgx, rtol=eps_of(dtype), atol=0)
+    # grad_gate: float32 accumulation of C products of dtype-exact values
+    torch.testing.assert_close(ga.double(), tga, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_channel_pool_backward_accumulate(device, layout, dtype):
+    x = make_x((2, 11, 5, 6), dtype, layout, device)
+    _, argmax = attn_ext.channel_pool(x, return_argmax=True)
+    gp = torch.randn(2, 2, 5, 6, device=device).to(dtype)
+    base = make_x((2, 11, 5, 6), dtype, layout, device)
+    acc = base.clone()
+    ops.channel_pool_backward_accumulate_(acc, gp, argmax)
+    fresh = ops.channel_pool_backward(gp, argmax, 11, channels_last=layout == "channels_last")
+    expect = base.double() + fresh.double()
+    tol = dict(rtol=1e-13, atol=1e-13) if dtype == torch.float64 else dict(rtol=eps_of(dtype), atol=eps_of(dtype))
+    torch.testing.assert_close(acc.double(), expect, **tol)
+    with pytest.raises(RuntimeError, match="grad_x must be dense NCHW or channels-last"):
+        ops.channel_pool_backward_accumulate_(base[:, :, :, :5], gp[..., :5], argmax[..., :5])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradcheck(device, layout):
     x = make_x((2, 4, 3, 5), torch.float64, layout, device, requires_grad=True)
@@ -164,6 +201,10 @@ def test_gradcheck(device, layout):
     torch.autograd.gradcheck(attn_ext.spatial_gate, (x, a))
     conv = torch.randn(1, 2, 3, 3, dtype=torch.float64, device=device, requires_grad=True)
     torch.autograd.gradcheck(lambda t, w: attn_ext.spatial_gate(t, F.conv2d(attn_ext.channel_pool(t), w, padding=1)),
+                             (x, conv))
+    # the module's fused backward (gate and pooling gradients in one pass)
+    sa = attn_ext.nn.SpatialAttention(3).to(device=device, dtype=torch.float64)
+    torch.autograd.gradcheck(lambda t, w: torch.func.functional_call(sa, {"conv.weight": w}, (t,)),
                              (x, conv))
 
 
@@ -306,8 +347,10 @@ def test_bad_input_messages(device):
         attn_ext.channel_pool(x.long())
     with pytest.raises(RuntimeError, match="spatial_gate: gate must have shape"):
         attn_ext.spatial_gate(x, torch.randn(2, 2, 5, 5, device=device))
-    with pytest.raises(RuntimeError, match="spatial_gate: gate must have x's dtype"):
+    with pytest.raises(RuntimeError, match="spatial_gate: gate must have x's dtype Float, got Double"):
         attn_ext.spatial_gate(x, torch.randn(2, 1, 5, 5, device=device, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="spatial_gate: gate must have x's dtype BFloat16 or float32, got Half"):
+        attn_ext.spatial_gate(x.bfloat16(), torch.randn(2, 1, 5, 5, device=device, dtype=torch.half))
     with pytest.raises(RuntimeError, match="spatial_gate: x must be 4-D"):
         attn_ext.spatial_gate(x[0], torch.randn(2, 1, 5, 5, device=device))
     g = torch.randn(2, 2, 5, 5, device=device)

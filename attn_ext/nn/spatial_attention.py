@@ -5,16 +5,20 @@ fused spatial kernels.
   ``C -> C/r -> C`` (ReLU between) shared by both pooled descriptors; returns ``F * M_c(F)``.
 * :class:`SpatialAttention` -- ``M_s(F) = sigmoid(conv_kxk([AvgPool_c(F); MaxPool_c(F)]))``;
   returns ``F * M_s(F)``. The channel pooling is :func:`attn_ext.spatial.channel_pool` (one read of
-  ``F``), the convolution ATen's, and the sigmoid and product one fused pass
-  (:func:`attn_ext.spatial.spatial_gate`).
+  ``F``), the convolution ATen's (in float32 for bfloat16/float16 inputs), and the sigmoid and
+  product one fused pass (:func:`attn_ext.spatial.spatial_gate`); the backward makes one pass
+  over ``F`` for the gradients of both the gate and the pooling.
 * :class:`CBAM` -- the channel gate, then the spatial gate on its output.
 
 Every module takes NCHW or channels-last input and returns the same memory format.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..spatial import channel_pool, spatial_gate
+from ..spatial import channel_pool
+
+_ops = torch.ops.attn_ext
 
 __all__ = ["CBAM", "ChannelAttention", "SpatialAttention"]
 
@@ -59,6 +63,39 @@ class ChannelAttention(nn.Module):
         return x * self.attention_map(x)
 
 
+def _conv_dtype(dtype):
+    # The 2-channel map is tiny next to x; oneDNN convolves it in float32 several times faster
+    # than in bfloat16/float16 on CPUs without native bf16 units, and more accurately.
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class _SpatialGate(torch.autograd.Function):
+    """x * sigmoid(conv(channel_pool(x), weight)) with one fused backward pass over x: the gate's
+    backward writes grad_x, and the pooling's gradient is added to it in place (instead of a
+    second full-size gradient and a sum of the two)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, padding):
+        pooled, argmax = _ops.channel_pool(x)
+        cdt = _conv_dtype(x.dtype)
+        pooled, w = pooled.to(cdt), weight.to(cdt)
+        logits = F.conv2d(pooled, w, padding=padding)
+        ctx.save_for_backward(x, pooled, w, logits, argmax)
+        ctx.padding, ctx.weight_dtype = padding, weight.dtype
+        return _ops.spatial_gate(x, logits)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, pooled, w, logits, argmax = ctx.saved_tensors
+        grad_x, grad_logits = _ops.spatial_gate_backward(grad_out, x, logits)
+        p = ctx.padding
+        grad_pooled, grad_w, _ = torch.ops.aten.convolution_backward(
+            grad_logits, pooled, w, None, [1, 1], [p, p], [1, 1], False, [0, 0], 1,
+            [True, ctx.needs_input_grad[1], False])
+        _ops.channel_pool_backward_accumulate_(grad_x, grad_pooled.to(x.dtype), argmax)
+        return grad_x, (grad_w.to(ctx.weight_dtype) if grad_w is not None else None), None
+
+
 class SpatialAttention(nn.Module):
     """CBAM's spatial attention: ``x * sigmoid(conv([mean_c(x); max_c(x)]))``.
 
@@ -80,15 +117,13 @@ class SpatialAttention(nn.Module):
         self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False,
                               device=device, dtype=dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        _check_map(type(self).__name__, x)
-        return self.conv(channel_pool(x))
-
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logits(x))
+        _check_map(type(self).__name__, x)
+        return torch.sigmoid(self.conv(channel_pool(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return spatial_gate(x, self.logits(x))
+        _check_map(type(self).__name__, x)
+        return _SpatialGate.apply(x, self.conv.weight, self.conv.padding[0])
 
 
 class CBAM(nn.Module):

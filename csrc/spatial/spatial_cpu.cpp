@@ -9,6 +9,7 @@
 // Accumulation and the sigmoid run in fp32 (fp64 for fp64).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -87,12 +88,11 @@ void channel_pool_kernel(const ChannelPoolParams& prm) {
           idx[i] = take ? static_cast<int32_t>(c) : idx[i];
         }
       }
-      scalar_t* avg_out = pooled + 2 * n * P + p0;
-      scalar_t* max_out = avg_out + P;
+      scalar_t* out = pooled + 2 * (n * P + p0);
       int32_t* arg_out = prm.argmax + n * P + p0;
       for (int64_t i = 0; i < len; ++i) {
-        avg_out[i] = static_cast<scalar_t>(sum[i] / static_cast<acc_t>(C));
-        max_out[i] = static_cast<scalar_t>(mx[i]);
+        out[2 * i] = static_cast<scalar_t>(sum[i] / static_cast<acc_t>(C));
+        out[2 * i + 1] = static_cast<scalar_t>(mx[i]);
         arg_out[i] = idx[i];
       }
     });
@@ -145,47 +145,61 @@ void channel_pool_backward_kernel(const ChannelPoolBackwardParams& prm) {
   const acc_t inv_c = acc_t(1) / static_cast<acc_t>(C);
   const auto* gp = static_cast<const scalar_t*>(prm.grad_pooled);
   auto* gx = static_cast<scalar_t*>(prm.out);
+  const bool acc = prm.accumulate;
   if (!l.channels_last) {
     for_each_tile(l, [&](int64_t n, int64_t p0, int64_t len) {
       acc_t g_avg[kPixelTile], g_max[kPixelTile];
-      const scalar_t* ga = gp + 2 * n * P + p0;
-      const scalar_t* gm = ga + P;
+      const scalar_t* g = gp + 2 * (n * P + p0);
       const int32_t* arg = prm.argmax + n * P + p0;
       for (int64_t i = 0; i < len; ++i) {
-        g_avg[i] = static_cast<acc_t>(ga[i]) * inv_c;
-        g_max[i] = static_cast<acc_t>(gm[i]);
+        g_avg[i] = static_cast<acc_t>(g[2 * i]) * inv_c;
+        g_max[i] = static_cast<acc_t>(g[2 * i + 1]);
       }
       scalar_t* gxn = gx + n * C * P + p0;
       for (int64_t c = 0; c < C; ++c) {
         scalar_t* gxc = gxn + c * P;
         const int32_t c32 = static_cast<int32_t>(c);
-        for (int64_t i = 0; i < len; ++i) {
-          gxc[i] = static_cast<scalar_t>(g_avg[i] + (arg[i] == c32 ? g_max[i] : acc_t(0)));
+        if (acc) {
+          for (int64_t i = 0; i < len; ++i) {
+            gxc[i] = static_cast<scalar_t>(static_cast<acc_t>(gxc[i]) + g_avg[i] +
+                                           (arg[i] == c32 ? g_max[i] : acc_t(0)));
+          }
+        } else {
+          for (int64_t i = 0; i < len; ++i) {
+            gxc[i] = static_cast<scalar_t>(g_avg[i] + (arg[i] == c32 ? g_max[i] : acc_t(0)));
+          }
         }
       }
     });
     return;
   }
   for_each_pixel(l, [&](int64_t r) {
-    const int64_t n = r / P, p = r % P;
-    const acc_t g_avg = static_cast<acc_t>(gp[2 * n * P + p]) * inv_c;
-    const acc_t g_max = static_cast<acc_t>(gp[2 * n * P + P + p]);
+    const acc_t g_avg = static_cast<acc_t>(gp[2 * r]) * inv_c;
+    const acc_t g_max = static_cast<acc_t>(gp[2 * r + 1]);
     scalar_t* row = gx + r * C;
-    const scalar_t fill = static_cast<scalar_t>(g_avg);
-    for (int64_t c = 0; c < C; ++c) row[c] = fill;
-    row[prm.argmax[r]] = static_cast<scalar_t>(g_avg + g_max);
+    const int32_t am = prm.argmax[r];
+    if (acc) {
+      for (int64_t c = 0; c < C; ++c) {
+        row[c] = static_cast<scalar_t>(static_cast<acc_t>(row[c]) + g_avg +
+                                       (c == am ? g_max : acc_t(0)));
+      }
+    } else {
+      const scalar_t fill = static_cast<scalar_t>(g_avg);
+      for (int64_t c = 0; c < C; ++c) row[c] = fill;
+      row[am] = static_cast<scalar_t>(g_avg + g_max);
+    }
   });
 }
 
 // ------------------------------------------------------------------------------ gate apply
 
-template <typename scalar_t>
+template <typename scalar_t, typename gate_t>
 void spatial_gate_kernel(const SpatialGateParams& prm) {
   using acc_t = at::opmath_type<scalar_t>;
   const MapLayout& l = prm.x;
   const int64_t C = l.channels, P = l.pixels;
   const auto* x = static_cast<const scalar_t*>(prm.in);
-  const auto* a = static_cast<const scalar_t*>(prm.gate);
+  const auto* a = static_cast<const gate_t*>(prm.gate);
   auto* out = static_cast<scalar_t*>(prm.out);
   if (!l.channels_last) {
     for_each_tile(l, [&](int64_t n, int64_t p0, int64_t len) {
@@ -208,16 +222,16 @@ void spatial_gate_kernel(const SpatialGateParams& prm) {
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename gate_t>
 void spatial_gate_backward_kernel(const SpatialGateParams& prm) {
   using acc_t = at::opmath_type<scalar_t>;
   const MapLayout& l = prm.x;
   const int64_t C = l.channels, P = l.pixels;
   const auto* x = static_cast<const scalar_t*>(prm.in);
-  const auto* a = static_cast<const scalar_t*>(prm.gate);
+  const auto* a = static_cast<const gate_t*>(prm.gate);
   const auto* go = static_cast<const scalar_t*>(prm.grad_out);
   auto* gx = static_cast<scalar_t*>(prm.out);
-  auto* ga = static_cast<scalar_t*>(prm.grad_gate);
+  auto* ga = static_cast<gate_t*>(prm.grad_gate);
   if (!l.channels_last) {
     for_each_tile(l, [&](int64_t n, int64_t p0, int64_t len) {
       acc_t s[kPixelTile], dot[kPixelTile];
@@ -234,7 +248,7 @@ void spatial_gate_backward_kernel(const SpatialGateParams& prm) {
         }
       }
       for (int64_t i = 0; i < len; ++i) {
-        ga[n * P + p0 + i] = static_cast<scalar_t>(dot[i] * s[i] * (acc_t(1) - s[i]));
+        ga[n * P + p0 + i] = static_cast<gate_t>(dot[i] * s[i] * (acc_t(1) - s[i]));
       }
     });
     return;
@@ -261,18 +275,30 @@ void spatial_gate_backward_kernel(const SpatialGateParams& prm) {
       o[c] = static_cast<scalar_t>(g * s);
       dot += g * static_cast<acc_t>(xr[c]);
     }
-    ga[r] = static_cast<scalar_t>(dot * s * (acc_t(1) - s));
+    ga[r] = static_cast<gate_t>(dot * s * (acc_t(1) - s));
   });
 }
 
 // ------------------------------------------------------------------------------------ ops
+
+// fn(gate_t*) with gate_t x's element type or, for a float32 gate, the accumulation type.
+template <typename scalar_t, typename Fn>
+void with_gate_type(const SpatialGateParams& p, Fn&& fn) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (p.gate_is_acc) {
+    fn(static_cast<acc_t*>(nullptr));
+  } else {
+    fn(static_cast<scalar_t*>(nullptr));
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> channel_pool_cpu(const at::Tensor& x) {
   constexpr const char* kOp = "attn_ext.channel_pool";
   cpu::check_cpu_support(kOp);
   PreparedPool in = prepare_channel_pool(kOp, x);
   const MapLayout& l = in.params.x;
-  at::Tensor pooled = empty_map(l, 2, x.size(2), x.size(3), x.options());
+  at::Tensor pooled = at::empty({l.batch, 2, x.size(2), x.size(3)},
+                                x.options().memory_format(at::MemoryFormat::ChannelsLast));
   at::Tensor argmax = at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options().dtype(at::kInt));
   in.params.pooled = pooled.data_ptr();
   in.params.argmax = argmax.data_ptr<int32_t>();
@@ -299,6 +325,17 @@ at::Tensor channel_pool_backward_cpu(const at::Tensor& grad_pooled, const at::Te
   return grad_x;
 }
 
+void channel_pool_backward_accumulate_cpu(at::Tensor& grad_x, const at::Tensor& grad_pooled,
+                                          const at::Tensor& argmax) {
+  constexpr const char* kOp = "attn_ext.channel_pool_backward_accumulate_";
+  cpu::check_cpu_support(kOp);
+  PreparedPoolBackward in = prepare_channel_pool_accumulate(kOp, grad_x, grad_pooled, argmax);
+  if (grad_x.numel() > 0) {
+    ATTN_EXT_DISPATCH_FLOATING(grad_x.scalar_type(), kOp,
+                               [&] { channel_pool_backward_kernel<scalar_t>(in.params); });
+  }
+}
+
 at::Tensor spatial_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
   constexpr const char* kOp = "attn_ext.spatial_gate";
   cpu::check_cpu_support(kOp);
@@ -306,7 +343,11 @@ at::Tensor spatial_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
   at::Tensor out = empty_map(in.params.x, x.size(1), x.size(2), x.size(3), x.options());
   in.params.out = out.data_ptr();
   if (out.numel() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp, [&] { spatial_gate_kernel<scalar_t>(in.params); });
+    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp, [&] {
+      with_gate_type<scalar_t>(in.params, [&](auto* tag) {
+        spatial_gate_kernel<scalar_t, std::remove_pointer_t<decltype(tag)>>(in.params);
+      });
+    });
   }
   return out;
 }
@@ -319,12 +360,16 @@ std::tuple<at::Tensor, at::Tensor> spatial_gate_backward_cpu(const at::Tensor& g
   PreparedGate in = prepare_spatial_gate(kOp, x, gate, grad_out);
   const MapLayout& l = in.params.x;
   at::Tensor grad_x = empty_map(l, x.size(1), x.size(2), x.size(3), x.options());
-  at::Tensor grad_gate = at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options());
+  at::Tensor grad_gate =
+      at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options().dtype(gate.scalar_type()));
   in.params.out = grad_x.data_ptr();
   in.params.grad_gate = grad_gate.data_ptr();
   if (grad_x.numel() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp,
-                               [&] { spatial_gate_backward_kernel<scalar_t>(in.params); });
+    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp, [&] {
+      with_gate_type<scalar_t>(in.params, [&](auto* tag) {
+        spatial_gate_backward_kernel<scalar_t, std::remove_pointer_t<decltype(tag)>>(in.params);
+      });
+    });
   } else {
     grad_gate.zero_();  // no channels: the gate received no gradient
   }
@@ -336,6 +381,7 @@ std::tuple<at::Tensor, at::Tensor> spatial_gate_backward_cpu(const at::Tensor& g
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("channel_pool", &channel_pool_cpu);
   m.impl("channel_pool_backward", &channel_pool_backward_cpu);
+  m.impl("channel_pool_backward_accumulate_", &channel_pool_backward_accumulate_cpu);
   m.impl("spatial_gate", &spatial_gate_cpu);
   m.impl("spatial_gate_backward", &spatial_gate_backward_cpu);
 }

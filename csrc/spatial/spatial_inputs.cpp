@@ -81,11 +81,30 @@ PreparedPoolBackward prepare_channel_pool_backward(const char* op, const at::Ten
                   argmax.size(2) == H && argmax.size(3) == W,
               op, ": argmax must have shape [", N, ", 1, ", H, ", ", W, "], got ", argmax.sizes());
   PreparedPoolBackward r;
-  r.grad_pooled = grad_pooled.reshape({N, 2, H * W}).contiguous();
+  r.grad_pooled = grad_pooled.contiguous(at::MemoryFormat::ChannelsLast);
   r.argmax = argmax.reshape({N, H * W}).contiguous();
   r.params.grad_x = MapLayout{N, channels, H * W, channels_last};
   r.params.grad_pooled = r.grad_pooled.data_ptr();
   r.params.argmax = r.argmax.data_ptr<int32_t>();
+  return r;
+}
+
+PreparedPoolBackward prepare_channel_pool_accumulate(const char* op, const at::Tensor& grad_x,
+                                                     const at::Tensor& grad_pooled,
+                                                     const at::Tensor& argmax) {
+  check_map(op, "grad_x", grad_x);
+  const bool cl = is_channels_last(grad_x);
+  TORCH_CHECK(cl || grad_x.is_contiguous(), op,
+              ": grad_x must be dense NCHW or channels-last, got strides ", grad_x.strides());
+  PreparedPoolBackward r =
+      prepare_channel_pool_backward(op, grad_pooled, argmax, grad_x.size(1), cl);
+  check_like(op, "grad_pooled", grad_pooled, grad_x, "grad_x");
+  TORCH_CHECK(grad_pooled.size(0) == grad_x.size(0) && grad_pooled.size(2) == grad_x.size(2) &&
+                  grad_pooled.size(3) == grad_x.size(3),
+              op, ": grad_pooled must have shape [", grad_x.size(0), ", 2, ", grad_x.size(2), ", ",
+              grad_x.size(3), "] (grad_x is ", grad_x.sizes(), "), got ", grad_pooled.sizes());
+  r.params.out = grad_x.data_ptr();
+  r.params.accumulate = true;
   return r;
 }
 
@@ -94,7 +113,12 @@ PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at:
   check_map(op, "x", x);
   PreparedGate r;
   r.gate = dense_plane(op, "gate", gate, x);
-  check_like(op, "gate", gate, x, "x");
+  TORCH_CHECK(gate.device() == x.device(), op, ": gate must be on x's device ", x.device(),
+              ", got ", gate.device());
+  const bool low = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  TORCH_CHECK(gate.scalar_type() == x.scalar_type() || (low && gate.scalar_type() == at::kFloat),
+              op, ": gate must have x's dtype ", x.scalar_type(),
+              low ? " or float32" : "", ", got ", gate.scalar_type());
   MapLayout layout;
   std::tie(r.x, layout) = dense_map(x);
   if (grad_out.defined()) {
@@ -109,6 +133,7 @@ PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at:
   r.params.x = layout;
   r.params.in = r.x.data_ptr();
   r.params.gate = r.gate.data_ptr();
+  r.params.gate_is_acc = gate.scalar_type() != x.scalar_type();
   return r;
 }
 

@@ -4,7 +4,8 @@
 // same messages.
 //
 // Layout: x is read in place when it is dense NCHW or dense channels-last; any other strides
-// are copied once to NCHW. Outputs shaped like x (pooled, out, grad_x) take x's layout.
+// are copied once to NCHW. Outputs shaped like x (out, grad_x) take x's layout; pooled
+// (N, 2, H, W) is always channels-last.
 #include <ATen/core/Tensor.h>
 #include "spatial_params.h"
 
@@ -16,7 +17,7 @@ struct PreparedPool {
   ChannelPoolParams params;
 };
 struct PreparedPoolBackward {
-  at::Tensor grad_pooled, argmax;  // (N, 2, P) planar, (N, P) int32, both dense
+  at::Tensor grad_pooled, argmax;  // (N, P, 2) and (N, P) int32, both dense
   ChannelPoolBackwardParams params;
 };
 struct PreparedGate {
@@ -28,7 +29,11 @@ PreparedPool prepare_channel_pool(const char* op, const at::Tensor& x);
 PreparedPoolBackward prepare_channel_pool_backward(const char* op, const at::Tensor& grad_pooled,
                                                    const at::Tensor& argmax, int64_t channels,
                                                    bool channels_last);
-// grad_out: undefined for the forward.
+// grad_x += the pooling's gradient, in place: grad_x must be dense NCHW or channels-last.
+PreparedPoolBackward prepare_channel_pool_accumulate(const char* op, const at::Tensor& grad_x,
+                                                     const at::Tensor& grad_pooled,
+                                                     const at::Tensor& argmax);
+// gate: x's dtype, or float32 for a bfloat16 / float16 x. grad_out: undefined for the forward.
 PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at::Tensor& gate,
                                   const at::Tensor& grad_out);
 

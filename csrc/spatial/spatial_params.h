@@ -20,8 +20,8 @@ struct MapLayout {
   }
 };
 
-// pooled (N, 2, H, W) in x's layout: channel 0 the mean over channels, channel 1 the max;
-// argmax (N, P) int32, the channel the max came from.
+// pooled (N, P, 2): [mean over channels, max over channels] per pixel; argmax (N, P) int32,
+// the channel the max came from.
 struct ChannelPoolParams {
   MapLayout x;
   const void* in = nullptr;
@@ -29,22 +29,26 @@ struct ChannelPoolParams {
   int32_t* argmax = nullptr;
 };
 
-// grad_x (N, C, H, W) in `grad_x.channels_last` layout from grad_pooled (N, 2, P) planar
-// (avg plane, max plane) and argmax (N, P): grad_x[n, c, p] = g_avg / C + [c == argmax] g_max.
+// grad_x (N, C, H, W) in `grad_x.channels_last` layout from grad_pooled (N, P, 2) and argmax
+// (N, P): grad_x[n, c, p] (+)= g_avg / C + [c == argmax] g_max, added to what grad_x holds when
+// `accumulate` (the gradient of x from the gate, one pass instead of a write and a sum).
 struct ChannelPoolBackwardParams {
   MapLayout grad_x;
   const void* grad_pooled = nullptr;
   const int32_t* argmax = nullptr;
   void* out = nullptr;
+  bool accumulate = false;
 };
 
-// out = x * sigmoid(a), a (N, P) broadcast over channels. The backward reads grad_out in x's
-// layout and writes grad_x = grad_out * sigmoid(a) and
+// out = x * sigmoid(a), a (N, P) broadcast over channels, in x's element type or in the
+// accumulation type (`gate_is_acc`: a float32 gate for a bfloat16 / float16 x). The backward
+// reads grad_out in x's layout and writes grad_x = grad_out * sigmoid(a) and
 // grad_a[n, p] = sigmoid'(a) * sum_c grad_out[n, c, p] * x[n, c, p].
 struct SpatialGateParams {
   MapLayout x;
   const void* in = nullptr;    // x
   const void* gate = nullptr;  // a (N, P)
+  bool gate_is_acc = false;     // gate and grad_gate in the accumulation type
   void* out = nullptr;         // forward: out; backward: grad_x
   const void* grad_out = nullptr;
   void* grad_gate = nullptr;   // backward: grad_a (N, P)

@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kThreads) channel_pool_nchw(ChannelPoolParams 
       sum += v;
       best.update(v, static_cast<int32_t>(c));
     }
-    pooled[2 * n * l.pixels + px] = Elem<T>::store(sum / static_cast<acc_t>(l.channels));
-    pooled[(2 * n + 1) * l.pixels + px] = Elem<T>::store(best.value);
+    pooled[2 * r] = Elem<T>::store(sum / static_cast<acc_t>(l.channels));
+    pooled[2 * r + 1] = Elem<T>::store(best.value);
     p.argmax[r] = best.index;
   }
 }
@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(kThreads) channel_pool_nhwc(ChannelPoolParams 
   }
 }
 
-// One thread per element of grad_x: g_avg / C plus g_max at the argmax channel.
+// One thread per element of grad_x: g_avg / C plus g_max at the argmax channel (added to
+// grad_x's value when accumulating).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) channel_pool_backward_kernel(ChannelPoolBackwardParams p) {
   using acc_t = typename Elem<T>::acc_t;
@@ -121,31 +122,29 @@ __global__ void __launch_bounds__(kThreads) channel_pool_backward_kernel(Channel
   const acc_t inv_c = acc_t(1) / static_cast<acc_t>(l.channels);
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
-    int64_t n, c, px;
+    int64_t c, r;  // channel, pixel row n * P + p
     if (l.channels_last) {
       c = e % l.channels;
-      px = (e / l.channels) % l.pixels;
-      n = e / (l.channels * l.pixels);
+      r = e / l.channels;
     } else {
-      px = e % l.pixels;
       c = (e / l.pixels) % l.channels;
-      n = e / (l.channels * l.pixels);
+      r = (e / (l.channels * l.pixels)) * l.pixels + e % l.pixels;
     }
-    const int64_t r = n * l.pixels + px;
-    acc_t g = Elem<T>::load(gp[2 * n * l.pixels + px]) * inv_c;
-    if (p.argmax[r] == c) g += Elem<T>::load(gp[(2 * n + 1) * l.pixels + px]);
+    acc_t g = Elem<T>::load(gp[2 * r]) * inv_c;
+    if (p.argmax[r] == c) g += Elem<T>::load(gp[2 * r + 1]);
+    if (p.accumulate) g += Elem<T>::load(gx[e]);
     gx[e] = Elem<T>::store(g);
   }
 }
 
 // ------------------------------------------------------------------------------ gate apply
 
-template <typename T>
+template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) spatial_gate_kernel(SpatialGateParams p) {
   using acc_t = typename Elem<T>::acc_t;
   const MapLayout l = p.x;
   const T* x = static_cast<const T*>(p.in);
-  const T* a = static_cast<const T*>(p.gate);
+  const G* a = static_cast<const G*>(p.gate);
   T* out = static_cast<T*>(p.out);
   const int64_t total = l.batch * l.channels * l.pixels;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
@@ -153,23 +152,23 @@ __global__ void __launch_bounds__(kThreads) spatial_gate_kernel(SpatialGateParam
     const int64_t r = l.channels_last
                           ? e / l.channels
                           : (e / (l.channels * l.pixels)) * l.pixels + e % l.pixels;
-    out[e] = Elem<T>::store(Elem<T>::load(x[e]) * sigmoid(Elem<T>::load(a[r])));
+    out[e] = Elem<T>::store(Elem<T>::load(x[e]) * sigmoid(static_cast<acc_t>(Elem<G>::load(a[r]))));
   }
 }
 
-template <typename T>
+template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) spatial_gate_backward_nchw(SpatialGateParams p) {
   using acc_t = typename Elem<T>::acc_t;
   const MapLayout l = p.x;
   const T* x = static_cast<const T*>(p.in);
-  const T* a = static_cast<const T*>(p.gate);
+  const G* a = static_cast<const G*>(p.gate);
   const T* go = static_cast<const T*>(p.grad_out);
   T* gx = static_cast<T*>(p.out);
-  T* ga = static_cast<T*>(p.grad_gate);
+  G* ga = static_cast<G*>(p.grad_gate);
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < l.batch * l.pixels;
        r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t n = r / l.pixels, px = r % l.pixels;
-    const acc_t s = sigmoid(Elem<T>::load(a[r]));
+    const acc_t s = sigmoid(static_cast<acc_t>(Elem<G>::load(a[r])));
     const int64_t base = n * l.channels * l.pixels + px;
     acc_t dot = acc_t(0);
 #pragma unroll kUnroll
@@ -179,24 +178,24 @@ __global__ void __launch_bounds__(kThreads) spatial_gate_backward_nchw(SpatialGa
       gx[i] = Elem<T>::store(g * s);
       dot += g * Elem<T>::load(x[i]);
     }
-    ga[r] = Elem<T>::store(dot * s * (acc_t(1) - s));
+    ga[r] = Elem<G>::store(dot * s * (acc_t(1) - s));
   }
 }
 
-template <typename T>
+template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) spatial_gate_backward_nhwc(SpatialGateParams p) {
   using acc_t = typename Elem<T>::acc_t;
   const MapLayout l = p.x;
   const T* x = static_cast<const T*>(p.in);
-  const T* a = static_cast<const T*>(p.gate);
+  const G* a = static_cast<const G*>(p.gate);
   const T* go = static_cast<const T*>(p.grad_out);
   T* gx = static_cast<T*>(p.out);
-  T* ga = static_cast<T*>(p.grad_gate);
+  G* ga = static_cast<G*>(p.grad_gate);
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarp);
   for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
        r < l.batch * l.pixels; r += warps) {
-    const acc_t s = sigmoid(Elem<T>::load(a[r]));
+    const acc_t s = sigmoid(static_cast<acc_t>(Elem<G>::load(a[r])));
     acc_t dot = acc_t(0);
     for (int64_t c = lane; c < l.channels; c += kWarp) {
       const int64_t i = r * l.channels + c;
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) spatial_gate_backward_nhwc(SpatialGa
       dot += g * Elem<T>::load(x[i]);
     }
     dot = warp_sum(dot);
-    if (lane == 0) ga[r] = Elem<T>::store(dot * s * (acc_t(1) - s));
+    if (lane == 0) ga[r] = Elem<G>::store(dot * s * (acc_t(1) - s));
   }
 }
 
@@ -215,6 +214,20 @@ cudaError_t run(ElemKind kind, Fn&& fn) {
     using T = std::remove_pointer_t<decltype(tag)>;
     fn(static_cast<T*>(nullptr));
     return cudaGetLastError();
+  });
+}
+
+// fn(T*, G*) with G the gate's element type: T's, or the accumulation type (`gate_is_acc`).
+template <typename Fn>
+cudaError_t run_gate(const SpatialGateParams& p, ElemKind kind, Fn&& fn) {
+  return run(kind, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using acc_t = typename Elem<T>::acc_t;
+    if (p.gate_is_acc) {
+      fn(tag, static_cast<acc_t*>(nullptr));
+    } else {
+      fn(tag, static_cast<T*>(nullptr));
+    }
   });
 }
 
@@ -246,9 +259,10 @@ cudaError_t launch_channel_pool_backward(const ChannelPoolBackwardParams& p, Ele
 cudaError_t launch_spatial_gate(const SpatialGateParams& p, ElemKind kind, cudaStream_t stream) {
   const int64_t total = p.x.batch * p.x.channels * p.x.pixels;
   if (total == 0) return cudaSuccess;
-  return run(kind, [&](auto* tag) {
+  return run_gate(p, kind, [&](auto* tag, auto* gate_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    spatial_gate_kernel<T><<<grid_for(total, kThreads), kThreads, 0, stream>>>(p);
+    using G = std::remove_pointer_t<decltype(gate_tag)>;
+    spatial_gate_kernel<T, G><<<grid_for(total, kThreads), kThreads, 0, stream>>>(p);
   });
 }
 
@@ -256,12 +270,13 @@ cudaError_t launch_spatial_gate_backward(const SpatialGateParams& p, ElemKind ki
                                          cudaStream_t stream) {
   const int64_t rows = p.x.batch * p.x.pixels;
   if (rows == 0) return cudaSuccess;
-  return run(kind, [&](auto* tag) {
+  return run_gate(p, kind, [&](auto* tag, auto* gate_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    using G = std::remove_pointer_t<decltype(gate_tag)>;
     if (p.x.channels_last) {
-      spatial_gate_backward_nhwc<T><<<grid_for(rows, kThreads / kWarp), kThreads, 0, stream>>>(p);
+      spatial_gate_backward_nhwc<T, G><<<grid_for(rows, kThreads / kWarp), kThreads, 0, stream>>>(p);
     } else {
-      spatial_gate_backward_nchw<T><<<grid_for(rows, kThreads), kThreads, 0, stream>>>(p);
+      spatial_gate_backward_nchw<T, G><<<grid_for(rows, kThreads), kThreads, 0, stream>>>(p);
     }
   });
 }

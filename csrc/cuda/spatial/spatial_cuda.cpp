@@ -32,7 +32,8 @@ std::tuple<at::Tensor, at::Tensor> channel_pool_cuda(const at::Tensor& x) {
   c10::cuda::CUDAGuard guard(x.device());
   PreparedPool in = prepare_channel_pool(kOp, x);
   const MapLayout& l = in.params.x;
-  at::Tensor pooled = empty_map(l, 2, x.size(2), x.size(3), x.options());
+  at::Tensor pooled = at::empty({l.batch, 2, x.size(2), x.size(3)},
+                                x.options().memory_format(at::MemoryFormat::ChannelsLast));
   at::Tensor argmax = at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options().dtype(at::kInt));
   in.params.pooled = pooled.data_ptr();
   in.params.argmax = argmax.data_ptr<int32_t>();
@@ -55,6 +56,15 @@ at::Tensor channel_pool_backward_cuda(const at::Tensor& grad_pooled, const at::T
   return grad_x;
 }
 
+void channel_pool_backward_accumulate_cuda(at::Tensor& grad_x, const at::Tensor& grad_pooled,
+                                           const at::Tensor& argmax) {
+  constexpr const char* kOp = "attn_ext.channel_pool_backward_accumulate_";
+  c10::cuda::CUDAGuard guard(grad_x.device());
+  PreparedPoolBackward in = prepare_channel_pool_accumulate(kOp, grad_x, grad_pooled, argmax);
+  C10_CUDA_CHECK(launch_channel_pool_backward(in.params, elem_kind(kOp, grad_x.scalar_type()),
+                                              c10::cuda::getCurrentCUDAStream()));
+}
+
 at::Tensor spatial_gate_cuda(const at::Tensor& x, const at::Tensor& gate) {
   constexpr const char* kOp = "attn_ext.spatial_gate";
   c10::cuda::CUDAGuard guard(x.device());
@@ -74,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> spatial_gate_backward_cuda(const at::Tensor& 
   PreparedGate in = prepare_spatial_gate(kOp, x, gate, grad_out);
   const MapLayout& l = in.params.x;
   at::Tensor grad_x = empty_map(l, x.size(1), x.size(2), x.size(3), x.options());
-  at::Tensor grad_gate = at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options());
+  at::Tensor grad_gate =
+      at::empty({l.batch, 1, x.size(2), x.size(3)}, x.options().dtype(gate.scalar_type()));
   in.params.out = grad_x.data_ptr();
   in.params.grad_gate = grad_gate.data_ptr();
   C10_CUDA_CHECK(launch_spatial_gate_backward(in.params, elem_kind(kOp, x.scalar_type()),
@@ -87,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor> spatial_gate_backward_cuda(const at::Tensor& 
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("channel_pool", &channel_pool_cuda);
   m.impl("channel_pool_backward", &channel_pool_backward_cuda);
+  m.impl("channel_pool_backward_accumulate_", &channel_pool_backward_accumulate_cuda);
   m.impl("spatial_gate", &spatial_gate_cuda);
   m.impl("spatial_gate_backward", &spatial_gate_backward_cuda);
 }
