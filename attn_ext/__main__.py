@@ -13,7 +13,8 @@
    every input and parameter compared in float64 (to the document in float64) and in float32
    (to the document in float64, within twice the document's own float32 error).
 4. Times attn_ext against ``torch.nn.functional.scaled_dot_product_attention``
-   at a moderate size and prints the ratios.
+   at a moderate size, and the fused CBAM spatial gate against the same gate in plain torch,
+   and prints the ratios.
 
 Exit status is 1 when any check fails. ``--no-bench`` skips the timing,
 ``--device cpu`` restricts to one device.
@@ -775,6 +776,41 @@ def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> Non
                           f"{ms['attn_ext']:11.2f} {ms['sdpa']:9.2f} {ms['sdpa'] / ms['attn_ext']:5.2f}x")
 
 
+def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
+    """attn_ext.nn.SpatialAttention (fused) vs the same gate in plain torch (document 004's
+    x * sigmoid(conv(cat[mean, max])))."""
+    n, c, hw = 8, 64, 56
+    print(f"\ntiming: CBAM spatial gate, x ({n}, {c}, {hw}, {hw}) channels-last, median of {repeats} "
+          "(ratio = torch / attn_ext)")
+    print(f"{'device':6s} {'dtype':8s} {'mode':7s} {'attn_ext ms':>11s} {'torch ms':>9s} {'ratio':>6s}")
+    for device in devices:
+        for dtype in CHECK_DTYPES:
+            torch.manual_seed(0)
+            ours = attn_ext.nn.SpatialAttention().to(device=device, dtype=dtype)
+            w = ours.conv.weight
+            x = torch.randn(n, c, hw, hw, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            grad = torch.randn_like(x)
+            impls = {
+                "attn_ext": ours,
+                "torch": lambda t: t * torch.sigmoid(F.conv2d(reference_channel_pool(t), w, padding=3)),
+            }
+            for mode in ("fwd", "fwd+bwd"):
+                ms = {}
+                for name, impl in impls.items():
+                    if mode == "fwd":
+                        def run(impl=impl):
+                            with torch.no_grad():
+                                impl(x)
+                    else:
+                        leaf = x.detach().requires_grad_()
+
+                        def run(impl=impl, leaf=leaf):
+                            torch.autograd.grad(impl(leaf), [leaf, w], grad)
+                    ms[name] = 1e3 * time_median(run, device, repeats)
+                print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {ms['attn_ext']:11.2f} {ms['torch']:9.2f} "
+                      f"{ms['torch'] / ms['attn_ext']:5.2f}x")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -797,6 +833,7 @@ def main(argv=None) -> int:
     ok = run_compat_checks(devices) and ok
     if not args.no_bench:
         run_bench(devices, args.bench_seqlen, args.bench_repeats)
+        run_spatial_bench(devices, args.bench_repeats)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

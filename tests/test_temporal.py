@@ -52,6 +52,15 @@ def test_zoo_temporal_matches_document(device, dtype, tp_shape, seq_len):
                                    msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
+def test_zoo_temporal_without_weights(device):
+    doc, ours = build_zoo(device, torch.float64)
+    x = torch.randn(2, 9, 24, device=device, dtype=torch.float64)
+    tp = torch.randn(2, 1, 8, device=device, dtype=torch.float64)
+    out, w = ours(x, tp, need_weights=False)
+    assert w is None
+    torch.testing.assert_close(out, doc(x, tp)[0], **TOL64)
+
+
 def test_zoo_temporal_state_dict_keys():
     doc, ours = build_zoo("cpu", torch.float32)
     assert list(ours.state_dict()) == list(doc.state_dict())

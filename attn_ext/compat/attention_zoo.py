@@ -190,7 +190,9 @@ class TemporalAttention(nn.Module):
         self.W_v = nn.Linear(input_dim, d_k)
         self.W_t = nn.Linear(time_emb_dim, d_k)
 
-    def forward(self, x, time_points):
+    def forward(self, x, time_points, need_weights=True):
+        """``need_weights=False`` (not in the document) returns ``(output, None)`` without
+        forming the (B, S, S) weights: memory linear in S."""
         name = type(self).__name__
         _check_rank(name, x, (3,), "x (batch_size, seq_len, input_dim)")
         _check_last(name, x, self.input_dim, "x")
@@ -210,5 +212,5 @@ class TemporalAttention(nn.Module):
         K, V = K.expand(Q.size(0), -1, -1), V.expand(Q.size(0), -1, -1)
         scale = 1.0 / _float32_sqrt(self.d_k)
         output = _F.attention(Q, K, V, scale=scale)
-        attn_weights = _F.attention_weights(Q, K, scale=scale)
+        attn_weights = _F.attention_weights(Q, K, scale=scale) if need_weights else None
         return output, attn_weights
