@@ -62,12 +62,11 @@ def temporal_multihead(layer, x, time_points, causal=False):
     H, d = layer.num_heads, layer.head_dim
     if time_points.dim() == 2:
         time_points = time_points.unsqueeze(1)
-    t = layer.time_proj(time_points)
-    t = t.expand(B, S, E) if t.size(1) == 1 or t.size(0) == 1 else t  # one row per token
+    t = layer.time_proj(time_points).expand(B, S, E)  # T: one row per token
 
     def heads(z):
         return z.reshape(B, S, H, d).transpose(1, 2)
 
     out, w = temporal_scores_attention(heads(layer.q_proj(x)), heads(layer.k_proj(x)), heads(layer.v_proj(x)),
-                                       heads(t.expand(B, S, E)), d ** -0.5, layer.eps, causal)
+                                       heads(t), d ** -0.5, layer.eps, causal)
     return layer.out_proj(out.transpose(1, 2).reshape(B, S, E)), w
