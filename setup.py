@@ -87,7 +87,7 @@ def _extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     cxx = opt + ["-fopenmp", "-fvisibility=hidden"] + _cpu_isa_flags()
     sources = (_sources("csrc/*.cpp") + _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp")
-               + _sources("csrc/linear/*.cpp"))
+               + _sources("csrc/linear/*.cpp") + _sources("csrc/spatial/*.cpp"))
     kwargs = dict(extra_link_args=["-fopenmp"])
     if _cuda_enabled():
         cxx.append("-DATTN_EXT_WITH_CUDA")

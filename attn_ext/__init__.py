@@ -11,7 +11,9 @@ from . import compat, nn  # noqa: F401  (drop-in and canonical modules)
 from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
 from .decoding import KVCache, decode_attention, rope, rope_
 from .linear import linear_attention
+from .spatial import channel_pool, spatial_gate
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention",
-           "rope", "rope_", "decode_attention", "KVCache", "linear_attention"]
+           "rope", "rope_", "decode_attention", "KVCache", "linear_attention",
+           "channel_pool", "spatial_gate"]

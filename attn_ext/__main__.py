@@ -13,7 +13,8 @@
    every input and parameter compared in float64 (to the document in float64) and in float32
    (to the document in float64, within twice the document's own float32 error).
 4. Times attn_ext against ``torch.nn.functional.scaled_dot_product_attention``
-   at a moderate size and prints the ratios.
+   at a moderate size, and the fused CBAM spatial gate against the same gate in plain torch,
+   and prints the ratios.
 
 Exit status is 1 when any check fails. ``--no-bench`` skips the timing,
 ``--device cpu`` restricts to one device.
@@ -353,6 +354,47 @@ def linear_case(causal):
     return Case(name, lambda d: qkv(sq=150, sk=150, dv=48, device=d), ext, ref)
 
 
+def reference_channel_pool(x):
+    return torch.cat([x.mean(dim=1, keepdim=True), torch.max(x, dim=1, keepdim=True).values], dim=1)
+
+
+def spatial_cases() -> List[Case]:
+    """CBAM's channel pooling and sigmoid gate (NCHW and channels-last), and the whole spatial
+    gate x * sigmoid(conv7x7(pool(x)))."""
+    def maps(device, channels_last=False, c=37):
+        x = randn(2, c, 9, 11, device=device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return {"x": x, "gate": randn(2, 1, 9, 11, device=device), "w": 0.2 * randn(1, 2, 7, 7, device=device)}
+
+    def pool_ext(x, gate, w):
+        return (attn_ext.channel_pool(x),)
+
+    def pool_ref(x, gate, w):
+        return (reference_channel_pool(x),)
+
+    def gate_ext(x, gate, w):
+        return (attn_ext.spatial_gate(x, gate),)
+
+    def gate_ref(x, gate, w):
+        return (x * torch.sigmoid(gate),)
+
+    def cbam_ext(x, gate, w):
+        return (attn_ext.spatial_gate(x, F.conv2d(attn_ext.channel_pool(x), w, padding=3)),)
+
+    def cbam_ref(x, gate, w):
+        return (x * torch.sigmoid(F.conv2d(reference_channel_pool(x), w, padding=3)),)
+
+    return [
+        Case("channel_pool (mean, max over C)", maps, pool_ext, pool_ref, grads=("x",)),
+        Case("channel_pool channels-last", lambda d: maps(d, True), pool_ext, pool_ref, grads=("x",)),
+        Case("spatial_gate x * sigmoid(gate)", maps, gate_ext, gate_ref, grads=("x", "gate")),
+        Case("spatial_gate channels-last", lambda d: maps(d, True), gate_ext, gate_ref, grads=("x", "gate")),
+        Case("CBAM spatial gate (pool, conv7x7, gate)", lambda d: maps(d, True, 64), cbam_ext, cbam_ref,
+             grads=("x", "w")),
+    ]
+
+
 def all_cases() -> List[Case]:
     return [
         attention_case("attention", lambda d: qkv(device=d)),
@@ -385,6 +427,7 @@ def all_cases() -> List[Case]:
         decode_case("decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4),
         linear_case(causal=False),
         linear_case(causal=True),
+        *spatial_cases(),
     ]
 
 
@@ -569,6 +612,10 @@ def compat_cases() -> List[CompatCase]:
                    args=(16, 6)),
         CompatCase("attention_zoo.GroupedAttention", doc004.GroupedAttention, zoo.GroupedAttention, (x,),
                    args=(16, 24, 6, 2)),
+        CompatCase("attention_zoo.SpatialAttention", doc004.SpatialAttention, zoo.SpatialAttention,
+                   ((2, 3, 16, 16),)),
+        CompatCase("attention_zoo.TemporalAttention (out, weights)", doc004.TemporalAttention,
+                   zoo.TemporalAttention, (x, (2, 1, 8)), args=(16, 12, 8)),
     ]
 
 
@@ -596,10 +643,15 @@ def compat_candidates(case: CompatCase, device: torch.device, dtype: torch.dtype
     return [(obj.forward, params(obj)) for obj in (doc, exact, ours)]
 
 
+def _one_output(out):
+    """A tuple of outputs (e.g. (output, attn_weights)) as one tensor along the last dim."""
+    return torch.cat(out, dim=-1) if isinstance(out, tuple) else out
+
+
 def compat_forward_backward(fn, params, inputs, grad_out) -> Dict[str, torch.Tensor]:
     """The output and the gradients of (out * grad_out).sum(), by label: out, dx<i>, d<param>."""
     xs = [x.detach().requires_grad_() for x in inputs]
-    out = fn(*xs)
+    out = _one_output(fn(*xs))
     names = sorted(params)
     grads = torch.autograd.grad((out * grad_out.to(out.dtype)).sum(), xs + [params[n] for n in names])
     labels = ["out"] + [f"dx{i}" for i in range(len(xs))] + [f"d{n}" for n in names]
@@ -614,7 +666,7 @@ def run_compat_case(case: CompatCase, device: torch.device, dtype: torch.dtype) 
         inputs = [0.5 * torch.randn(s, device=device, dtype=dtype) for s in case.shapes]
         exact_inputs = [x.double() for x in inputs]  # ground truth sees the rounded inputs
         with torch.no_grad():
-            out_shape = exact(*exact_inputs).shape
+            out_shape = _one_output(exact(*exact_inputs)).shape
         grad_out = torch.randn(out_shape, device=device, dtype=dtype).double()
         want = compat_forward_backward(exact, exact_p, exact_inputs, grad_out)
         base = compat_forward_backward(doc, doc_p, inputs, grad_out)
@@ -724,6 +776,41 @@ def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> Non
                           f"{ms['attn_ext']:11.2f} {ms['sdpa']:9.2f} {ms['sdpa'] / ms['attn_ext']:5.2f}x")
 
 
+def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
+    """attn_ext.nn.SpatialAttention (fused) vs the same gate in plain torch (document 004's
+    x * sigmoid(conv(cat[mean, max])))."""
+    n, c, hw = 8, 64, 56
+    print(f"\ntiming: CBAM spatial gate, x ({n}, {c}, {hw}, {hw}) channels-last, median of {repeats} "
+          "(ratio = torch / attn_ext)")
+    print(f"{'device':6s} {'dtype':8s} {'mode':7s} {'attn_ext ms':>11s} {'torch ms':>9s} {'ratio':>6s}")
+    for device in devices:
+        for dtype in CHECK_DTYPES:
+            torch.manual_seed(0)
+            ours = attn_ext.nn.SpatialAttention().to(device=device, dtype=dtype)
+            w = ours.conv.weight
+            x = torch.randn(n, c, hw, hw, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            grad = torch.randn_like(x)
+            impls = {
+                "attn_ext": ours,
+                "torch": lambda t: t * torch.sigmoid(F.conv2d(reference_channel_pool(t), w, padding=3)),
+            }
+            for mode in ("fwd", "fwd+bwd"):
+                ms = {}
+                for name, impl in impls.items():
+                    if mode == "fwd":
+                        def run(impl=impl):
+                            with torch.no_grad():
+                                impl(x)
+                    else:
+                        leaf = x.detach().requires_grad_()
+
+                        def run(impl=impl, leaf=leaf):
+                            torch.autograd.grad(impl(leaf), [leaf, w], grad)
+                    ms[name] = 1e3 * time_median(run, device, repeats)
+                print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {ms['attn_ext']:11.2f} {ms['torch']:9.2f} "
+                      f"{ms['torch'] / ms['attn_ext']:5.2f}x")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -746,6 +833,7 @@ def main(argv=None) -> int:
     ok = run_compat_checks(devices) and ok
     if not args.no_bench:
         run_bench(devices, args.bench_seqlen, args.bench_repeats)
+        run_spatial_bench(devices, args.bench_repeats)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -177,3 +177,78 @@ def _linear_backward(ctx, grad_out, grad_state_kv, grad_state_k):
 
 torch.library.register_autograd("attn_ext::linear_attention", _linear_backward,
                                 setup_context=_linear_setup_context)
+
+
+# ------------------------------------------------------------------------- spatial attention
+
+
+def _channels_last(x):
+    # The kernels' layout rule (csrc/spatial/spatial_inputs.cpp): dense channels-last and not
+    # also dense NCHW; everything else is (or is copied to) NCHW.
+    return (not x.is_contiguous()) and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _map_format(channels_last):
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+@torch.library.register_fake("attn_ext::channel_pool")
+def _channel_pool_fake(x):
+    N, _, H, W = x.shape
+    # pooled is channels-last whatever x's layout (the convolution's fastest input)
+    pooled = torch.empty((N, 2, H, W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    return pooled, x.new_empty((N, 1, H, W), dtype=torch.int32)
+
+
+@torch.library.register_fake("attn_ext::channel_pool_backward")
+def _channel_pool_backward_fake(grad_pooled, argmax, channels, *, channels_last=False):
+    N, _, H, W = grad_pooled.shape
+    return grad_pooled.new_empty((N, channels, H, W)).contiguous(memory_format=_map_format(channels_last))
+
+
+@torch.library.register_fake("attn_ext::channel_pool_backward_accumulate_")
+def _channel_pool_backward_accumulate_fake(grad_x, grad_pooled, argmax):
+    return None
+
+
+def _channel_pool_setup_context(ctx, inputs, output):
+    (x,) = inputs
+    ctx.channels = x.size(1)
+    ctx.channels_last = _channels_last(x)
+    ctx.save_for_backward(output[1])
+
+
+def _channel_pool_backward(ctx, grad_pooled, grad_argmax):
+    if grad_pooled is None:
+        return None
+    (argmax,) = ctx.saved_tensors
+    return _ops.channel_pool_backward(grad_pooled, argmax, ctx.channels, channels_last=ctx.channels_last)
+
+
+torch.library.register_autograd("attn_ext::channel_pool", _channel_pool_backward,
+                                setup_context=_channel_pool_setup_context)
+
+
+@torch.library.register_fake("attn_ext::spatial_gate")
+def _spatial_gate_fake(x, gate):
+    return x.new_empty(x.shape).contiguous(memory_format=_map_format(_channels_last(x)))
+
+
+@torch.library.register_fake("attn_ext::spatial_gate_backward")
+def _spatial_gate_backward_fake(grad_out, x, gate):
+    N, _, H, W = x.shape
+    return (x.new_empty(x.shape).contiguous(memory_format=_map_format(_channels_last(x))),
+            x.new_empty((N, 1, H, W), dtype=gate.dtype))
+
+
+def _spatial_gate_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _spatial_gate_backward(ctx, grad_out):
+    x, gate = ctx.saved_tensors
+    return _ops.spatial_gate_backward(grad_out, x, gate)
+
+
+torch.library.register_autograd("attn_ext::spatial_gate", _spatial_gate_backward,
+                                setup_context=_spatial_gate_setup_context)

@@ -33,6 +33,18 @@
 //   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
 //   [pos - window_left, pos] (causal) or [pos - window_left, len_b) (not causal);
 //   num_splits = 0 picks the split-KV factor.
+//
+// Spatial attention (CBAM): x (N, C, H, W), dense NCHW or channels-last (read in place; other
+//   strides are copied to NCHW), outputs shaped like x in x's layout. channel_pool reads x once
+//   and returns pooled (N, 2, H, W) = [mean over channels; max over channels], ready for the
+//   7x7 convolution (always channels-last, the layout oneDNN / cuDNN convolve fastest), and
+//   argmax (N, 1, H, W) int32: the first maximal channel (a NaN counts as maximal), where the
+//   max's gradient goes. channel_pool_backward_accumulate_ adds the pooling's gradient to a
+//   dense grad_x in place (the gate's gradient of x, so the two need one pass, not a write and
+//   a sum). spatial_gate returns x * sigmoid(gate) with gate (N, 1, H, W) broadcast over
+//   channels, gate in x's dtype or float32 (for bf16 / fp16 x); its backward returns grad_x and
+//   grad_gate = sigmoid'(gate) * sum_c grad_out * x in gate's dtype. Accumulation in fp32 (fp64
+//   for fp64).
 #include <torch/library.h>
 
 TORCH_LIBRARY(attn_ext, m) {
@@ -92,4 +104,16 @@ TORCH_LIBRARY(attn_ext, m) {
       "Tensor? grad_state_k=None, *, bool causal=False, float eps=1e-6, "
       "str feature_map=\"elu+1\") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
       "Tensor grad_initial_state_kv, Tensor grad_initial_state_k)");
+
+  m.def("channel_pool(Tensor x) -> (Tensor pooled, Tensor argmax)");
+  m.def(
+      "channel_pool_backward(Tensor grad_pooled, Tensor argmax, SymInt channels, *, "
+      "bool channels_last=False) -> Tensor grad_x");
+  m.def(
+      "channel_pool_backward_accumulate_(Tensor(a!) grad_x, Tensor grad_pooled, Tensor argmax) "
+      "-> ()");
+  m.def("spatial_gate(Tensor x, Tensor gate) -> Tensor out");
+  m.def(
+      "spatial_gate_backward(Tensor grad_out, Tensor x, Tensor gate) "
+      "-> (Tensor grad_x, Tensor grad_gate)");
 }

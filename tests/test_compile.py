@@ -219,3 +219,85 @@ def test_compile_decode_loop(device):
     for a, b in zip(outs, ref):
         _close(a, b)
     _close(c.k, ref_cache.k)
+
+
+# Map sizes for the spatial ops: no size equal to another (duck sizing) nor 0/1.
+MAP_SIZES = [(9, 13), (12, 7), (20, 17)]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_compile_spatial_ops(device, layout):
+    """channel_pool -> a gate computed from the pooled maps -> spatial_gate, forward and
+    backward, across map sizes. (The gate is not a convolution here: torch's own conv2d backward
+    specializes the map size under dynamic=True, which would be a recompile of torch's making;
+    the CBAM test below covers the convolution.)"""
+
+    def fn(x, w):
+        pooled = attn_ext.channel_pool(x)
+        logits = (pooled * w).sum(dim=1, keepdim=True)
+        return attn_ext.spatial_gate(x, logits) * 2.0
+
+    w = torch.randn(1, 2, 1, 1, device=device)
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for h, wd in MAP_SIZES:
+        x = torch.randn(2, 6, h, wd, device=device)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+        out = cfn(*leaves)
+        out.square().sum().backward()
+        ref_leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+        ref = fn(*ref_leaves)
+        ref.square().sum().backward()
+        _close(out, ref)
+        for a, b in zip(leaves, ref_leaves):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+        watch.step()
+
+
+def test_compile_cbam_module(device):
+    """CBAM compiles with fullgraph (the fused autograd.Function included) and matches eager;
+    inference does not recompile across map sizes. (Training may: torch's conv2d backward
+    specializes the map size under dynamic=True.)"""
+    m = attn_ext.nn.CBAM(16, reduction_ratio=4).to(device)
+    cfn, counter = _compile(m)
+    watch = NoRecompile(counter)
+    with torch.no_grad():
+        for h, wd in MAP_SIZES:
+            x = torch.randn(2, 16, h, wd, device=device)
+            _close(cfn(x), m(x))
+            watch.step()
+    torch._dynamo.reset()
+    cfn, _ = _compile(m)
+    for h, wd in MAP_SIZES[:2]:
+        x = torch.randn(2, 16, h, wd, device=device)
+        xr = x.clone().requires_grad_(True)
+        out = cfn(xr)
+        out.sum().backward()
+        xe = x.clone().requires_grad_(True)
+        ref = m(xe)
+        ref.sum().backward()
+        _close(out, ref)
+        torch.testing.assert_close(xr.grad, xe.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_temporal_attention(device):
+    m = attn_ext.nn.TemporalAttention(32, 4, 8).to(device)
+
+    def fn(x, tp):
+        return m(x, tp, causal=True)
+
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for s in (23, 37, 50):
+        x = torch.randn(2, s, 32, device=device, requires_grad=True)
+        tp = torch.randn(2, 1, 8, device=device)
+        out = cfn(x, tp)
+        out.sum().backward()
+        xe = x.detach().clone().requires_grad_(True)
+        ref = fn(xe, tp)
+        ref.sum().backward()
+        _close(out, ref)
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
+        watch.step()

@@ -188,3 +188,45 @@ def test_opcheck_decode_attention(device, splits):
     lens = torch.tensor([40, 7], dtype=torch.int32, device=device)
     torch.library.opcheck(ops.decode_attention.default, (q, kc, vc, lens),
                           dict(num_splits=splits, window_left=5))
+
+
+# ------------------------------------------------------------------------- spatial (CBAM) ops
+
+
+def spatial_samples(device):
+    x = torch.randn(2, 5, 7, 9, device=device)
+    x_cl = torch.randn(2, 12, 4, 6, device=device).contiguous(memory_format=torch.channels_last)
+    x_strided = torch.randn(2, 10, 6, 8, device=device)[:, ::2, :, 1:7]
+    return [
+        ("nchw", x),
+        ("channels_last_grad", x_cl.requires_grad_(True)),
+        ("strided_float64_grad", x_strided.double().requires_grad_(True)),
+        ("bf16_1x1", torch.randn(3, 9, 1, 1, device=device).bfloat16()),
+    ]
+
+
+SPATIAL_IDS = _ids((n, None, None) for n, _ in spatial_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(SPATIAL_IDS)), ids=SPATIAL_IDS)
+def test_opcheck_spatial_ops(device, idx):
+    _, x = spatial_samples(device)[idx]
+    torch.library.opcheck(ops.channel_pool.default, (x,))
+    N, C, H, W = x.shape
+    gate = torch.randn(N, 1, H, W, device=device, dtype=x.dtype, requires_grad=x.requires_grad)
+    torch.library.opcheck(ops.spatial_gate.default, (x, gate))
+    xd, gd = x.detach(), gate.detach()
+    pooled, argmax = ops.channel_pool(xd)
+    cl = (not xd.is_contiguous()) and xd.is_contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(ops.channel_pool_backward.default, (torch.randn_like(pooled), argmax, C),
+                          dict(channels_last=cl))
+    torch.library.opcheck(ops.spatial_gate_backward.default, (torch.randn_like(xd), xd, gd))
+    dense = xd.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    torch.library.opcheck(ops.channel_pool_backward_accumulate_.default,
+                          (torch.randn_like(dense), torch.randn_like(pooled), argmax))
+
+
+def test_opcheck_spatial_gate_float32_gate(device):
+    x = torch.randn(2, 6, 5, 5, device=device).bfloat16().requires_grad_(True)
+    gate = torch.randn(2, 1, 5, 5, device=device, requires_grad=True)
+    torch.library.opcheck(ops.spatial_gate.default, (x, gate))

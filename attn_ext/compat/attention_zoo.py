@@ -14,12 +14,23 @@ Differences from the document's code:
   ``batch_size`` is 1 or ``num_groups``). The drop-in keeps the document's head mapping — query
   head ``h`` reads kv head ``h % (num_heads // num_groups)`` — but each batch element reads its
   own keys and values. With ``batch_size == 1`` the two agree exactly.
+- ``SpatialAttention`` returns the gate map, as the document's does (the document multiplies
+  ``x`` by it outside the module); the channel pooling is one fused read of ``x``
+  (:func:`attn_ext.channel_pool`). For the gated map in one fused pass use
+  :class:`attn_ext.nn.SpatialAttention`.
+- ``TemporalAttention`` keeps the document's formula (see the class).
 """
+import math
+
+import torch
 import torch.nn as nn
 
+from .. import functional as _F
+from ..spatial import channel_pool
 from . import _attend, _check_last, _check_rank, _float32_sqrt
 
-__all__ = ["SelfAttention", "MultiHeadAttention", "CrossAttention", "GroupedAttention"]
+__all__ = ["SelfAttention", "MultiHeadAttention", "SpatialAttention", "TemporalAttention", "CrossAttention",
+           "GroupedAttention"]
 
 
 class SelfAttention(nn.Module):
@@ -129,3 +140,77 @@ class GroupedAttention(nn.Module):
         output = output.transpose(1, 2).reshape(batch_size, seq_len, Hkv, G, hd).transpose(2, 3)
         output = output.reshape(batch_size, seq_len, -1)
         return self.W_o(output)
+
+
+class SpatialAttention(nn.Module):
+    """CBAM's spatial attention map as document 004 computes it:
+    ``sigmoid(conv1([mean_c(x); max_c(x)]))``, x (N, C, H, W) -> (N, 1, H, W), NCHW or
+    channels-last. ``kernel_size`` is 3 or 7 (padding 1 or 3), ``conv1`` has no bias; the
+    document's ``sigmoid`` attribute is kept (it holds no parameters)."""
+
+    def __init__(self, kernel_size=7):
+        super(SpatialAttention, self).__init__()
+        assert kernel_size in (3, 7), 'kernel size must be 3 or 7'
+        padding = 3 if kernel_size == 7 else 1
+        self.conv1 = nn.Conv2d(2, 1, kernel_size, padding=padding, bias=False)
+        self.sigmoid = nn.Sigmoid()
+
+    def forward(self, x):
+        name = type(self).__name__
+        _check_rank(name, x, (4,), "(batch_size, channels, height, width)")
+        return self.sigmoid(self.conv1(channel_pool(x)))
+
+
+class TemporalAttention(nn.Module):
+    r"""Single-head temporal attention as document 004 writes it; ``forward(x, time_points)``
+    with x (B, S, input_dim) and time_points (B or 1, n_t, time_emb_dim) returns
+    ``(output (B, S, d_k), attn_weights (B, S, S))``.
+
+    The document repeats the projected time embedding ``E = W_t(time_points)`` (n_t, d_k) ``S``
+    times into ``T`` (n_t S, d_k) and scores ``Q (T^T T / (||T||_F + 1e-8)) K^T / sqrt(d_k)``.
+    Since ``T^T T = S E^T E`` and ``||T||_F = sqrt(S) ||E||_F``, the drop-in forms the (d_k, d_k)
+    matrix from ``E`` alone, folds it into the queries and calls :func:`attn_ext.attention`
+    (and :func:`attn_ext.attention_weights` for the returned weights): the same numbers
+    without the (n_t S, d_k) repeat or a separate pass over the scores.
+
+    Kept from the document (it differs from the paper's per-token time matrix): with one time
+    point ``e``, ``T^T T / ||T||`` is ``sqrt(S) e e^T / ||e||``, so the scores scale with the
+    square root of the sequence length, and several time points per sequence are summed into
+    one matrix rather than assigned to tokens. The multi-head :class:`attn_ext.nn.TemporalAttention`
+    accepts one time point per token.
+    """
+
+    def __init__(self, input_dim, d_k, time_emb_dim):
+        super(TemporalAttention, self).__init__()
+        self.input_dim = input_dim
+        self.d_k = d_k
+        self.time_emb_dim = time_emb_dim
+        self.W_q = nn.Linear(input_dim, d_k)
+        self.W_k = nn.Linear(input_dim, d_k)
+        self.W_v = nn.Linear(input_dim, d_k)
+        self.W_t = nn.Linear(time_emb_dim, d_k)
+
+    def forward(self, x, time_points, need_weights=True):
+        """``need_weights=False`` (not in the document) returns ``(output, None)`` without
+        forming the (B, S, S) weights: memory linear in S."""
+        name = type(self).__name__
+        _check_rank(name, x, (3,), "x (batch_size, seq_len, input_dim)")
+        _check_last(name, x, self.input_dim, "x")
+        _check_rank(name, time_points, (3,), "time_points (batch_size, num_time_points, time_emb_dim)")
+        _check_last(name, time_points, self.time_emb_dim, "time_points")
+        batch_size, seq_len, _ = x.size()
+        if time_points.size(0) not in (1, batch_size):
+            raise ValueError(f"{name}: time_points must have batch size 1 or {batch_size} (x's), "
+                             f"got shape {tuple(time_points.shape)}")
+        Q = self.W_q(x)
+        K = self.W_k(x)
+        V = self.W_v(x)
+        time_emb = self.W_t(time_points)  # (B, n_t, d_k)
+        gram = torch.matmul(time_emb.transpose(1, 2), time_emb) * seq_len  # T^T T
+        t_norm = torch.linalg.vector_norm(time_emb, dim=(1, 2), keepdim=True) * math.sqrt(seq_len)  # ||T||_F
+        Q = torch.matmul(Q, gram / (t_norm + 1e-8))
+        K, V = K.expand(Q.size(0), -1, -1), V.expand(Q.size(0), -1, -1)
+        scale = 1.0 / _float32_sqrt(self.d_k)
+        output = _F.attention(Q, K, V, scale=scale)
+        attn_weights = _F.attention_weights(Q, K, scale=scale) if need_weights else None
+        return output, attn_weights

@@ -9,11 +9,17 @@
   sliding window, and prefill + decode against a preallocated :class:`attn_ext.KVCache`.
 * :class:`LinearAttention` -- multi-head linear attention (``elu+1`` feature map by default),
   non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
+* :class:`ChannelAttention`, :class:`SpatialAttention`, :class:`CBAM` -- CBAM (Woo et al. 2018)
+  on attn_ext's fused channel pooling and sigmoid gate (NCHW or channels-last).
+* :class:`TemporalAttention` -- multi-head temporal attention (document 004, Rosin & Radinsky
+  2022): the time matrix folded into the queries, then :func:`attn_ext.attention`.
 """
 from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
+from .spatial_attention import CBAM, ChannelAttention, SpatialAttention
+from .temporal_attention import TemporalAttention
 
-__all__ = ["DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
-           "MultiheadAttention"]
+__all__ = ["CBAM", "ChannelAttention", "DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
+           "MultiheadAttention", "SpatialAttention", "TemporalAttention"]

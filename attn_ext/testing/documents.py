@@ -460,3 +460,51 @@ class doc004:
             output = output.view(batch_size, self.num_heads, seq_len, self.head_dim).transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
             output = self.W_o(output)
             return output
+
+    class SpatialAttention(nn.Module):
+        """CBAM's spatial attention map as the document writes it: returns the gate
+        sigmoid(conv([mean_c x; max_c x])) (N, 1, H, W); the caller multiplies x by it."""
+
+        def __init__(self, kernel_size=7):
+            super().__init__()
+            assert kernel_size in (3, 7), 'kernel size must be 3 or 7'
+            padding = 3 if kernel_size == 7 else 1
+            self.conv1 = nn.Conv2d(2, 1, kernel_size, padding=padding, bias=False)
+            self.sigmoid = nn.Sigmoid()
+
+        def forward(self, x):
+            avg_out = torch.mean(x, dim=1, keepdim=True)
+            max_out, _ = torch.max(x, dim=1, keepdim=True)
+            x = torch.cat([avg_out, max_out], dim=1)
+            x = self.conv1(x)
+            return self.sigmoid(x)
+
+    class TemporalAttention(nn.Module):
+        """Scores Q (T^T T / (||T||_F + 1e-8)) K^T / sqrt(d_k), T the time embedding repeated
+        over the sequence; returns (output, attn_weights)."""
+
+        def __init__(self, input_dim, d_k, time_emb_dim):
+            super().__init__()
+            self.input_dim = input_dim
+            self.d_k = d_k
+            self.time_emb_dim = time_emb_dim
+            self.W_q = nn.Linear(input_dim, d_k)
+            self.W_k = nn.Linear(input_dim, d_k)
+            self.W_v = nn.Linear(input_dim, d_k)
+            self.W_t = nn.Linear(time_emb_dim, d_k)
+
+        def forward(self, x, time_points):
+            batch_size, seq_len, _ = x.size()
+            Q = self.W_q(x)
+            K = self.W_k(x)
+            V = self.W_v(x)
+            time_emb = self.W_t(time_points)
+            T = time_emb.repeat(1, seq_len, 1)
+            T_norm = torch.norm(T, p='fro', dim=(1, 2), keepdim=True)
+            T_scaled = (T.transpose(1, 2) @ T) / (T_norm + 1e-8)
+            scores = torch.matmul(Q, T_scaled)
+            scores = torch.matmul(scores, K.transpose(1, 2))
+            scores = scores / torch.sqrt(torch.tensor(self.d_k, dtype=torch.float32))
+            attn_weights = F.softmax(scores, dim=-1)
+            output = torch.matmul(attn_weights, V)
+            return output, attn_weights
