@@ -9,11 +9,14 @@
   sliding window, and prefill + decode against a preallocated :class:`attn_ext.KVCache`.
 * :class:`LinearAttention` -- multi-head linear attention (``elu+1`` feature map by default),
   non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
+* :class:`MultiHeadLatentAttention` -- DeepSeek-V2's MLA: a compressed latent KV cache
+  (:class:`attn_ext.LatentKVCache`) and weight-absorbed decoding.
 """
 from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
+from .latent_attention import MultiHeadLatentAttention
 
 __all__ = ["DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
-           "MultiheadAttention"]
+           "MultiheadAttention", "MultiHeadLatentAttention"]
