@@ -182,14 +182,36 @@ class LatentKVCache(KVCache):
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         self.kv = torch.zeros(batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype,
                               device=device)
-        self.k = self.kv
-        self.v = self.kv[..., :kv_lora_rank]
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.kv.device)
         self._host_lengths = [0] * batch_size
+        # Host-side: no append since construction or reset (a prompt can then skip the cache;
+        # kept off the device so that checking it neither synchronizes nor breaks a graph).
+        self._empty = True
+
+    @property
+    def empty(self) -> bool:
+        """True until the first :meth:`append` after construction or :meth:`reset`."""
+        return self._empty
+
+    def reset(self) -> None:
+        super().reset()
+        self._empty = True
+
+    # The views are taken on access, not stored: a view kept across an in-place append would
+    # have to be replayed by torch.compile's functionalization, which fails for these strides.
+    @property
+    def k(self) -> torch.Tensor:
+        """The key head [c_kv, k_rope] (B, 1, max_len, kv_lora_rank + rope_dim): the buffer."""
+        return self.kv
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values: the ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view."""
+        return self.kv[..., :self.kv_lora_rank]
 
     @property
     def latent(self) -> torch.Tensor:
-        """The ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view."""
+        """The ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view (same as :attr:`v`)."""
         return self.v
 
     @property
@@ -205,8 +227,9 @@ class LatentKVCache(KVCache):
         cache position, and advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
         on_host = self.kv.device.type == "cpu"
         after = None if on_host else self._check_room(c_kv, new_lengths)
-        _ops.kv_cache_append(self.rope_key, self.latent, self.lengths, k_rope, c_kv, new_lengths,
-                             rope=True, rope_base=rope_base, rope_interleaved=rope_interleaved)
+        _ops.latent_cache_append(self.kv, self.lengths, c_kv, k_rope, new_lengths,
+                                 rope_base=rope_base, rope_interleaved=rope_interleaved)
+        self._empty = False
         if after is not None:
             self._host_lengths = after
 

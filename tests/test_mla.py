@@ -189,6 +189,26 @@ def test_latent_cache_layout(device):
     assert float(cache.kv[:, :, 4:].abs().max()) == 0.0
 
 
+def test_latent_cache_append_op(device):
+    # The op behind LatentKVCache.append: c_kv copied, k_rope rotated at the rows' positions,
+    # left padding honoured, the row width checked.
+    cache = attn_ext.LatentKVCache(2, 9, 6, 4, device=device, dtype=torch.float64)
+    c_kv = torch.randn(2, 1, 3, 6, device=device, dtype=torch.float64)
+    k_rope = torch.randn(2, 1, 3, 4, device=device, dtype=torch.float64)
+    cache.append(c_kv[:, :, :2], k_rope[:, :, :2])
+    cache.append(c_kv, k_rope, new_lengths=torch.tensor([3, 1], device=device))
+    assert cache.lengths.tolist() == [5, 3]
+    torch.testing.assert_close(cache.latent[0, :, 2:5], c_kv[0])
+    torch.testing.assert_close(cache.latent[1, :, 2:3], c_kv[1, :, 2:])
+    rotated = attn_ext.rope(k_rope, positions=torch.tensor([[2, 3, 4], [0, 1, 2]], device=device))
+    torch.testing.assert_close(cache.rope_key[0, :, 2:5], rotated[0])
+    with pytest.raises(RuntimeError, match=r"row width \(dim 3\) must be c_kv's \+ k_rope's = 6 \+ 5"):
+        torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv, k_rope.new_zeros(2, 1, 3, 5))
+    with pytest.raises(RuntimeError, match="overflow"):
+        cache.append(c_kv, k_rope)
+        cache.append(c_kv, k_rope)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="qk_rope_head_dim must be positive and even"):
         MultiHeadLatentAttention(32, 2, qk_rope_head_dim=7)

@@ -11,12 +11,16 @@
   non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
 * :class:`MultiHeadLatentAttention` -- DeepSeek-V2's MLA: a compressed latent KV cache
   (:class:`attn_ext.LatentKVCache`) and weight-absorbed decoding.
+* :class:`TensorProductAttention` -- Tensor Product Attention: Q, K, V as per-token sums of
+  tensor products, RoPE on the feature-side factors, a :class:`TPAFactorCache` for decoding.
 """
 from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
 from .latent_attention import MultiHeadLatentAttention
+from .tensor_product_attention import TPAFactorCache, TensorProductAttention
 
 __all__ = ["DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
-           "MultiheadAttention", "MultiHeadLatentAttention"]
+           "MultiheadAttention", "MultiHeadLatentAttention",
+           "TPAFactorCache", "TensorProductAttention"]

@@ -189,7 +189,7 @@ class MultiHeadLatentAttention(nn.Module):
         B, S, _ = x.shape
         q_nope, q_rope = self._query(x)
         c_kv, k_rope = self._latent(x)
-        prompt = S > 1 and new_lengths is None and _max_length(cache) == 0
+        prompt = S > 1 and new_lengths is None and cache.empty
         q_rope = rope(q_rope, positions=cache.positions(S, new_lengths), **self._rope_kw())
         cache.append(c_kv, k_rope, new_lengths=new_lengths, rope_base=self.rope_base,
                      rope_interleaved=self.rope_interleaved)
