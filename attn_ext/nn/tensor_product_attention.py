@@ -220,19 +220,20 @@ class TensorProductAttention(nn.Module):
 def _factor_attention(q: torch.Tensor, cache: TPAFactorCache, n: int, pos: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal attention of q (B, S, H, d) at positions ``pos`` (B, S) against the first ``n``
-    cached rows, through the factors: scores ``(1/R_K) Σ_r A_K (q · B_K)``, output
-    ``(1/R_V) Σ_{t,r} (p_t A_V[t, r]) B_V[t, r]``. Returns (B, H, S, d)."""
+    cached rows, through the factors: scores ``(1/R_K) Σ_r A_K[t, r, h] (q_h · B_K[t, r])``,
+    output ``(1/R_V) Σ_{t,r} (p_t A_V[t, r, h]) B_V[t, r]``. Everything runs in the cache's
+    (t, r) row order, so the factors are read in place. Returns (B, H, S, d)."""
     B, S, H, d = q.shape
     a_k, b_k, a_v, b_v = (t[:, :n] for t in (cache.a_k, cache.b_k, cache.a_v, cache.b_v))
     r_k, r_v = a_k.size(2), a_v.size(2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # q . B_K for every (query, head) and cached (row, rank): one (S*H, d) x (d, n*R_K) product.
-    qb = torch.matmul(q.reshape(B, S * H, d), b_k.reshape(B, n * r_k, d).transpose(1, 2))
-    qb = qb.view(B, S, H, n, r_k).to(acc)
-    scores = torch.einsum("bshtr,btrh->bsht", qb, a_k.to(acc)) * (scale / r_k)
-    visible = torch.arange(n, device=q.device) <= pos[:, :, None, None]  # (B, S, 1, n)
-    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    # Probabilities through A_V: (B, S*H, n*R_V), then one product with B_V (n*R_V, d).
-    w = torch.einsum("bsht,btrh->bshtr", p, a_v.to(acc)).reshape(B, S * H, n * r_v) / r_v
-    out = torch.matmul(w.to(q.dtype), b_v.reshape(B, n * r_v, d))
+    # B_K q for every cached (row, rank) and every (query, head): one (n*R_K, d) x (d, S*H) product.
+    qb = torch.matmul(b_k.reshape(B, n * r_k, d), q.reshape(B, S * H, d).transpose(1, 2))
+    qb = qb.view(B, n, r_k, S, H).to(acc)
+    scores = (qb * a_k.to(acc).unsqueeze(3)).sum(2) * (scale / r_k)  # (B, n, S, H)
+    visible = torch.arange(n, device=q.device)[None, :, None] <= pos[:, None, :]  # (B, n, S)
+    p = torch.softmax(scores.masked_fill(~visible.unsqueeze(-1), float("-inf")), dim=1)
+    # Probabilities through A_V (B, n, R_V, S, H), then one product with B_V (n*R_V, d).
+    w = (p.unsqueeze(2) * a_v.to(acc).unsqueeze(3)).reshape(B, n * r_v, S * H) / r_v
+    out = torch.matmul(w.to(q.dtype).transpose(1, 2), b_v.reshape(B, n * r_v, d))  # (B, S*H, d)
     return out.view(B, S, H, d).transpose(1, 2)
