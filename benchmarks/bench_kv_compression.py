@@ -175,7 +175,7 @@ def main(argv=None):
     ap.add_argument("--tpa-head-dim", type=int, default=128)
     ap.add_argument("--tpa-ranks", type=int, nargs=3, default=[6, 2, 2], metavar=("R_Q", "R_K", "R_V"))
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--step-repeats", type=int, default=10)
+    ap.add_argument("--step-repeats", type=int, default=20)
     ap.add_argument("--budget", type=float, default=4.0,
                     help="seconds per cell after which a slow candidate stops at 3 steps")
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)

@@ -186,7 +186,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self._merge_heads(attention(q, k, v, causal=True, scale=self.softmax_scale))
 
     def _decode(self, x: torch.Tensor, cache: LatentKVCache, new_lengths, absorb: bool):
-        B, S, _ = x.shape
+        S = x.size(1)
         q_nope, q_rope = self._query(x)
         c_kv, k_rope = self._latent(x)
         prompt = S > 1 and new_lengths is None and cache.empty
