@@ -146,7 +146,9 @@ class TensorProductAttention(_TPA):
     ``W_b_q``, ``W_a_k``, ``W_b_k``, ``W_a_v``, ``W_b_v``, ``out_proj``), computing the paper's
     definition (see the module docstring for the differences from the document's code);
     x (B, S, d_model) -> (B, S, d_model), ``d_k`` the per-head width. The scores are divided by
-    the document's float32 ``sqrt(d_k)``."""
+    the document's float32 ``sqrt(d_k)``. ``forward(x, rope_pos=None)``: with integer positions
+    ``rope_pos`` ((S,) or (B, S)) RoPE (base 10000, LLaMA's halves layout) rotates the ``B``
+    factors of Q and K; without, no position encoding (as the document)."""
 
     def __init__(self, d_model, num_heads, d_k, r_q=6, r_k=2, r_v=2):
         super().__init__(d_model, num_heads, d_k, r_q=r_q, r_k=r_k, r_v=r_v, causal=False,
