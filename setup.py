@@ -5,11 +5,17 @@ Environment switches:
   ATTN_EXT_CPU_ISA   avx2 (default on x86-64) | native | generic: vector ISA of the CPU kernels
   ATTN_EXT_CUDA      auto (default) | 0 | 1: force the CUDA build off or on
   ATTN_EXT_DEBUG     1: -O0 -g
+  ATTN_EXT_CUDA_HEAD_DIMS   e.g. "128" or "64,128": tensor-core forward head dims to compile
+                            (of 64, 128, 256; default all; others run on the generic kernel)
+  ATTN_EXT_CUDA_DTYPES      e.g. "bf16" or "bf16,f32": attention kernel dtypes to compile
+                            (of f32, f64, bf16, f16; default all; others raise on CUDA)
+  ATTN_EXT_CUDA_BACKWARD    0: no attention backward kernels on CUDA (default 1)
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
 import glob
 import os
 import platform
+import re
 
 import torch
 from setuptools import setup
@@ -32,6 +38,45 @@ def _cuda_enabled():
     return have and bool(_sources("csrc/cuda/**/*.cu"))
 
 
+# Attention instantiations (tools/gen_cuda_instantiations.py writes csrc/cuda/instantiations).
+_INSTANTIATION = re.compile(r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>f32|f64|bf16|f16)(?:_hd(?P<hd>\d+))?\.cu$")
+_CUDA_DTYPES = ("f32", "f64", "bf16", "f16")  # bit order of ATTN_EXT_CUDA_DTYPE_MASK
+_CUDA_HEAD_DIMS = (64, 128, 256)              # bit order of ATTN_EXT_CUDA_HEAD_DIM_MASK
+
+
+def _env_list(name, allowed, convert=str):
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return list(allowed)
+    vals = [convert(x.strip()) for x in raw.split(",") if x.strip()]
+    bad = [x for x in vals if x not in allowed]
+    if bad:
+        raise RuntimeError(f"{name}: unknown value(s) {bad}; expected a comma-separated subset of {list(allowed)}")
+    return vals
+
+
+def _cuda_attention_selection():
+    """The instantiation files to compile and the nvcc defines that tell the dispatcher."""
+    dtypes = _env_list("ATTN_EXT_CUDA_DTYPES", _CUDA_DTYPES)
+    head_dims = _env_list("ATTN_EXT_CUDA_HEAD_DIMS", _CUDA_HEAD_DIMS, int)
+    backward = os.environ.get("ATTN_EXT_CUDA_BACKWARD", "1") != "0"
+    keep = []
+    for src in _sources("csrc/cuda/instantiations/*.cu"):
+        m = _INSTANTIATION.match(os.path.basename(src))
+        if m is None:
+            raise RuntimeError(f"{src}: not an instantiation name tools/gen_cuda_instantiations.py writes")
+        if m["dtype"] not in dtypes or (m["pass"] == "bwd" and not backward):
+            continue
+        if m["hd"] is not None and int(m["hd"]) not in head_dims:
+            continue
+        keep.append(src)
+    dtype_mask = sum(1 << i for i, d in enumerate(_CUDA_DTYPES) if d in dtypes)
+    hd_mask = sum(1 << i for i, d in enumerate(_CUDA_HEAD_DIMS) if d in head_dims)
+    defines = [f"-DATTN_EXT_CUDA_DTYPE_MASK={dtype_mask}", f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
+               f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}"]
+    return keep, defines
+
+
 def _cpu_isa_flags():
     isa = os.environ.get("ATTN_EXT_CPU_ISA", "avx2" if platform.machine() in ("x86_64", "AMD64") else "generic")
     return {"avx2": ["-mavx2", "-mfma", "-mf16c"], "native": ["-march=native"], "generic": []}[isa]
@@ -47,8 +92,10 @@ def _extension():
     if _cuda_enabled():
         cxx.append("-DATTN_EXT_WITH_CUDA")
         arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-        nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"]
-        sources += _sources("csrc/cuda/**/*.cu") + _sources("csrc/cuda/**/*.cpp")
+        instantiations, defines = _cuda_attention_selection()
+        nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"] + defines
+        hand_written = [s for s in _sources("csrc/cuda/**/*.cu") if "instantiations" not in s.split(os.sep)]
+        sources += hand_written + instantiations + _sources("csrc/cuda/**/*.cpp")
         print(f"attn_ext: building CUDA kernels for {arch}")
         return cpp_extension.CUDAExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return cpp_extension.CppExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)

@@ -117,6 +117,24 @@ def test_causal_and_window(device, dtype, sq, sk, causal, window):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (700, -1))])
+def test_long_head_converted_per_tile(device, dtype, causal, window):
+    # bf16/fp16 K/V of a head under 2^21 elements (Sk * (D + Dv)) are converted once per
+    # head; a longer head is converted tile by tile: this shape takes that path on the CPU.
+    q, k, v = make_qkv(1, 2, 1, 150, 8300, 128, dtype=dtype, device=device)
+    check_forward(q, k, v, causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_converted_head_reused_across_blocks_and_heads(device, dtype):
+    # Many query blocks per head, a GQA group sharing each kv head, and a window whose
+    # key range starts past 0: the per-thread converted K/V must follow every switch.
+    q, k, v = make_qkv(2, 4, 2, 700, 900, 64, dtype=dtype, device=device)
+    check_forward(q, k, v, causal=True, window_size=(300, -1))
+    check_forward(q, k, v)
+
+
 def test_causal_is_bottom_right(device):
     """Causal with Sq < Sk: the last query sees every key, the first query the
     first Sk - Sq + 1 keys (a KV-cache prefill)."""

@@ -19,3 +19,11 @@ def test_cuda_sources_compile():
     if proc.returncode == NO_TOOLKIT:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cuda_instantiations_are_generated():
+    """csrc/cuda/instantiations is exactly what tools/gen_cuda_instantiations.py writes (a kernel
+    template change that needs new instantiations, or a hand edit, fails here)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_cuda_instantiations.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -17,6 +17,29 @@
 namespace attn_ext::cpu {
 namespace {
 
+// The keys and values of one (batch, kv head) in the accumulation type, converted lazily
+// for the key range [lo, hi) that the thread's tasks on that head have asked for so far.
+template <typename scalar_t, typename acc_t>
+struct ConvertedHead {
+  int64_t head = -1, lo = 0, hi = 0;
+  Buffer<acc_t> k, v;
+
+  ConvertedHead(int64_t sk, int64_t d, int64_t dv) : k(sk * d), v(sk * dv) {}
+
+  // Makes keys [n_begin, n_end) of `head` available at k.get() + j * D / v.get() + j * Dv.
+  void ensure(int64_t head_id, const scalar_t* ks, int64_t k_ld, const scalar_t* vs,
+              int64_t v_ld, int64_t d, int64_t dv, int64_t n_begin, int64_t n_end) {
+    if (head_id != head || n_begin < lo || n_begin > hi) {
+      head = head_id;
+      lo = hi = n_begin;
+    }
+    for (; hi < n_end; ++hi) {
+      load_row(ks + hi * k_ld, k.get() + hi * d, d, acc_t(1));
+      load_row(vs + hi * v_ld, v.get() + hi * dv, dv, acc_t(1));
+    }
+  }
+};
+
 template <typename scalar_t>
 void flash_fwd(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
@@ -29,10 +52,14 @@ void flash_fwd(const AttentionParams& p) {
   const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const bool convert_whole_head =
+      Traits::kConvert && Sk * (D + Dv) <= Traits::kMaxConvertedHeadElems;
 
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
-    Buffer<acc_t> k_buf(Traits::kConvert ? kN * D : 0), v_buf(Traits::kConvert ? kN * Dv : 0);
+    const bool per_tile = Traits::kConvert && !convert_whole_head;
+    Buffer<acc_t> k_buf(per_tile ? kN * D : 0), v_buf(per_tile ? kN * Dv : 0);
+    ConvertedHead<scalar_t, acc_t> head_kv(convert_whole_head ? Sk : 0, D, Dv);
     Buffer<uint8_t> keep(dropout ? kM * kN : 0);
     std::vector<SoftmaxState<acc_t>> state(kM);
 
@@ -50,15 +77,25 @@ void flash_fwd(const AttentionParams& p) {
       const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
                               p.v_head_stride, p.v_row_stride, b, hk, 0);
       for (int64_t r = 0; r < m; ++r) load_row(q + r * p.q_row_stride, q_buf.get() + r * D, D, q_scale);
+      if (convert_whole_head && n_begin < n_end) {
+        head_kv.ensure(b * p.kv_heads + hk, k, p.k_row_stride, v, p.v_row_stride, D, Dv,
+                       n_begin, n_end);
+      }
       std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
       std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
 
       // ---- main loop over key blocks; tiles crossing the band's edge are masked per element
       for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
         const int64_t n = std::min(kN, n_end - j0);
-        int64_t ldk, ldv;
-        const acc_t* kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
-        const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+        int64_t ldk = D, ldv = Dv;
+        const acc_t *kt, *vt;
+        if (convert_whole_head) {
+          kt = head_kv.k.get() + j0 * D;
+          vt = head_kv.v.get() + j0 * Dv;
+        } else {
+          kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
+          vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+        }
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
         const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);

@@ -41,6 +41,6 @@ cudaError_t dispatch_elem(ElemKind kind, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace attn_ext::cuda
