@@ -9,11 +9,13 @@ from . import _C  # noqa: F401  (registers the operators)
 from . import _registration  # noqa: F401
 from . import compat, nn  # noqa: F401  (drop-in and canonical modules)
 from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
-from .decoding import KVCache, decode_attention, rope, rope_
+from .decoding import KVCache, LatentKVCache, decode_attention, rope, rope_
 from .linear import linear_attention
 from .spatial import channel_pool, spatial_gate
+from .cache_size import kv_cache_bytes
+from .tpa import tpa_expand
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention",
-           "rope", "rope_", "decode_attention", "KVCache", "linear_attention",
-           "channel_pool", "spatial_gate"]
+           "rope", "rope_", "decode_attention", "KVCache", "LatentKVCache", "linear_attention",
+           "channel_pool", "spatial_gate", "kv_cache_bytes", "tpa_expand"]

@@ -334,6 +334,49 @@ def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):
     return Case(name, make, ext, ref, grads=())
 
 
+def mla_decode_case():
+    """The absorbed MLA step: 16 query heads on one 576-wide latent head whose values are the
+    first 512 columns of the same cache (a strided view), scale 1/sqrt(128 + 64)."""
+    scale = 1.0 / math.sqrt(192)
+
+    def make(dev):
+        cache = randn(2, 1, 305, 576, device=dev)
+        return {"q": randn(2, 16, 1, 576, device=dev), "k_cache": cache, "v_cache": cache[..., :512],
+                "lengths": torch.tensor([300, 41], dtype=torch.int32, device=dev)}
+
+    def ext(q, k_cache, v_cache, lengths):
+        return (attn_ext.decode_attention(q, k_cache, k_cache[..., :512], lengths, scale=scale),)
+
+    def ref(q, k_cache, v_cache, lengths):
+        outs = []
+        for b, n in enumerate(lengths.tolist()):
+            q_b, k_b, v_b = q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n]
+            outs.append(reference_attention(q_b, k_b, v_b, scale=scale))
+        return (torch.cat(outs),)
+
+    return Case("decode_attention MLA absorbed (576-wide latent, 512-col value view)", make, ext, ref,
+                grads=())
+
+
+def tpa_expand_case(rope):
+    def make(dev):
+        return {"a": randn(2, 29, 6, 16, device=dev), "b": randn(2, 6, 29, 64, device=dev).transpose(1, 2),
+                "positions": torch.randint(0, 8192, (2, 29), device=dev)}
+
+    def ext(a, b, positions):
+        return (attn_ext.tpa_expand(a, b, positions=positions if rope else None, rope=rope,
+                                    rope_interleaved=False),)
+
+    def plain(a, b, positions, exact):
+        if rope:
+            b = reference_rope(b.transpose(1, 2), positions, False, exact=exact).transpose(1, 2)
+        return ((a.unsqueeze(-1) * b.unsqueeze(-2)).sum(2) / a.size(2),)
+
+    name = "tpa_expand (1/R) sum a_r x b_r" + (", RoPE on b" if rope else "")
+    return Case(name, make, ext, lambda **t: plain(**t, exact=False), grads=("a", "b"),
+                truth=lambda **t: plain(**t, exact=True))
+
+
 def reference_linear(q, k, v, causal, eps=1e-6):
     """Document 000's linear attention with phi = elu + 1; causal as the masked quadratic form."""
     fq, fk = F.elu(q) + 1, F.elu(k) + 1
@@ -425,6 +468,9 @@ def all_cases() -> List[Case]:
         rope_case(interleaved=False),
         decode_case("decode_attention GQA 8/2, ragged lengths"),
         decode_case("decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4),
+        mla_decode_case(),
+        tpa_expand_case(rope=False),
+        tpa_expand_case(rope=True),
         linear_case(causal=False),
         linear_case(causal=True),
         *spatial_cases(),

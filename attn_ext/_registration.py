@@ -122,6 +122,12 @@ def _kv_cache_append_fake(k_cache, v_cache, cache_seqlens, k, v, new_lengths=Non
     return None
 
 
+@torch.library.register_fake("attn_ext::latent_cache_append")
+def _latent_cache_append_fake(cache, cache_seqlens, c_kv, k_rope, new_lengths=None, *,
+                              rope_base=10000.0, rope_interleaved=True):
+    return None
+
+
 @torch.library.register_fake("attn_ext::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, *, scale=None, causal=True,
                            window_left=-1, num_splits=0):
@@ -252,3 +258,34 @@ def _spatial_gate_backward(ctx, grad_out):
 
 torch.library.register_autograd("attn_ext::spatial_gate", _spatial_gate_backward,
                                 setup_context=_spatial_gate_setup_context)
+# ------------------------------------------------------------------- tensor product attention
+
+
+@torch.library.register_fake("attn_ext::tpa_expand")
+def _tpa_expand_fake(a, b, positions=None, *, scale=1.0, rope=False, rope_base=10000.0,
+                     rope_interleaved=True, rotary_dim=None):
+    B, S, _, H = a.shape
+    return a.new_empty((B, S, H, b.size(3)))
+
+
+@torch.library.register_fake("attn_ext::tpa_expand_backward")
+def _tpa_expand_backward_fake(grad_out, a, b, positions=None, *, scale=1.0, rope=False,
+                              rope_base=10000.0, rope_interleaved=True, rotary_dim=None):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _tpa_setup_context(ctx, inputs, keyword_only_inputs, output):
+    a, b, positions = inputs
+    ctx.positions = positions
+    ctx.kw = keyword_only_inputs
+    ctx.save_for_backward(a, b)
+
+
+def _tpa_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    grad_a, grad_b = _ops.tpa_expand_backward(grad_out, a, b, ctx.positions, **ctx.kw)
+    return grad_a, grad_b, None
+
+
+torch.library.register_autograd("attn_ext::tpa_expand", _tpa_backward,
+                                setup_context=_tpa_setup_context)

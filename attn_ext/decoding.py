@@ -9,7 +9,7 @@ from .functional import _as_4d
 
 _ops = torch.ops.attn_ext
 
-__all__ = ["rope", "rope_", "decode_attention", "KVCache"]
+__all__ = ["rope", "rope_", "decode_attention", "KVCache", "LatentKVCache"]
 
 
 def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
@@ -158,3 +158,82 @@ class KVCache:
         B, Hkv, L, D = self.k.shape
         return (f"KVCache(batch_size={B}, num_kv_heads={Hkv}, max_len={L}, head_dim={D}, "
                 f"head_dim_v={self.v.size(3)}, dtype={self.k.dtype}, device={self.k.device})")
+
+
+class LatentKVCache(KVCache):
+    """The compressed cache of Multi-head Latent Attention (DeepSeek-V2 §2.1): per token only
+    the latent ``c_kv`` (``kv_lora_rank`` values) and the RoPE-rotated shared key ``k_rope``
+    (``rope_dim`` values), in one buffer ``kv`` (B, 1, max_len, kv_lora_rank + rope_dim) laid
+    out ``[c_kv, k_rope]``.
+
+    The buffer is the single key head of width ``kv_lora_rank + rope_dim`` that the absorbed
+    decode attends to (``self.k``), and its first ``kv_lora_rank`` columns are the values
+    (``self.v``, a strided view of the same memory, never a copy). :meth:`append` writes both
+    parts with one ``kv_cache_append`` call whose "keys" are the ``k_rope`` columns (rotated at
+    the cache positions on the way in) and whose "values" are the ``c_kv`` columns.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, kv_lora_rank: int, rope_dim: int, *,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        for name, value in (("batch_size", batch_size), ("max_len", max_len),
+                            ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+            if int(value) < 0:
+                raise ValueError(f"attn_ext.LatentKVCache: {name} must be >= 0, got {value}")
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.kv = torch.zeros(batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype,
+                              device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.kv.device)
+        self._host_lengths = [0] * batch_size
+        # Host-side: no append since construction or reset (a prompt can then skip the cache;
+        # kept off the device so that checking it neither synchronizes nor breaks a graph).
+        self._empty = True
+
+    @property
+    def empty(self) -> bool:
+        """True until the first :meth:`append` after construction or :meth:`reset`."""
+        return self._empty
+
+    def reset(self) -> None:
+        super().reset()
+        self._empty = True
+
+    # The views are taken on access, not stored: a view kept across an in-place append would
+    # have to be replayed by torch.compile's functionalization, which fails for these strides.
+    @property
+    def k(self) -> torch.Tensor:
+        """The key head [c_kv, k_rope] (B, 1, max_len, kv_lora_rank + rope_dim): the buffer."""
+        return self.kv
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values: the ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view."""
+        return self.kv[..., :self.kv_lora_rank]
+
+    @property
+    def latent(self) -> torch.Tensor:
+        """The ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view (same as :attr:`v`)."""
+        return self.v
+
+    @property
+    def rope_key(self) -> torch.Tensor:
+        """The rotated ``k_rope`` columns (B, 1, max_len, rope_dim), a view."""
+        return self.kv[..., self.kv_lora_rank:]
+
+    def append(self, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
+               new_lengths: Optional[torch.Tensor] = None, rope_base: float = 10000.0,
+               rope_interleaved: bool = True) -> None:
+        """Writes c_kv (B, 1, S_new, kv_lora_rank) and the not yet rotated k_rope
+        (B, 1, S_new, rope_dim) at each sequence's length, rotating k_rope by RoPE at its
+        cache position, and advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
+        on_host = self.kv.device.type == "cpu"
+        after = None if on_host else self._check_room(c_kv, new_lengths)
+        _ops.latent_cache_append(self.kv, self.lengths, c_kv, k_rope, new_lengths,
+                                 rope_base=rope_base, rope_interleaved=rope_interleaved)
+        self._empty = False
+        if after is not None:
+            self._host_lengths = after
+
+    def __repr__(self) -> str:
+        B, _, L, _ = self.kv.shape
+        return (f"LatentKVCache(batch_size={B}, max_len={L}, kv_lora_rank={self.kv_lora_rank}, "
+                f"rope_dim={self.rope_dim}, dtype={self.kv.dtype}, device={self.kv.device})")

@@ -29,6 +29,9 @@
 //   [len_b, len_b + n_b) (batched generation pads on the left), optionally rotating keys
 //   by RoPE at those positions, then adds n_b to cache_seqlens; if any sequence would
 //   overflow L it raises and writes nothing.
+//   latent_cache_append (MLA's cache): cache (B, Hkv, L, Dc + Dr) holds rows [c_kv, k_rope];
+//   writes c_kv (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr), the latter rotated by
+//   RoPE (all Dr features) at the rows' positions, as kv_cache_append does (v = c_kv, k = k_rope).
 //   decode_attention: q (B, H, Sq, D) against the cache; query i of sequence b sits at
 //   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
 //   [pos - window_left, pos] (causal) or [pos - window_left, len_b) (not causal);
@@ -45,6 +48,13 @@
 //   channels, gate in x's dtype or float32 (for bf16 / fp16 x); its backward returns grad_x and
 //   grad_gate = sigmoid'(gate) * sum_c grad_out * x in gate's dtype. Accumulation in fp32 (fp64
 //   for fp64).
+// Tensor Product Attention:
+//   tpa_expand forms one of Q, K, V from its per-token factors: a (B, S, R, H) (head side),
+//   b (B, S, R, D) (feature side), out (B, S, H, D) contiguous (out.transpose(1, 2) is the
+//   (B, H, S, D) input of attention, read in place) with
+//   out[b, s, h, :] = scale * sum_r a[b, s, r, h] * RoPE(b[b, s, r, :]), the RoPE (rope=True)
+//   at positions[b, s] (positions (B, S) or (S,), int) or s, on the first rotary_dim features.
+//   tpa_expand_backward returns the gradients of a and b.
 #include <torch/library.h>
 
 TORCH_LIBRARY(attn_ext, m) {
@@ -83,9 +93,22 @@ TORCH_LIBRARY(attn_ext, m) {
       "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
       "float rope_base=10000.0, bool rope_interleaved=True, SymInt? rotary_dim=None) -> ()");
   m.def(
+      "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
+      "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
+      "bool rope_interleaved=True) -> ()");
+  m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int num_splits=0) "
       "-> (Tensor out, Tensor lse)");
+
+  m.def(
+      "tpa_expand(Tensor a, Tensor b, Tensor? positions=None, *, float scale=1.0, "
+      "bool rope=False, float rope_base=10000.0, bool rope_interleaved=True, "
+      "SymInt? rotary_dim=None) -> Tensor out");
+  m.def(
+      "tpa_expand_backward(Tensor grad_out, Tensor a, Tensor b, Tensor? positions=None, *, "
+      "float scale=1.0, bool rope=False, float rope_base=10000.0, bool rope_interleaved=True, "
+      "SymInt? rotary_dim=None) -> (Tensor grad_a, Tensor grad_b)");
 
   // Linear attention (out_i = phi(q_i) S_i / (phi(q_i) . z_i + eps)):
   //   q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv), no grouped heads; causal needs

@@ -301,3 +301,43 @@ def test_compile_temporal_attention(device):
         _close(out, ref)
         torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
         watch.step()
+def test_compile_tpa_expand_and_backward(device):
+    def fn(a, b, pos):
+        q = attn_ext.tpa_expand(a, b, positions=pos, rope=True, rope_interleaved=False)
+        return attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), causal=True)
+
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for s in (23, 40, 57):
+        a = torch.randn(2, s, 3, 4, device=device, requires_grad=True)
+        b = torch.randn(2, s, 3, 16, device=device, requires_grad=True)
+        pos = torch.randint(0, 1000, (2, s), device=device)
+        out, ref = cfn(a, b, pos), fn(a, b, pos)
+        _close(out, ref)
+        for g, g_ref in zip(torch.autograd.grad(out.sum(), (a, b)), torch.autograd.grad(ref.sum(), (a, b))):
+            _close(g, g_ref)
+        watch.step()
+
+
+def test_compile_mla_prefill_and_absorbed_decode(device):
+    """MLA prefill into a LatentKVCache and absorbed single-token steps compile without a graph
+    break, and later steps reuse the single-token graph."""
+    torch.manual_seed(0)
+    m = attn_ext.nn.MultiHeadLatentAttention(64, 4, kv_lora_rank=32, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=12, device=device)
+    x = torch.randn(2, 30, 64, device=device)
+    cstep, counter = _compile(lambda x_t, cache: m(x_t, cache))
+    with torch.no_grad():
+        ref_cache = m.new_cache(2, 40)
+        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t:t + 1], ref_cache) for t in range(23, 30)]
+        c = m.new_cache(2, 40)
+        outs = [cstep(x[:, :23], c)]
+        first = None
+        for t in range(23, 30):
+            outs.append(cstep(x[:, t:t + 1], c))
+            if t == 24:
+                first = counter.frame_count
+    assert counter.frame_count == first, f"recompiled: {counter.frame_count} vs {first}"
+    for a, b in zip(outs, ref):
+        _close(a, b)
+    _close(c.kv, ref_cache.kv)

@@ -230,3 +230,42 @@ def test_opcheck_spatial_gate_float32_gate(device):
     x = torch.randn(2, 6, 5, 5, device=device).bfloat16().requires_grad_(True)
     gate = torch.randn(2, 1, 5, 5, device=device, requires_grad=True)
     torch.library.opcheck(ops.spatial_gate.default, (x, gate))
+# ------------------------------------------------------------------ tensor product attention
+
+
+def tpa_samples(device):
+    a = torch.randn(2, 5, 3, 4, device=device)
+    b = torch.randn(2, 3, 5, 8, device=device).transpose(1, 2)  # strided (B, S, R, D)
+    pos = torch.randint(0, 50, (2, 5), device=device)
+    return [
+        ("plain", (a, b), dict(scale=1 / 3)),
+        ("grad_rope_positions", (a.clone().requires_grad_(True), b.clone().requires_grad_(True), pos),
+         dict(scale=0.5, rope=True, rope_interleaved=False)),
+        ("grad_rope_partial_f64", (a.double().requires_grad_(True), b.double().requires_grad_(True)),
+         dict(rope=True, rotary_dim=4, rope_base=500.0)),
+        ("shared_positions_bf16", (a.bfloat16(), b.bfloat16(), pos[0].int()), dict(rope=True)),
+    ]
+
+
+TPA_IDS = _ids(tpa_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(TPA_IDS)), ids=TPA_IDS)
+def test_opcheck_tpa_expand(device, idx):
+    _, args, kwargs = tpa_samples(device)[idx]
+    torch.library.opcheck(ops.tpa_expand.default, args, kwargs)
+    a, b = (t.detach() for t in args[:2])
+    g = torch.randn(a.size(0), a.size(1), a.size(3), b.size(3), device=device, dtype=a.dtype)
+    torch.library.opcheck(ops.tpa_expand_backward.default, (g, a, b, *args[2:]), kwargs)
+
+
+def test_opcheck_latent_cache_append(device):
+    cache = torch.zeros(2, 1, 12, 10, device=device)
+    c_kv = torch.randn(2, 1, 3, 6, device=device)
+    k_rope = torch.randn(2, 3, 1, 4, device=device).transpose(1, 2)  # strided
+    lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    torch.library.opcheck(ops.latent_cache_append.default, (cache, lens, c_kv, k_rope), {})
+    torch.library.opcheck(ops.latent_cache_append.default,
+                          (cache.clone(), torch.zeros(2, dtype=torch.long, device=device), c_kv, k_rope,
+                           torch.tensor([3, 1], device=device)),
+                          dict(rope_interleaved=False, rope_base=500.0))

@@ -19,6 +19,14 @@ Differences from the document's code:
   (:func:`attn_ext.channel_pool`). For the gated map in one fused pass use
   :class:`attn_ext.nn.SpatialAttention`.
 - ``TemporalAttention`` keeps the document's formula (see the class).
+- ``TensorProductAttention``: the document forms Q, K, V as ``(B, S, H, d_k)`` and multiplies
+  ``Q @ K.transpose(2, 3)``, which attends across *heads* at each position; it sums the rank
+  terms without the paper's ``1/R``; and it "applies RoPE" by multiplying ``B_Q`` and ``B_K``
+  elementwise with ``rope_pos``. The drop-in computes the paper's definition with the
+  document's parameters: ``Q_t = (1/R_Q) Σ_r a_r ⊗ b_r`` (likewise K, V), attention over
+  *positions* per head (no mask, as in the document), and when ``rope_pos`` is given it is
+  taken as the tokens' integer positions ((S,) or (B, S)) and RoPE rotates the ``B`` factors
+  of Q and K. A floating ``rope_pos`` (the document's multiplier) raises a ``TypeError``.
 """
 import math
 
@@ -28,9 +36,10 @@ import torch.nn as nn
 from .. import functional as _F
 from ..spatial import channel_pool
 from . import _attend, _check_last, _check_rank, _float32_sqrt
+from ..nn.tensor_product_attention import TensorProductAttention as _TPA
 
 __all__ = ["SelfAttention", "MultiHeadAttention", "SpatialAttention", "TemporalAttention", "CrossAttention",
-           "GroupedAttention"]
+           "GroupedAttention", "TensorProductAttention"]
 
 
 class SelfAttention(nn.Module):
@@ -214,3 +223,27 @@ class TemporalAttention(nn.Module):
         output = _F.attention(Q, K, V, scale=scale)
         attn_weights = _F.attention_weights(Q, K, scale=scale) if need_weights else None
         return output, attn_weights
+class TensorProductAttention(_TPA):
+    """Tensor Product Attention with document 004's constructor and parameters (``W_a_q``,
+    ``W_b_q``, ``W_a_k``, ``W_b_k``, ``W_a_v``, ``W_b_v``, ``out_proj``), computing the paper's
+    definition (see the module docstring for the differences from the document's code);
+    x (B, S, d_model) -> (B, S, d_model), ``d_k`` the per-head width. The scores are divided by
+    the document's float32 ``sqrt(d_k)``. ``forward(x, rope_pos=None)``: with integer positions
+    ``rope_pos`` ((S,) or (B, S)) RoPE (base 10000, LLaMA's halves layout) rotates the ``B``
+    factors of Q and K; without, no position encoding (as the document)."""
+
+    def __init__(self, d_model, num_heads, d_k, r_q=6, r_k=2, r_v=2):
+        super().__init__(d_model, num_heads, d_k, r_q=r_q, r_k=r_k, r_v=r_v, causal=False,
+                         rope=d_k % 2 == 0)
+        self.d_k = d_k
+
+    def forward(self, x, rope_pos=None):
+        name = type(self).__name__
+        _check_rank(name, x, (3,), "x (batch, seq_len, d_model)")
+        self._check_x(x)
+        if rope_pos is not None and rope_pos.is_floating_point():
+            raise TypeError(f"{name}: rope_pos must hold integer token positions ((S,) or (B, S)); "
+                            "the document's elementwise multiplier is not RoPE and is not supported")
+        if rope_pos is not None and not self.rope:
+            raise ValueError(f"{name}: RoPE needs an even d_k, got {self.d_k}")
+        return self._full(x, rope_pos, 1.0 / _float32_sqrt(self.d_k), rotate=rope_pos is not None)

@@ -13,6 +13,10 @@
   on attn_ext's fused channel pooling and sigmoid gate (NCHW or channels-last).
 * :class:`TemporalAttention` -- multi-head temporal attention (document 004, Rosin & Radinsky
   2022): the time matrix folded into the queries, then :func:`attn_ext.attention`.
+* :class:`MultiHeadLatentAttention` -- DeepSeek-V2's MLA: a compressed latent KV cache
+  (:class:`attn_ext.LatentKVCache`) and weight-absorbed decoding.
+* :class:`TensorProductAttention` -- Tensor Product Attention: Q, K, V as per-token sums of
+  tensor products, RoPE on the feature-side factors, a :class:`TPAFactorCache` for decoding.
 """
 from .linear_attention import LinearAttention, LinearAttentionState
 from .multi_head_attention import MultiHeadAttention
@@ -20,6 +24,9 @@ from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
 from .spatial_attention import CBAM, ChannelAttention, SpatialAttention
 from .temporal_attention import TemporalAttention
+from .latent_attention import MultiHeadLatentAttention
+from .tensor_product_attention import TPAFactorCache, TensorProductAttention
 
-__all__ = ["CBAM", "ChannelAttention", "DecoderAttention", "LinearAttention", "LinearAttentionState", "MultiHeadAttention",
-           "MultiheadAttention", "SpatialAttention", "TemporalAttention"]
+__all__ = ["CBAM", "ChannelAttention", "DecoderAttention", "LinearAttention", "LinearAttentionState",
+           "MultiHeadAttention", "MultiheadAttention", "MultiHeadLatentAttention", "SpatialAttention",
+           "TemporalAttention", "TPAFactorCache", "TensorProductAttention"]

@@ -508,3 +508,44 @@ class doc004:
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
             return output, attn_weights
+
+    class TensorProductAttentionLiteral(nn.Module):
+        """The document's TensorProductAttention as written: its parameters (what the drop-in
+        must load) and its forward, which attends across heads at each position, sums the rank
+        terms without 1/R and multiplies B_Q, B_K elementwise by ``rope_pos`` (S, d_k). The
+        paper's definition (the drop-in's) is in tests/reference_tpa.py."""
+
+        def __init__(self, d_model, num_heads, d_k, r_q=6, r_k=2, r_v=2):
+            super().__init__()
+            self.num_heads = num_heads
+            self.d_k = d_k
+            self.r_q, self.r_k, self.r_v = r_q, r_k, r_v
+            self.W_a_q = nn.Linear(d_model, num_heads * r_q)
+            self.W_b_q = nn.Linear(d_model, d_k * r_q)
+            self.W_a_k = nn.Linear(d_model, num_heads * r_k)
+            self.W_b_k = nn.Linear(d_model, d_k * r_k)
+            self.W_a_v = nn.Linear(d_model, num_heads * r_v)
+            self.W_b_v = nn.Linear(d_model, d_k * r_v)
+            self.out_proj = nn.Linear(num_heads * d_k, d_model)
+
+        def _factor(self, W, x, r, n):
+            B, S, _ = x.shape
+            return W(x).view(B, S, r, n).transpose(1, 2)  # (B, r, S, n)
+
+        def forward(self, x, rope_pos=None):
+            B, S, _ = x.shape
+            A_Q = self._factor(self.W_a_q, x, self.r_q, self.num_heads)
+            B_Q = self._factor(self.W_b_q, x, self.r_q, self.d_k)
+            A_K = self._factor(self.W_a_k, x, self.r_k, self.num_heads)
+            B_K = self._factor(self.W_b_k, x, self.r_k, self.d_k)
+            A_V = self._factor(self.W_a_v, x, self.r_v, self.num_heads)
+            B_V = self._factor(self.W_b_v, x, self.r_v, self.d_k)
+            if rope_pos is not None:
+                m = rope_pos.unsqueeze(0).unsqueeze(1)
+                B_Q, B_K = B_Q * m, B_K * m
+            Q = (A_Q.unsqueeze(-1) * B_Q.unsqueeze(-2)).sum(dim=1)  # (B, S, H, d_k)
+            K = (A_K.unsqueeze(-1) * B_K.unsqueeze(-2)).sum(dim=1)
+            V = (A_V.unsqueeze(-1) * B_V.unsqueeze(-2)).sum(dim=1)
+            scores = (Q @ K.transpose(2, 3)) / torch.sqrt(torch.tensor(self.d_k, dtype=torch.float32))
+            out = (F.softmax(scores, dim=-1) @ V).transpose(1, 2).contiguous()
+            return self.out_proj(out.view(B, S, -1))

@@ -181,6 +181,25 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   return r;
 }
 
+PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
+                                     const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
+                                     const at::Tensor& k_rope,
+                                     const std::optional<at::Tensor>& new_lengths,
+                                     double rope_base, bool rope_interleaved, bool check_values) {
+  check_float_4d(op, "cache", cache, "(B, Hkv, L, Dc + Dr)");
+  check_float_4d(op, "c_kv", c_kv, "(B, Hkv, S_new, Dc)");
+  check_float_4d(op, "k_rope", k_rope, "(B, Hkv, S_new, Dr)");
+  const int64_t dc = c_kv.size(3), dr = k_rope.size(3);
+  TORCH_CHECK(dc + dr == cache.size(3), op, ": the cache row width (dim 3) must be c_kv's + "
+              "k_rope's = ", dc, " + ", dr, " = ", dc + dr, ", got ", cache.size(3),
+              " (shape ", cache.sizes(), ")");
+  // The latent columns are the append's "values", the RoPE columns its rotated "keys": two
+  // column views of the one buffer, written row by row without overlap.
+  return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
+                           k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
+                           std::nullopt, check_values);
+}
+
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                               std::optional<double> scale, bool causal, int64_t window_left,

@@ -44,6 +44,15 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  double rope_base, bool rope_interleaved,
                                  std::optional<int64_t> rotary_dim, bool check_values);
 
+// The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope];
+// the append writes c_kv (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr) rotated by RoPE
+// at the rows' positions (argument checks as kv_cache_append's, k = k_rope, v = c_kv).
+PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
+                                     const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
+                                     const at::Tensor& k_rope,
+                                     const std::optional<at::Tensor>& new_lengths,
+                                     double rope_base, bool rope_interleaved, bool check_values);
+
 struct PreparedDecode {
   at::Tensor q, k_cache, v_cache, lengths;
   DecodeParams params;  // everything but the outputs

@@ -74,8 +74,23 @@ void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& c
   cache_seqlens.add_(r.appended.to(cache_seqlens.scalar_type()));
 }
 
+void latent_cache_append_cpu(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
+                             const at::Tensor& k_rope, const std::optional<at::Tensor>& new_lengths,
+                             double rope_base, bool rope_interleaved) {
+  constexpr const char* kOp = "attn_ext.latent_cache_append";
+  PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
+                                           rope_base, rope_interleaved, /*check_values=*/true);
+  if (c_kv.numel() > 0 || k_rope.numel() > 0) {
+    ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp, [&] { kv_append_kernel<scalar_t>(r.params); });
+  }
+  cache_seqlens.add_(r.appended.to(cache_seqlens.scalar_type()));
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("kv_cache_append", &kv_cache_append_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("kv_cache_append", &kv_cache_append_cpu);
+  m.impl("latent_cache_append", &latent_cache_append_cpu);
+}
 
 }  // namespace attn_ext::cpu

@@ -10,22 +10,11 @@
 #include <torch/library.h>
 
 #include "../common/inputs.h"
+#include "elem_kind.h"
 #include "launch.h"
 
 namespace attn_ext::cuda {
 namespace {
-
-ElemKind elem_kind(const char* op, at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ElemKind::kFloat32;
-    case at::kDouble: return ElemKind::kFloat64;
-    case at::kBFloat16: return ElemKind::kBFloat16;
-    case at::kHalf: return ElemKind::kFloat16;
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", t,
-                  " (expected float32, float64, bfloat16 or float16)");
-  }
-}
 
 // Rejects, with the reason, inputs this build's kernels cannot serve on the current device.
 void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bool backward) {

@@ -11,22 +11,11 @@
 
 #include "../common/decode_inputs.h"
 #include "../common/inputs.h"
+#include "elem_kind.h"
 #include "launch.h"
 
 namespace attn_ext::cuda {
 namespace {
-
-ElemKind elem_kind(const char* op, at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ElemKind::kFloat32;
-    case at::kDouble: return ElemKind::kFloat64;
-    case at::kBFloat16: return ElemKind::kBFloat16;
-    case at::kHalf: return ElemKind::kFloat16;
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", t,
-                  " (expected float32, float64, bfloat16 or float16)");
-  }
-}
 
 at::Tensor rope_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                     int64_t offset, double base, bool interleaved,
@@ -82,6 +71,21 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
                                   c10::cuda::getCurrentCUDAStream()));
 }
 
+void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
+                              const at::Tensor& k_rope,
+                              const std::optional<at::Tensor>& new_lengths, double rope_base,
+                              bool rope_interleaved) {
+  constexpr const char* kOp = "attn_ext.latent_cache_append";
+  c10::cuda::CUDAGuard guard(cache.device());
+  PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
+                                           rope_base, rope_interleaved, /*check_values=*/false);
+  TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
+  C10_CUDA_CHECK(launch_kv_append(r.params, elem_kind(kOp, cache.scalar_type()),
+                                  cache_seqlens.data_ptr(),
+                                  cache_seqlens.scalar_type() == at::kLong,
+                                  c10::cuda::getCurrentCUDAStream()));
+}
+
 // Split-KV factor: about two blocks per SM, no split shorter than kMinSplitKeys keys of the
 // cache's capacity (the lengths themselves live on the device).
 int64_t auto_splits(int64_t blocks, int64_t capacity) {
@@ -132,6 +136,7 @@ TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("rope_", &rope_inplace_cuda);
   m.impl("rope_backward", &rope_backward_cuda);
   m.impl("kv_cache_append", &kv_cache_append_cuda);
+  m.impl("latent_cache_append", &latent_cache_append_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
 }
 
