@@ -250,9 +250,16 @@ def test_dropin_computes_the_paper(device, dtype, with_positions):
     assert not torch.allclose(literal, m(x), atol=1e-3)
 
 
-def test_dropin_rejects_the_document_multiplier(device):
+def test_dropin_reads_the_document_multiplier_as_positions(device):
+    # Document 004's script passes a float (S, d_k) "rope_pos": taken as RoPE at 0..S-1.
     m = attention_zoo.TensorProductAttention(32, 4, 8).to(device)
+    x = torch.randn(1, 5, 32, device=device)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="positions 0..S-1"):
+            out = m(x, torch.randn(5, 8, device=device))
+        assert torch.equal(out, m(x, torch.arange(5, device=device)))
+        assert not torch.allclose(out, m(x), atol=1e-4)
     with pytest.raises(TypeError, match="integer token positions"):
-        m(torch.randn(1, 5, 32, device=device), torch.randn(5, 8, device=device))
+        m(x, torch.randn(5, 6, device=device))
     with pytest.raises(ValueError, match="3-D"):
         m(torch.randn(5, 32, device=device))

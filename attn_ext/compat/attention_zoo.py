@@ -26,9 +26,11 @@ Differences from the document's code:
   document's parameters: ``Q_t = (1/R_Q) Σ_r a_r ⊗ b_r`` (likewise K, V), attention over
   *positions* per head (no mask, as in the document), and when ``rope_pos`` is given it is
   taken as the tokens' integer positions ((S,) or (B, S)) and RoPE rotates the ``B`` factors
-  of Q and K. A floating ``rope_pos`` (the document's multiplier) raises a ``TypeError``.
+  of Q and K. A floating ``(S, d_k)`` ``rope_pos`` (the document's multiplier, what its own
+  script passes) is taken as RoPE at positions ``0..S-1``, with a warning.
 """
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -237,13 +239,27 @@ class TensorProductAttention(_TPA):
                          rope=d_k % 2 == 0)
         self.d_k = d_k
 
+    def _document_multiplier_positions(self, x, rope_pos):
+        """Document 004's script passes a float (S, d_k) tensor that its code multiplies into
+        B_Q and B_K and calls RoPE; what it means is RoPE at the tokens' positions, so such a
+        tensor stands for positions 0..S-1 (with a warning: its values are not used)."""
+        name = type(self).__name__
+        seq_len = x.shape[1]
+        if tuple(rope_pos.shape) != (seq_len, self.d_k):
+            raise TypeError(f"{name}: rope_pos must hold integer token positions ((S,) or (B, S)) "
+                            f"or be document 004's float (seq_len, d_k) = ({seq_len}, {self.d_k}) "
+                            f"placeholder, got {rope_pos.dtype} of shape {tuple(rope_pos.shape)}")
+        warnings.warn(f"{name}: a float rope_pos (document 004's elementwise multiplier) is taken "
+                      "as RoPE at positions 0..S-1; its values are ignored. Pass integer positions.",
+                      stacklevel=3)
+        return torch.arange(seq_len, device=x.device)
+
     def forward(self, x, rope_pos=None):
         name = type(self).__name__
         _check_rank(name, x, (3,), "x (batch, seq_len, d_model)")
         self._check_x(x)
         if rope_pos is not None and rope_pos.is_floating_point():
-            raise TypeError(f"{name}: rope_pos must hold integer token positions ((S,) or (B, S)); "
-                            "the document's elementwise multiplier is not RoPE and is not supported")
+            rope_pos = self._document_multiplier_positions(x, rope_pos)
         if rope_pos is not None and not self.rope:
             raise ValueError(f"{name}: RoPE needs an even d_k, got {self.d_k}")
         return self._full(x, rope_pos, 1.0 / _float32_sqrt(self.d_k), rotate=rope_pos is not None)
