@@ -50,7 +50,8 @@ def run_script(ns, *, with_tpa):
         batch_size, seq_len = 2, 1024
         x = torch.randn(batch_size, seq_len, d_model)
         rope_pos = torch.randn(seq_len, d_k)
-        tpa = getattr(ns, "TensorProductAttentionLiteral", ns.TensorProductAttention)(d_model, num_heads, d_k, 6, 2, 2)
+        tpa_class = getattr(ns, "TensorProductAttentionLiteral", None) or ns.TensorProductAttention
+        tpa = tpa_class(d_model, num_heads, d_k, 6, 2, 2)
         shapes["Tensor Product Attention"] = tpa(x, rope_pos).shape
     return {k: tuple(v) for k, v in shapes.items()}
 
