@@ -94,7 +94,9 @@ def test_canonical_temporal_matches_reference(device, tp_kind, causal):
     torch.testing.assert_close(w, r_w, **TOL64)
     assert w.shape == (B, 4, S, S)
     out2 = m(x, tp, causal=causal)
-    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # With weights the output is weights @ v; without, the flash kernel: same math, so the two
+    # agree to float64 rounding.
+    torch.testing.assert_close(out2, out, **TOL64)
     leaves = [x, tp] + list(m.parameters())
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out2, leaves, g), torch.autograd.grad(r_out, leaves, g)):

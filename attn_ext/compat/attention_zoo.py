@@ -222,9 +222,14 @@ class TemporalAttention(nn.Module):
         Q = torch.matmul(Q, gram / (t_norm + 1e-8))
         K, V = K.expand(Q.size(0), -1, -1), V.expand(Q.size(0), -1, -1)
         scale = 1.0 / _float32_sqrt(self.d_k)
-        output = _F.attention(Q, K, V, scale=scale)
-        attn_weights = _F.attention_weights(Q, K, scale=scale) if need_weights else None
-        return output, attn_weights
+        if not need_weights:
+            return _F.attention(Q, K, V, scale=scale), None
+        # The weights are formed anyway: one product with V finishes the output (as the
+        # document does) instead of a second pass over the scores in the flash kernel.
+        attn_weights = _F.attention_weights(Q, K, scale=scale)
+        return torch.matmul(attn_weights, V), attn_weights
+
+
 class TensorProductAttention(_TPA):
     """Tensor Product Attention with document 004's constructor and parameters (``W_a_q``,
     ``W_b_q``, ``W_a_k``, ``W_b_k``, ``W_a_v``, ``W_b_v``, ``out_proj``), computing the paper's

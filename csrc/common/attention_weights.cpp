@@ -50,12 +50,13 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
       s.add_(in.mask);
     }
   }
-  // Softmax whose fully masked rows are 0 rather than NaN.
-  const at::Tensor row_max = std::get<0>(s.max(-1, true));
-  const at::Tensor shift = at::where(row_max == neg_inf, at::zeros_like(row_max), row_max);
-  at::Tensor e = (s - shift).exp_();
-  const at::Tensor sum = e.sum(-1, true);
-  e = at::where(sum > 0, e / sum, at::zeros_like(e));
+  // ATen's fused softmax (one kernel, no temporaries); rows that a mask or band left without
+  // a key come out of it as NaN and are set to 0. Only masks can empty a row, so unmasked
+  // scores skip the row-max pass, and NaN from the inputs propagates either way.
+  at::Tensor e = at::_softmax(s, -1, false);
+  if (p.window_left >= 0 || p.window_right >= 0 || in.mask.defined()) {
+    e.masked_fill_(std::get<0>(s.max(-1, true)) == neg_inf, 0.0);
+  }
   return e.to(q.scalar_type());
 }
 
