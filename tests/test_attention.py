@@ -279,6 +279,27 @@ def test_large_scores_are_stable(device, dtype):
     assert lse.abs().max() > 50
 
 
+def test_fp32_error_tail_matches_torch(device):
+    """The fp32 forward's rare large errors are no worse than torch's own SDPA. The max-abs
+    rule above allows one rounding unit of slack, which hid this: scaling Q by
+    scale * log2(e) before Q K^T (instead of scaling the scores) rounds every q_d first, and
+    rows with one dominant key then lose ~40 ulps. These inputs (seed 0) contain such rows:
+    that formulation gave 2.3x torch's 99.99th percentile |error| here (and 2.4-3.3x torch's
+    max error in 3 of 16 random draws of this shape); scaling the scores gives ~1.0x. The
+    percentile (the ~26 worst of 262k outputs) is stable against a single lucky row; the 50%
+    margin covers the summation order."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 2048, 64, generator=gen).to(device) for _ in range(3))
+    truth = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+
+    def tail(x):
+        return torch.quantile((x.double() - truth).abs().flatten().float().cpu(), 0.9999).item()
+
+    ours = tail(attn_ext.attention(q, k, v))
+    torch_err = tail(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert ours <= 1.5 * torch_err, f"99.99th pct |error| {ours:.2e} vs torch's {torch_err:.2e}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale", [0.05, 0.5, 1.0, 3.0])
 def test_explicit_scale(device, dtype, scale):

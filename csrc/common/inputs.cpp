@@ -173,4 +173,64 @@ void check_companion(const char* op, const char* name, const at::Tensor& t,
               t.sizes());
 }
 
+PreparedBackward prepare_attention_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts) {
+  PreparedBackward r{prepare_attention(op, q, k, v, opts)};
+  AttentionBwdParams& p = r.params;
+  static_cast<AttentionParams&>(p) = r.in.params;
+  const std::vector<int64_t> o_shape{p.batch, p.heads, p.seqlen_q, p.head_dim_v};
+  const std::vector<int64_t> row_shape{p.batch, p.heads, p.seqlen_q};
+  check_companion(op, "grad_out", grad_out, q, o_shape, q.scalar_type());
+  check_companion(op, "out", out, q, o_shape, q.scalar_type());
+  check_companion(op, "lse", lse, q, row_shape, at::kFloat);
+  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
+  if (has_glse) check_companion(op, "grad_lse", *grad_lse, q, row_shape, at::kFloat);
+
+  // The kernels read grad_out / out by rows (through BLAS on the CPU), lse by index.
+  r.grad_out = blas_rows(grad_out);
+  r.out = blas_rows(out);
+  r.lse = lse.contiguous();
+  if (has_glse) r.grad_lse = grad_lse->contiguous();
+  p.grad_lse = has_glse ? r.grad_lse.const_data_ptr<float>() : nullptr;
+  p.dout = r.grad_out.const_data_ptr();
+  p.do_batch_stride = r.grad_out.stride(0);
+  p.do_head_stride = r.grad_out.stride(1);
+  p.do_row_stride = blas_row_stride(r.grad_out);
+  p.out = const_cast<void*>(r.out.const_data_ptr());
+  p.o_batch_stride = r.out.stride(0);
+  p.o_head_stride = r.out.stride(1);
+  p.o_row_stride = blas_row_stride(r.out);
+  p.lse = const_cast<float*>(r.lse.const_data_ptr<float>());
+  return r;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_grads(AttentionBwdParams& p,
+                                                              const at::Tensor& q,
+                                                              int64_t dq_partials) {
+  const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
+  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  at::Tensor dq = at::zeros({dq_partials, B, H, Sq, p.head_dim}, acc);
+  at::Tensor dk = at::zeros({B, H, Sk, p.head_dim}, acc);
+  at::Tensor dv = at::zeros({B, H, Sk, p.head_dim_v}, acc);
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_grads(const AttentionBwdParams& p,
+                                                            at::Tensor dq, at::Tensor dk,
+                                                            at::Tensor dv, at::ScalarType dtype) {
+  dq = dq.size(0) == 1 ? dq.squeeze(0) : dq.sum(0);
+  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sk = p.seqlen_k;
+  if (H != Hkv) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
+    dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
+  }
+  return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+}
+
 }  // namespace attn_ext

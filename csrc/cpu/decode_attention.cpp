@@ -41,7 +41,7 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
   const int64_t rows = G * Sq;  // row r = i * G + g: query i of head hk * G + g
   const int64_t kM = std::min(Traits::kDecodeBlockM, rows);
   const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
 
   at::parallel_for(0, p.batch * p.kv_heads * num_m * splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
@@ -65,7 +65,7 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
         const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
         const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
                                 p.q_head_stride, p.q_row_stride, b, h, i);
-        load_row(q, q_buf.get() + rr * D, D, q_scale);
+        load_row(q, q_buf.get() + rr * D, D, acc_t(1));
       }
       std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
       std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
@@ -82,18 +82,22 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
         const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
-        if (!band.tile_unmasked(i_begin, i_end, j0, j0 + n)) {
+        // Scores to the log2 domain (see scale_row_max), band edges masked, rows' maxima.
+        const bool masked = !band.tile_unmasked(i_begin, i_end, j0, j0 + n);
+        if (masked) {
           constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
           for (int64_t rr = 0; rr < m; ++rr) {
             const int64_t i = (r0 + rr) / G;
             acc_t* sr = s + rr * kN;
+            scale_row(sr, n, s_scale);
             for (int64_t c = 0; c < n; ++c)
               if (!band.allowed(i, j0 + c)) sr[c] = kNegInf;
           }
         }
         for (int64_t rr = 0; rr < m; ++rr) {
           acc_t* sr = s + rr * kN;
-          const acc_t factor = state[rr].rescale_to(row_max(sr, n));
+          const acc_t block_max = masked ? row_max(sr, n) : scale_row_max(sr, n, s_scale);
+          const acc_t factor = state[rr].rescale_to(block_max);
           state[rr].sum += exp2_shift_sum(sr, n, state[rr].shift());
           if (factor != acc_t(1)) scale_row(o_buf.get() + rr * Dv, Dv, factor);
         }

@@ -2,7 +2,6 @@
 // tile; no Sq x Sk buffer. Parallel over (batch, head); every task owns its rows of dq and
 // its query head's dk/dv, so the result is deterministic.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -34,8 +33,9 @@ void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar
     const int64_t n_end = band.key_end(i0 + m, p.seqlen_k);
     for (int64_t j0 = band.key_begin(i0, p.seqlen_k); j0 < n_end; j0 += block_n) {
       const int64_t n = std::min(block_n, n_end - j0);
-      gemm(false, true, m, n, p.head_dim, s_scale, q + i0 * p.q_row_stride, p.q_row_stride,
+      gemm(false, true, m, n, p.head_dim, acc_t(1), q + i0 * p.q_row_stride, p.q_row_stride,
            k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
+      for (int64_t r = 0; r < m; ++r) scale_row(s_buf + r * ld_s, n, s_scale);
       mask_tile(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s_buf + r * ld_s;
@@ -96,7 +96,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
   // ---- prologue, per (batch, head): delta_i = rowsum(dO_i * O_i) (minus the lse gradient)
   // and the log2-domain lse each probability is recomputed from.
-  // lse in the log2 domain as a float pair hi + lo (see exp2_shift2).
+  // lse in the log2 domain as a float pair hi + lo (see exp2_scale_shift2).
   std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq), lse2_lo(BH * Sq, acc_t(0));
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> s_buf(std::is_same_v<scalar_t, double> ? kM * kN : 0);
@@ -132,7 +132,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
     const bool cv = Traits::kConvert;
-    Buffer<acc_t> qs_buf(kM * D), do_buf(cv ? kM * Dv : 0);
+    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
     Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
     Buffer<uint8_t> keep(dropout ? kM * kN : 0);
 
@@ -164,23 +164,19 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
         for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
           const int64_t m = std::min(kM, r_end - i0);
-          // Scores from the query tile scaled exactly as the forward scaled it, so that they
-          // match the forward's lse to the rounding of the products.
-          acc_t* qs = qs_buf.get();
-          for (int64_t r = 0; r < m; ++r) load_row(q + (i0 + r) * p.q_row_stride, qs + r * D, D, s_scale);
-          // dK reads the unscaled query where it is at hand, else the scaled tile / (scale log2e).
-          const acc_t* qt = cv ? qs : reinterpret_cast<const acc_t*>(q + i0 * p.q_row_stride);
-          const int64_t ldq = cv ? D : p.q_row_stride;
-          const acc_t dk_alpha = cv ? acc_t(1) / static_cast<acc_t>(kLog2e) : scale;
-          int64_t ldo;
+          int64_t ldq, ldo;
+          const acc_t* qt = load_tile(q + i0 * p.q_row_stride, p.q_row_stride, m, D, q_buf.get(), &ldq);
           const acc_t* dot = load_tile(dout + i0 * p.do_row_stride, p.do_row_stride, m, Dv, do_buf.get(), &ldo);
           acc_t* pt = p_buf.get();
           acc_t* dpt = dp_buf.get();
 
-          // P = exp(scale * Q K^T - lse), masked entries 0
-          gemm(false, true, m, n, D, acc_t(1), qs, D, kt, ldk, acc_t(0), pt, kN);
+          // P = exp(scale * Q K^T - lse), masked entries 0; the scores are scaled as the
+          // forward scaled them, so they match its lse to the rounding of the products.
+          gemm(false, true, m, n, D, acc_t(1), qt, ldq, kt, ldk, acc_t(0), pt, kN);
           const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-          if (band_partial || p.mask_kind != MaskKind::kNone) {
+          const bool masked = band_partial || p.mask_kind != MaskKind::kNone;
+          if (masked) {
+            for (int64_t r = 0; r < m; ++r) scale_row(pt + r * kN, n, s_scale);
             mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
           }
           for (int64_t r = 0; r < m; ++r) {
@@ -189,7 +185,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
             if (l2 == -std::numeric_limits<acc_t>::infinity()) {
               std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
             } else {
-              exp2_shift2(pr, n, l2, lse_lo_r[i0 + r]);
+              exp2_scale_shift2(pr, n, masked ? acc_t(1) : s_scale, l2, lse_lo_r[i0 + r]);
             }
           }
 
@@ -214,7 +210,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
           // dQ += scale * dS K,  dK += scale * dS^T Q
           gemm(false, false, m, D, n, scale, dpt, kN, kt, ldk, acc_t(1), dq + i0 * D, D);
-          gemm(true, false, n, D, m, dk_alpha, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
+          gemm(true, false, n, D, m, scale, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
         }
       }
     }
@@ -230,56 +226,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const std::optional<at::Tensor>& rng_state) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, v,
+  PreparedBackward in = prepare_attention_backward(
+      kOp, grad_out, q, k, v, out, lse, grad_lse,
       {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
-  AttentionBwdParams p;
-  static_cast<AttentionParams&>(p) = in.params;
-  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  const std::vector<int64_t> o_shape{B, H, Sq, Dv};
-  check_companion(kOp, "grad_out", grad_out, q, o_shape, q.scalar_type());
-  check_companion(kOp, "out", out, q, o_shape, q.scalar_type());
-  check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
-  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
-  if (has_glse) check_companion(kOp, "grad_lse", *grad_lse, q, {B, H, Sq}, at::kFloat);
-
-  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
-  const auto acc_opts = q.options().dtype(acc);
+  AttentionBwdParams& p = in.params;
   int64_t chunks = 1;
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
-  at::Tensor dq = at::zeros({chunks, B, H, Sq, D}, acc_opts);
-  at::Tensor dk = at::zeros({B, H, Sk, D}, acc_opts);
-  at::Tensor dv = at::zeros({B, H, Sk, Dv}, acc_opts);
-  if (B * H * Sq > 0 && Sk > 0) {
-    // The kernel reads rows through BLAS: make row strides valid as for q/k/v.
-    const at::Tensor go = blas_rows(grad_out);
-    const at::Tensor o = blas_rows(out);
-    const at::Tensor l = lse.contiguous();
-    const at::Tensor gl = has_glse ? grad_lse->contiguous() : at::Tensor();
-    p.grad_lse = has_glse ? gl.const_data_ptr<float>() : nullptr;
-    p.dout = go.data_ptr();
-    p.do_batch_stride = go.stride(0);
-    p.do_head_stride = go.stride(1);
-    p.do_row_stride = blas_row_stride(go);
-    p.out = const_cast<void*>(o.const_data_ptr());
-    p.o_batch_stride = o.stride(0);
-    p.o_head_stride = o.stride(1);
-    p.o_row_stride = blas_row_stride(o);
-    p.lse = const_cast<float*>(l.const_data_ptr<float>());
-    p.dq = dq.data_ptr();
-    p.dk = dk.data_ptr();
-    p.dv = dv.data_ptr();
+  auto [dq, dk, dv] = allocate_grads(p, q, chunks);
+  if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
     ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p, chunks); });
   }
-  dq = chunks == 1 ? dq.squeeze(0) : dq.sum(0);
-  // dk/dv were accumulated per query head: sum each GQA group in acc_t, then cast.
-  if (H != Hkv) {
-    dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
-    dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
-  }
-  const auto dt = q.scalar_type();
-  return {dq.to(dt), dk.to(dt), dv.to(dt)};
+  return finish_grads(p, dq, dk, dv, q.scalar_type());
 }
 
 }  // namespace

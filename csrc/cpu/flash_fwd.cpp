@@ -49,14 +49,14 @@ void flash_fwd(const AttentionParams& p) {
   constexpr int64_t kN = Traits::kFwdBlockN;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int64_t num_m = (Sq + kM - 1) / kM;
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   const bool convert_whole_head =
       Traits::kConvert && Sk * (D + Dv) <= Traits::kMaxConvertedHeadElems;
 
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {
-    Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
+    Buffer<acc_t> q_buf(Traits::kConvert ? kM * D : 0), s_buf(kM * kN), o_buf(kM * Dv);
     const bool per_tile = Traits::kConvert && !convert_whole_head;
     Buffer<acc_t> k_buf(per_tile ? kN * D : 0), v_buf(per_tile ? kN * Dv : 0);
     ConvertedHead<scalar_t, acc_t> head_kv(convert_whole_head ? Sk : 0, D, Dv);
@@ -64,7 +64,7 @@ void flash_fwd(const AttentionParams& p) {
     std::vector<SoftmaxState<acc_t>> state(kM);
 
     for (int64_t task = begin; task < end; ++task) {
-      // ---- prologue: this task's rows, the keys they may see, the scaled query tile
+      // ---- prologue: this task's rows, the keys they may see, the query tile
       const int64_t mb = task % num_m, bh = task / num_m;
       const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
       const int64_t i0 = mb * kM, m = std::min(kM, Sq - i0);
@@ -76,7 +76,8 @@ void flash_fwd(const AttentionParams& p) {
                               p.k_head_stride, p.k_row_stride, b, hk, 0);
       const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
                               p.v_head_stride, p.v_row_stride, b, hk, 0);
-      for (int64_t r = 0; r < m; ++r) load_row(q + r * p.q_row_stride, q_buf.get() + r * D, D, q_scale);
+      int64_t ldq;
+      const acc_t* qt = load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
       if (convert_whole_head && n_begin < n_end) {
         head_kv.ensure(b * p.kv_heads + hk, k, p.k_row_stride, v, p.v_row_stride, D, Dv,
                        n_begin, n_end);
@@ -97,15 +98,19 @@ void flash_fwd(const AttentionParams& p) {
           vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         }
         acc_t* s = s_buf.get();
-        gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
+        gemm(false, true, m, n, D, acc_t(1), qt, ldq, kt, ldk, acc_t(0), s, kN);
+        // Scores to the log2 domain, then masks (which expect it), then each row's max.
         const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-        if (band_partial || p.mask_kind != MaskKind::kNone) {
+        const bool masked = band_partial || p.mask_kind != MaskKind::kNone;
+        if (masked) {
+          for (int64_t r = 0; r < m; ++r) scale_row(s + r * kN, n, s_scale);
           mask_tile(p, b, h, i0, m, j0, n, band_partial, s, kN);
         }
         if (dropout) dropout_tile(p, b, h, i0, m, j0, n, keep.get());
         for (int64_t r = 0; r < m; ++r) {
           acc_t* sr = s + r * kN;
-          const acc_t factor = state[r].rescale_to(row_max(sr, n));
+          const acc_t block_max = masked ? row_max(sr, n) : scale_row_max(sr, n, s_scale);
+          const acc_t factor = state[r].rescale_to(block_max);
           state[r].sum += exp2_shift_sum(sr, n, state[r].shift());
           if (factor != acc_t(1)) scale_row(o_buf.get() + r * Dv, Dv, factor);
           if (dropout) apply_keep(sr, keep.get() + r * n, n, keep_scale);

@@ -3,7 +3,6 @@
 // The backward is deterministic by construction (csrc/cuda/flash/flash_bwd_generic.cuh), so it
 // honours torch.use_deterministic_algorithms without a flag.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -53,55 +52,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     double dropout_p, const std::optional<at::Tensor>& rng_state) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, v,
+  PreparedBackward in = prepare_attention_backward(
+      kOp, grad_out, q, k, v, out, lse, grad_lse,
       {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
-  AttentionBwdParams p;
-  static_cast<AttentionParams&>(p) = in.params;
-  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  const std::vector<int64_t> o_shape{B, H, Sq, Dv};
-  check_companion(kOp, "grad_out", grad_out, q, o_shape, q.scalar_type());
-  check_companion(kOp, "out", out, q, o_shape, q.scalar_type());
-  check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
-  const bool has_glse = grad_lse.has_value() && grad_lse->defined();
-  if (has_glse) check_companion(kOp, "grad_lse", *grad_lse, q, {B, H, Sq}, at::kFloat);
+  AttentionBwdParams& p = in.params;
   const ElemKind kind = elem_kind(kOp, q.scalar_type());
-
-  // Accumulators in the compute type; dk / dv per query head (summed per group below).
-  const auto acc_opts = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  at::Tensor dq = at::zeros({B, H, Sq, D}, acc_opts);
-  at::Tensor dk = at::zeros({B, H, Sk, D}, acc_opts);
-  at::Tensor dv = at::zeros({B, H, Sk, Dv}, acc_opts);
-  if (B * H * Sq > 0 && Sk > 0) {
+  auto [dq, dk, dv] = allocate_grads(p, q);
+  if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
     check_supported(kOp, p, kind, /*backward=*/true);
-    const at::Tensor go = blas_rows(grad_out);
-    const at::Tensor o = blas_rows(out);
-    const at::Tensor l = lse.contiguous();
-    const at::Tensor gl = has_glse ? grad_lse->contiguous() : at::Tensor();
-    at::Tensor ws = at::empty({3, B * H * Sq}, acc_opts);
-    p.grad_lse = has_glse ? gl.const_data_ptr<float>() : nullptr;
-    p.dout = go.data_ptr();
-    p.do_batch_stride = go.stride(0);
-    p.do_head_stride = go.stride(1);
-    p.do_row_stride = blas_row_stride(go);
-    p.out = const_cast<void*>(o.const_data_ptr());
-    p.o_batch_stride = o.stride(0);
-    p.o_head_stride = o.stride(1);
-    p.o_row_stride = blas_row_stride(o);
-    p.lse = const_cast<float*>(l.const_data_ptr<float>());
-    p.dq = dq.data_ptr();
-    p.dk = dk.data_ptr();
-    p.dv = dv.data_ptr();
+    // delta, lse2 and lse2_lo of every row, in the compute type
+    at::Tensor ws = at::empty({3, p.batch * p.heads * p.seqlen_q}, dq.options());
     const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
     C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, c10::cuda::getCurrentCUDAStream()));
   }
-  if (H != Hkv) {
-    dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
-    dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
-  }
-  const auto dt = q.scalar_type();
-  return {dq.to(dt), dk.to(dt), dv.to(dt)};
+  return finish_grads(p, dq, dk, dv, q.scalar_type());
 }
 
 }  // namespace

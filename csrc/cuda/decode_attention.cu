@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
   const int64_t chunk = ((span + splits - 1) / splits + kTile - 1) / kTile * kTile;
   const int64_t j_begin = min(hi, lo + split * max(chunk, int64_t(kTile)));
   const int64_t j_end = min(hi, j_begin + max(chunk, int64_t(kTile)));
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
 
   for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
     const int64_t rr = idx / D, c = idx % D;
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
       const int64_t r = br.r0 + rr, i = r / G, h = br.hk * G + r % G;
       const T* q = static_cast<const T*>(p.q) + br.b * p.q_batch_stride + h * p.q_head_stride +
                    i * p.q_row_stride;
-      val = Elem<T>::load(q[c]) * q_scale;
+      val = Elem<T>::load(q[c]);
     }
     q_s[idx] = val;
   }
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool ok = r < br.m && j < j_end && (tile_full || band.allowed((br.r0 + r) / G, j));
-      s_s[r * kTile + threadIdx.x] = ok ? s[r] : -INFINITY;
+      s_s[r * kTile + threadIdx.x] = ok ? s[r] * s_scale : -INFINITY;  // log2 domain
     }
     __syncthreads();
 

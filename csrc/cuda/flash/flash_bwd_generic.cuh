@@ -88,7 +88,7 @@ flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
     // lane-wise online softmax over the keys the row sees, then a fixed-order warp merge
     const LocalBand band{p.key_offset, p.window_left, p.window_right};
     const ScoreMask<acc_t> mask(p, b, h);
-    const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+    const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
     SoftmaxState<acc_t> st;
@@ -96,8 +96,8 @@ flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
     for (int64_t j = band.key_begin(i, p.seqlen_k) + lane; j < j_end; j += kWarp) {
       acc_t s = 0;
       for (int64_t c = 0; c < p.head_dim; ++c)
-        s += (Elem<T>::load(q[c]) * q_scale) * Elem<T>::load(k[j * p.k_row_stride + c]);
-      s = mask.apply(s, i, j);
+        s += Elem<T>::load(q[c]) * Elem<T>::load(k[j * p.k_row_stride + c]);
+      s = mask.apply(s * s_scale, i, j);
       st.rescale_to(s);
       st.sum += exp2(s - st.shift());
     }
@@ -140,6 +140,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
                          const BwdRows<acc_t>& rows, int64_t i0, int64_t m, int64_t j0, int64_t n) {
   using Tr = GenericBwdTraits;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   for (int idx = threadIdx.x; idx < Tr::kBlockM * Tr::kBlockN; idx += blockDim.x) {
     const int r = idx / Tr::kBlockN, c = idx % Tr::kBlockN;
     acc_t pd = 0, ds = 0;
@@ -148,7 +149,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       const acc_t l2 = rows.lse2[i];
       acc_t s = 0;
       for (int64_t x = 0; x < p.head_dim; ++x) s += t.q[r * p.head_dim + x] * t.k[c * t.ldk + x];
-      s = mask.apply(s, i, j);
+      s = mask.apply(s * s_scale, i, j);  // the forward's log2-domain score
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
       for (int64_t x = 0; x < p.head_dim_v; ++x) dp += t.dout[r * p.head_dim_v + x] * t.v[c * t.ldv + x];
@@ -180,9 +181,7 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bh * p.seqlen_q,
                             static_cast<const acc_t*>(ws.lse2) + bh * p.seqlen_q,
                             static_cast<const acc_t*>(ws.lse2_lo) + bh * p.seqlen_q};
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
-  // dK reads the scaled query tile: scale dS^T Q = dS^T (Q scale log2e) / log2e.
-  const acc_t dk_alpha = acc_t(1) / static_cast<acc_t>(kLog2e);
+  const acc_t scale = static_cast<acc_t>(p.scale);
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride;
   const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride + bi.h * p.do_head_stride;
   const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
@@ -196,7 +195,7 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   load_rows(v, p.v_row_stride, bi.keys, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
   for (int64_t i0 = bi.r_begin; i0 < bi.r_end; i0 += Tr::kBlockM) {
     const int64_t m = min(int64_t(Tr::kBlockM), bi.r_end - i0);
-    load_rows(q + i0 * p.q_row_stride, p.q_row_stride, m, Tr::kBlockM, D, t.q, D, q_scale);
+    load_rows(q + i0 * p.q_row_stride, p.q_row_stride, m, Tr::kBlockM, D, t.q, D, acc_t(1));
     load_rows(dout + i0 * p.do_row_stride, p.do_row_stride, m, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
     __syncthreads();
     bwd_tile(p, t, mask, drop, rows, i0, m, bi.n0, bi.keys);
@@ -212,7 +211,7 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
       const int64_t c = idx / D, f = idx % D;
       acc_t acc = 0;
       for (int r = 0; r < m; ++r) acc += t.ds[r * Tr::kBlockN + c] * t.q[r * D + f];
-      dk[c * D + f] += acc * dk_alpha;
+      dk[c * D + f] += acc * scale;
     }
     __syncthreads();
   }
@@ -233,7 +232,6 @@ flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bh * p.seqlen_q,
                             static_cast<const acc_t*>(ws.lse2) + bh * p.seqlen_q,
                             static_cast<const acc_t*>(ws.lse2_lo) + bh * p.seqlen_q};
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
                bi.m0 * p.q_row_stride;
@@ -243,7 +241,7 @@ flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride;
   acc_t* dq = static_cast<acc_t*>(p.dq) + (bh * p.seqlen_q + bi.m0) * D;
 
-  load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, q_scale);
+  load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, acc_t(1));
   load_rows(dout, p.do_row_stride, bi.rows, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
   for (int64_t j0 = bi.n_begin; j0 < bi.n_end; j0 += Tr::kBlockN) {
     const int64_t n = min(int64_t(Tr::kBlockN), bi.n_end - j0);

@@ -41,7 +41,7 @@ flash_fwd_generic_kernel(AttentionParams p) {
   constexpr int kRows = Tr::kRows, kTile = Tr::kTile;
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  acc_t* q_s = reinterpret_cast<acc_t*>(smem_raw);  // [kRows][D], scaled to the log2 domain
+  acc_t* q_s = reinterpret_cast<acc_t*>(smem_raw);  // [kRows][D] queries, unscaled
   acc_t* s_s = q_s + kRows * D;                      // [kRows][kTile] scores, then probabilities
   acc_t* o_s = s_s + kRows * kTile;                  // [kRows][Dv] output accumulators
   __shared__ acc_t factor_s[kRows];
@@ -52,12 +52,12 @@ flash_fwd_generic_kernel(AttentionParams p) {
   const ScoreMask<acc_t> mask(p, bi.b, bi.h);
   const DropoutBits drop(p, bi.b, bi.h);
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
-  const acc_t q_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
                bi.m0 * p.q_row_stride;
   for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
     const int64_t r = idx / D, c = idx % D;
-    q_s[idx] = r < bi.rows ? Elem<T>::load(q[r * p.q_row_stride + c]) * q_scale : acc_t(0);
+    q_s[idx] = r < bi.rows ? Elem<T>::load(q[r * p.q_row_stride + c]) : acc_t(0);
   }
   for (int64_t idx = threadIdx.x; idx < kRows * Dv; idx += blockDim.x) o_s[idx] = 0;
   if (threadIdx.x < kRows) state_s[threadIdx.x] = SoftmaxState<acc_t>{};
@@ -83,10 +83,13 @@ flash_fwd_generic_kernel(AttentionParams p) {
       }
     }
     const bool unmasked = mask.tile_free(bi.m0, bi.m0 + bi.rows, j0, j0 + kTile) && j0 + kTile <= bi.n_end;
+// Scores scaled to the log2 domain after the dot product (as the CPU kernel does:
+    // pre-scaling Q rounds every q_d and costs fp32 accuracy on peaked rows).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       acc_t val = -INFINITY;
-      if (r < bi.rows && in_range) val = unmasked ? s[r] : mask.apply(s[r], bi.m0 + r, j);
+      const acc_t sc = s[r] * s_scale;
+      if (r < bi.rows && in_range) val = unmasked ? sc : mask.apply(sc, bi.m0 + r, j);
       s_s[r * kTile + threadIdx.x] = val;
     }
     __syncthreads();
