@@ -205,6 +205,11 @@ def test_latent_cache_append_op(device):
     torch.testing.assert_close(cache.rope_key[0, :, 2:5], rotated[0])
     with pytest.raises(RuntimeError, match=r"row width \(dim 3\) must be c_kv's \+ k_rope's = 6 \+ 5"):
         torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv, k_rope.new_zeros(2, 1, 3, 5))
+    # messages name the latent op's own arguments, not kv_cache_append's k / v
+    with pytest.raises(RuntimeError, match=r"c_kv length \(dim 2\) must be 2"):
+        torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv, k_rope[:, :, :2])
+    with pytest.raises(RuntimeError, match=r"c_kv must have cache\[\.\.\., Dc:\]'s dtype"):
+        torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv.float(), k_rope)
     with pytest.raises(RuntimeError, match="overflow"):
         cache.append(c_kv, k_rope)
         cache.append(c_kv, k_rope)

@@ -6,7 +6,6 @@
 #include "inputs.h"
 
 namespace attn_ext {
-namespace {
 
 void check_float_4d(const char* op, const char* name, const at::Tensor& t, const char* dims) {
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", dims, ", got ", t.dim(), "-D ",
@@ -14,6 +13,8 @@ void check_float_4d(const char* op, const char* name, const at::Tensor& t, const
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
               " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
 }
+
+namespace {
 
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* like_name,
                 const at::Tensor& like) {
@@ -69,22 +70,28 @@ PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions
   p.x_col_stride = x.stride(3);
   p.offset = o.offset;
   if (o.positions.has_value() && o.positions->defined()) {
-    const at::Tensor& pos = *o.positions;
-    check_index_dtype(op, "positions", pos);
-    TORCH_CHECK(pos.device() == x.device(), op, ": positions must be on x's device ",
-                x.device(), ", got ", pos.device());
     TORCH_CHECK(o.offset == 0, op, ": give either positions or offset, not both (offset = ",
                 o.offset, ")");
-    const bool shared = pos.dim() == 1;
-    TORCH_CHECK((shared && pos.size(0) == p.seqlen) ||
-                    (pos.dim() == 2 && pos.size(0) == p.batch && pos.size(1) == p.seqlen),
-                op, ": positions must have shape (S,) = (", p.seqlen, ",) or (B, S) = (",
-                p.batch, ", ", p.seqlen, "), got ", pos.sizes());
-    r.positions = pos.to(at::kLong).contiguous();
+    r.positions = prepare_positions(op, *o.positions, "x", x, p.batch, p.seqlen,
+                                    &p.pos_batch_stride);
     p.positions = r.positions.data_ptr<int64_t>();
-    p.pos_batch_stride = shared ? 0 : p.seqlen;
   }
   return r;
+}
+
+at::Tensor prepare_positions(const char* op, const at::Tensor& pos, const char* like_name,
+                             const at::Tensor& like, int64_t batch, int64_t seqlen,
+                             int64_t* batch_stride) {
+  check_index_dtype(op, "positions", pos);
+  TORCH_CHECK(pos.device() == like.device(), op, ": positions must be on ", like_name,
+              "'s device ", like.device(), ", got ", pos.device());
+  const bool shared = pos.dim() == 1;
+  TORCH_CHECK((shared && pos.size(0) == seqlen) ||
+                  (pos.dim() == 2 && pos.size(0) == batch && pos.size(1) == seqlen),
+              op, ": positions must have shape (S,) = (", seqlen, ",) or (B, S) = (", batch,
+              ", ", seqlen, "), got ", pos.sizes());
+  *batch_stride = shared ? 0 : seqlen;
+  return pos.to(at::kLong).contiguous();
 }
 
 void set_rope_output(RopeParams& p, const at::Tensor& out) {
@@ -117,27 +124,28 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim, bool check_values) {
-  check_float_4d(op, "k_cache", k_cache, "(B, Hkv, L, D)");
-  check_float_4d(op, "v_cache", v_cache, "(B, Hkv, L, Dv)");
-  check_float_4d(op, "k", k, "(B, Hkv, S_new, D)");
-  check_float_4d(op, "v", v, "(B, Hkv, S_new, Dv)");
-  check_same(op, "v_cache", v_cache, "k_cache", k_cache);
-  check_same(op, "k", k, "k_cache", k_cache);
-  check_same(op, "v", v, "k_cache", k_cache);
+                                 std::optional<int64_t> rotary_dim, bool check_values,
+                                 const AppendNames& n) {
+  check_float_4d(op, n.k_cache, k_cache, "(B, Hkv, L, D)");
+  check_float_4d(op, n.v_cache, v_cache, "(B, Hkv, L, Dv)");
+  check_float_4d(op, n.k, k, "(B, Hkv, S_new, D)");
+  check_float_4d(op, n.v, v, "(B, Hkv, S_new, Dv)");
+  check_same(op, n.v_cache, v_cache, n.k_cache, k_cache);
+  check_same(op, n.k, k, n.k_cache, k_cache);
+  check_same(op, n.v, v, n.k_cache, k_cache);
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), L = k_cache.size(2);
-  check_size(op, "v_cache", v_cache, 0, "batch size", B);
-  check_size(op, "v_cache", v_cache, 1, "heads", Hkv);
-  check_size(op, "v_cache", v_cache, 2, "capacity", L);
-  check_size(op, "k", k, 0, "batch size", B);
-  check_size(op, "k", k, 1, "heads", Hkv);
-  check_size(op, "k", k, 3, "head dim", k_cache.size(3));
-  check_size(op, "v", v, 0, "batch size", B);
-  check_size(op, "v", v, 1, "heads", Hkv);
-  check_size(op, "v", v, 2, "length", k.size(2));
-  check_size(op, "v", v, 3, "head dim", v_cache.size(3));
-  check_rows(op, "k_cache", k_cache);
-  check_rows(op, "v_cache", v_cache);
+  check_size(op, n.v_cache, v_cache, 0, "batch size", B);
+  check_size(op, n.v_cache, v_cache, 1, "heads", Hkv);
+  check_size(op, n.v_cache, v_cache, 2, "capacity", L);
+  check_size(op, n.k, k, 0, "batch size", B);
+  check_size(op, n.k, k, 1, "heads", Hkv);
+  check_size(op, n.k, k, 3, "head dim", k_cache.size(3));
+  check_size(op, n.v, v, 0, "batch size", B);
+  check_size(op, n.v, v, 1, "heads", Hkv);
+  check_size(op, n.v, v, 2, "length", k.size(2));
+  check_size(op, n.v, v, 3, "head dim", v_cache.size(3));
+  check_rows(op, n.k_cache, k_cache);
+  check_rows(op, n.v_cache, v_cache);
 
   PreparedAppend r;
   KVAppendParams& p = r.params;
@@ -197,7 +205,8 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
   // column views of the one buffer, written row by row without overlap.
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
                            k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
-                           std::nullopt, check_values);
+                           std::nullopt, check_values,
+                           {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"});
 }
 
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,

@@ -17,6 +17,15 @@ struct RopeOptions {
 };
 
 // Checks the RoPE options against a head dim and returns the policy.
+// A floating 4-D tensor (float32, float64, bfloat16 or float16); `dims` names its axes.
+void check_float_4d(const char* op, const char* name, const at::Tensor& t, const char* dims);
+
+// RoPE positions of shape (S,) (shared by the batch) or (B, S), int32 / int64 on the device
+// of `like`; returns them as contiguous int64 and sets the batch stride (0 when shared).
+at::Tensor prepare_positions(const char* op, const at::Tensor& pos, const char* like_name,
+                             const at::Tensor& like, int64_t batch, int64_t seqlen,
+                             int64_t* batch_stride);
+
 RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool interleaved,
                             std::optional<int64_t> rotary_dim);
 
@@ -37,12 +46,21 @@ struct PreparedAppend {
   at::Tensor lengths, appended;  // int64 copies on the cache's device
   KVAppendParams params;
 };
+// The names error messages give the append's four tensors (the latent append passes its
+// own: its "keys" are k_rope, its "values" c_kv, both caches column views of one buffer).
+struct AppendNames {
+  const char* k_cache = "k_cache";
+  const char* v_cache = "v_cache";
+  const char* k = "k";
+  const char* v = "v";
+};
 PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim, bool check_values);
+                                 std::optional<int64_t> rotary_dim, bool check_values,
+                                 const AppendNames& names = {});
 
 // The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope];
 // the append writes c_kv (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr) rotated by RoPE

@@ -6,21 +6,11 @@
 #include "decode_inputs.h"
 
 namespace attn_ext {
-namespace {
-
-void check_factor(const char* op, const char* name, const at::Tensor& t, const char* dims) {
-  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", dims, ", got ", t.dim(), "-D ",
-              t.sizes());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
-              " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
-}
-
-}  // namespace
 
 PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Tensor& b,
                                const TpaOptions& o, const at::Tensor* grad_out) {
-  check_factor(op, "a", a, "(B, S, R, H)");
-  check_factor(op, "b", b, "(B, S, R, D)");
+  check_float_4d(op, "a", a, "(B, S, R, H)");
+  check_float_4d(op, "b", b, "(B, S, R, D)");
   TORCH_CHECK(b.device() == a.device(), op, ": b must be on a's device ", a.device(), ", got ",
               b.device());
   TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": b must have a's dtype ",
@@ -55,19 +45,9 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
     p.policy = make_rope_policy(op, p.head_dim, o.rope_base, o.rope_interleaved, o.rotary_dim);
   }
   if (has_pos) {
-    const at::Tensor& pos = *o.positions;
-    TORCH_CHECK(pos.scalar_type() == at::kInt || pos.scalar_type() == at::kLong, op,
-                ": positions must be int32 or int64, got ", pos.scalar_type());
-    TORCH_CHECK(pos.device() == a.device(), op, ": positions must be on a's device ",
-                a.device(), ", got ", pos.device());
-    const bool shared = pos.dim() == 1;
-    TORCH_CHECK((shared && pos.size(0) == p.seqlen) ||
-                    (pos.dim() == 2 && pos.size(0) == p.batch && pos.size(1) == p.seqlen),
-                op, ": positions must have shape (S,) = (", p.seqlen, ",) or (B, S) = (",
-                p.batch, ", ", p.seqlen, "), got ", pos.sizes());
-    r.positions = pos.to(at::kLong).contiguous();
+    r.positions = prepare_positions(op, *o.positions, "a", a, p.batch, p.seqlen,
+                                    &p.pos_batch_stride);
     p.positions = r.positions.data_ptr<int64_t>();
-    p.pos_batch_stride = shared ? 0 : p.seqlen;
   }
   if (grad_out != nullptr) {
     const at::Tensor& g = *grad_out;
