@@ -200,6 +200,9 @@ def test_factor_cache_holds_factors(device):
     torch.testing.assert_close(cache.b_v[:, :3], b_v)
     rotated = attn_ext.rope(b_k.transpose(1, 2), interleaved=False).transpose(1, 2)
     torch.testing.assert_close(cache.b_k[:, :3], rotated)
+    # rows past the length untouched; the host mirror of the lengths follows the device's
+    assert not cache.a_v[:, 3:].any() and not cache.b_k[:, 3:].any()
+    assert cache.max_length() == 3 and cache.lengths.tolist() == [3]
 
 
 def test_module_errors(device):

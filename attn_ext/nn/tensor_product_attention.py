@@ -28,6 +28,8 @@ from ..decoding import KVCache, rope
 from ..functional import attention
 from ..tpa import tpa_expand
 
+_ops = torch.ops.attn_ext
+
 __all__ = ["TensorProductAttention", "TPAFactorCache"]
 
 
@@ -35,7 +37,10 @@ class TPAFactorCache:
     """Preallocated factor cache of :class:`TensorProductAttention`: ``a_k`` (B, max_len, R_K, H),
     ``b_k`` (B, max_len, R_K, d) rotated by RoPE at each row's position, ``a_v``
     (B, max_len, R_V, H), ``b_v`` (B, max_len, R_V, d), and ``lengths`` (B,) int32. Rows are
-    written at each sequence's length; nothing is ever moved."""
+    written at each sequence's length by ``attn_ext::kv_cache_append`` (a (row, rank)
+    factor block is one cache row); nothing is ever moved. The lengths are mirrored on the
+    host, as :class:`attn_ext.KVCache` does, so that appending and decoding on a GPU never
+    wait for the device."""
 
     def __init__(self, batch_size: int, max_len: int, num_heads: int, head_dim: int, r_k: int,
                  r_v: int, *, dtype=None, device=None):
@@ -50,10 +55,15 @@ class TPAFactorCache:
         self.a_v = torch.zeros(batch_size, max_len, r_v, num_heads, **kw)
         self.b_v = torch.zeros(batch_size, max_len, r_v, head_dim, **kw)
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.a_k.device)
+        self._host_lengths = [0] * batch_size
 
     @property
     def max_len(self) -> int:
         return self.a_k.size(1)
+
+    def max_length(self) -> int:
+        """The longest sequence's length (from the host mirror: no device read)."""
+        return max(self._host_lengths, default=0)
 
     def positions(self, seqlen: int) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next tokens of each sequence."""
@@ -63,17 +73,23 @@ class TPAFactorCache:
         """Writes the factors (B, S, R, *) of S new tokens at each sequence's length (b_k
         already rotated) and advances ``lengths``; raises, writing nothing, on overflow."""
         S = a_k.size(1)
-        lengths = self.lengths.tolist()
-        for b, n in enumerate(lengths):
+        for b, n in enumerate(self._host_lengths):
             if n + S > self.max_len:
                 raise RuntimeError(f"attn_ext.TPAFactorCache: sequence {b} would overflow the cache: "
                                    f"length {n} + {S} new tokens > capacity {self.max_len} "
                                    "(nothing was written)")
-        rows = self.positions(S)
-        batch = torch.arange(rows.size(0), device=rows.device)[:, None]
-        for cache, new in ((self.a_k, a_k), (self.b_k, b_k), (self.a_v, a_v), (self.b_v, b_v)):
-            cache[batch, rows] = new.to(cache.dtype)
-        self.lengths += S
+
+        def rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            # (B, S, R, n) -> the op's (B, 1, S, R * n) layout, one row per token
+            return t.to(like.dtype).flatten(2).unsqueeze(1)
+
+        # Both pairs start at the same lengths: the key pair advances a scratch copy, the
+        # value pair the cache's own.
+        _ops.kv_cache_append(rows(self.a_k, self.a_k), rows(self.b_k, self.b_k), self.lengths.clone(),
+                             rows(a_k, self.a_k), rows(b_k, self.b_k))
+        _ops.kv_cache_append(rows(self.a_v, self.a_v), rows(self.b_v, self.b_v), self.lengths,
+                             rows(a_v, self.a_v), rows(b_v, self.b_v))
+        self._host_lengths = [n + S for n in self._host_lengths]
 
     def nbytes_per_token(self) -> int:
         return sum(t[0, 0].numel() * t.element_size() for t in (self.a_k, self.b_k, self.a_v, self.b_v))
@@ -208,7 +224,7 @@ class TensorProductAttention(nn.Module):
             b_k = rope(b_k.transpose(1, 2), positions=pos, base=self.rope_base,
                        interleaved=self.rope_interleaved).transpose(1, 2)
         cache.append(a_k, b_k, a_v, b_v)
-        n = int(cache.lengths.max())
+        n = cache.max_length()
         return self._merge_heads(_factor_attention(q, cache, n, pos, self.scale))
 
     def extra_repr(self) -> str:
