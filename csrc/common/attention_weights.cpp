@@ -74,9 +74,10 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(
   const double sc = scale.has_value() ? *scale : p.scale;
   if (B * H * Sq * Sk == 0 || Hkv == 0) return {at::zeros_like(q), at::zeros_like(k)};
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
-  const at::Tensor pw = weights.to(acc), g = grad_weights.to(acc);
-  // dS = P * (dP - rowsum(dP * P)), then the two products of the score matmul.
-  const at::Tensor ds = pw * (g - (g * pw).sum(-1, true));
+  // dS = P * (dP - rowsum(dP * P)) by ATen's fused softmax backward (one Sq x Sk result, no
+  // temporaries; rows emptied by a mask have P = 0 and so dS = 0), then the two products of
+  // the score matmul.
+  const at::Tensor ds = at::_softmax_backward_data(grad_weights.to(acc), weights.to(acc), -1, acc);
   const int64_t G = H / Hkv;
   const at::Tensor dsg = ds.reshape({B, Hkv, G, Sq, Sk});
   const at::Tensor kf = k.to(acc).unsqueeze(2);
