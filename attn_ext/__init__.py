@@ -13,9 +13,9 @@ from .decoding import KVCache, LatentKVCache, decode_attention, rope, rope_
 from .linear import linear_attention
 from .spatial import channel_pool, spatial_gate
 from .cache_size import kv_cache_bytes
-from .tpa import tpa_expand
+from .tpa import tpa_decode_attention, tpa_expand
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention",
            "rope", "rope_", "decode_attention", "KVCache", "LatentKVCache", "linear_attention",
-           "channel_pool", "spatial_gate", "kv_cache_bytes", "tpa_expand"]
+           "channel_pool", "spatial_gate", "kv_cache_bytes", "tpa_expand", "tpa_decode_attention"]

@@ -289,3 +289,31 @@ def _tpa_backward(ctx, grad_out):
 
 torch.library.register_autograd("attn_ext::tpa_expand", _tpa_backward,
                                 setup_context=_tpa_setup_context)
+
+
+@torch.library.register_fake("attn_ext::tpa_decode_attention")
+def _tpa_decode_fake(q, a_k, b_k, a_v, b_v, cache_seqlens, *, scale=None, k_scale=None, v_scale=None):
+    B, H, S, D = q.shape
+    return q.new_empty((B, H, S, D)), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.register_fake("attn_ext::tpa_decode_attention_backward")
+def _tpa_decode_backward_fake(grad_out, grad_lse, q, a_k, b_k, a_v, b_v, cache_seqlens, *, scale=None,
+                              k_scale=None, v_scale=None):
+    return tuple(t.new_empty(t.shape) for t in (q, a_k, b_k, a_v, b_v))
+
+
+def _tpa_decode_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.kw = keyword_only_inputs
+    ctx.save_for_backward(*inputs)
+
+
+def _tpa_decode_backward(ctx, grad_out, grad_lse):
+    q, a_k, b_k, a_v, b_v, cache_seqlens = ctx.saved_tensors
+    grads = _ops.tpa_decode_attention_backward(grad_out, grad_lse, q, a_k, b_k, a_v, b_v,
+                                               cache_seqlens, **ctx.kw)
+    return (*grads, None)
+
+
+torch.library.register_autograd("attn_ext::tpa_decode_attention", _tpa_decode_backward,
+                                setup_context=_tpa_decode_setup_context)

@@ -55,6 +55,14 @@
 //   out[b, s, h, :] = scale * sum_r a[b, s, r, h] * RoPE(b[b, s, r, :]), the RoPE (rope=True)
 //   at positions[b, s] (positions (B, S) or (S,), int) or s, on the first rotary_dim features.
 //   tpa_expand_backward returns the gradients of a and b.
+//   tpa_decode_attention: queries q (B, H, S, D) against a factor cache of N tokens, a_k
+//   (B, N, R_K, H), b_k (B, N, R_K, D), a_v (B, N, R_V, H), b_v (B, N, R_V, D), without forming
+//   keys or values: score(h, i, t) = scale * k_scale * sum_r a_k[t, r, h] (q[h, i] . b_k[t, r]),
+//   out[h, i] = sum_t softmax_t(score) * v_scale * sum_r a_v[t, r, h] b_v[t, r]; query i of
+//   sequence b sits at cache_seqlens[b] - S + i and sees tokens t <= that position. Defaults:
+//   scale 1/sqrt(D), k_scale 1/R_K, v_scale 1/R_V. out (B, H, S, D) in q's dtype, lse
+//   (B, H, S) float32. tpa_decode_attention_backward returns the gradients of q, a_k, b_k,
+//   a_v, b_v (grad_lse optional).
 #include <torch/library.h>
 
 TORCH_LIBRARY(attn_ext, m) {
@@ -109,6 +117,15 @@ TORCH_LIBRARY(attn_ext, m) {
       "tpa_expand_backward(Tensor grad_out, Tensor a, Tensor b, Tensor? positions=None, *, "
       "float scale=1.0, bool rope=False, float rope_base=10000.0, bool rope_interleaved=True, "
       "SymInt? rotary_dim=None) -> (Tensor grad_a, Tensor grad_b)");
+  m.def(
+      "tpa_decode_attention(Tensor q, Tensor a_k, Tensor b_k, Tensor a_v, Tensor b_v, "
+      "Tensor cache_seqlens, *, float? scale=None, float? k_scale=None, float? v_scale=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "tpa_decode_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor a_k, "
+      "Tensor b_k, Tensor a_v, Tensor b_v, Tensor cache_seqlens, *, float? scale=None, "
+      "float? k_scale=None, float? v_scale=None) -> (Tensor grad_q, Tensor grad_a_k, "
+      "Tensor grad_b_k, Tensor grad_a_v, Tensor grad_b_v)");
 
   // Linear attention (out_i = phi(q_i) S_i / (phi(q_i) . z_i + eps)):
   //   q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv), no grouped heads; causal needs

@@ -88,3 +88,29 @@ def tpa_expand_reference(a, b, *, positions=None, scale=None, rope=False, rope_b
     R = a.size(2)
     scale = 1.0 / R if scale is None else scale
     return tensor_product(a, b) * (R * scale)
+
+
+def tpa_decode_reference(q, a_k, b_k, a_v, b_v, lengths, *, scale=None, k_scale=None, v_scale=None,
+                         compute_dtype=None):
+    """Attention of q (B, H, S, D) against a factor cache the plain way: the keys and values
+    formed from their factors (``K_t[h] = k_scale sum_r a_k[t, r, h] b_k[t, r]``, likewise V),
+    then a masked softmax; query i of sequence b sees tokens t <= lengths[b] - S + i. Rows
+    that see no token give 0 and lse -inf. Returns (out, lse) in q's dtype (or
+    compute_dtype) and float32 (float64 for a float64 compute)."""
+    dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    q, a_k, b_k, a_v, b_v = (t.to(dt) for t in (q, a_k, b_k, a_v, b_v))
+    B, H, S, D = q.shape
+    N = a_k.size(1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k_scale = 1.0 / a_k.size(2) if k_scale is None else k_scale
+    v_scale = 1.0 / a_v.size(2) if v_scale is None else v_scale
+    keys = torch.einsum("bnrh,bnrd->bhnd", a_k, b_k) * k_scale
+    values = torch.einsum("bnrh,bnrd->bhnd", a_v, b_v) * v_scale
+    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, S, N)
+    last = lengths.to(torch.int64).to(q.device)[:, None] - S + torch.arange(S, device=q.device)
+    visible = torch.arange(N, device=q.device)[None, None, :] <= last[:, :, None]  # (B, S, N)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.where(torch.isfinite(lse)[..., None], (scores - lse[..., None]).exp(),
+                    torch.zeros((), dtype=dt, device=q.device))
+    return p @ values, lse

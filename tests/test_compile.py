@@ -319,6 +319,26 @@ def test_compile_tpa_expand_and_backward(device):
         watch.step()
 
 
+def test_compile_tpa_decode_attention(device):
+    """Factor-cache attention with its backward: one graph, no recompile across cache lengths."""
+    def fn(q, a_k, b_k, a_v, b_v, lengths):
+        out, lse = attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, lengths, return_lse=True)
+        return out.sum() + lse.sum()
+
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for n in (23, 40, 57):
+        q = torch.randn(2, 4, 1, 16, device=device, requires_grad=True)
+        factors = [torch.randn(2, n, r, x, device=device, requires_grad=True)
+                   for r, x in ((2, 4), (2, 16), (3, 4), (3, 16))]
+        lengths = torch.tensor([n, n - 5], device=device)
+        out, ref = cfn(q, *factors, lengths), fn(q, *factors, lengths)
+        _close(out, ref)
+        for g, g_ref in zip(torch.autograd.grad(out, (q, *factors)), torch.autograd.grad(ref, (q, *factors))):
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+        watch.step()
+
+
 def test_compile_mla_prefill_and_absorbed_decode(device):
     """MLA prefill into a LatentKVCache and absorbed single-token steps compile without a graph
     break, and later steps reuse the single-token graph."""

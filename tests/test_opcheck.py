@@ -259,6 +259,41 @@ def test_opcheck_tpa_expand(device, idx):
     torch.library.opcheck(ops.tpa_expand_backward.default, (g, a, b, *args[2:]), kwargs)
 
 
+def tpa_decode_samples(device):
+    def cache(B, N, rk, rv, H, D, dtype=torch.float32, grad=False):
+        ts = [torch.randn(B, N, rk, H, device=device, dtype=dtype),
+              torch.randn(B, N, rk, D, device=device, dtype=dtype),
+              torch.randn(B, N, rv, H, device=device, dtype=dtype),
+              torch.randn(B, rv, N, D, device=device, dtype=dtype).transpose(1, 2)]  # strided b_v
+        return [t.requires_grad_(grad) for t in ts]
+
+    lengths = torch.tensor([9, 4], device=device, dtype=torch.int32)
+    return [
+        ("decode_step", (torch.randn(2, 4, 1, 8, device=device), *cache(2, 9, 2, 2, 4, 8), lengths), {}),
+        ("grad_chunk_strided_q",
+         (torch.randn(2, 3, 4, 8, device=device).transpose(1, 2).requires_grad_(True),
+          *cache(2, 9, 1, 3, 4, 8, grad=True), lengths), dict(scale=0.3, k_scale=0.7, v_scale=1.1)),
+        ("grad_f64", (torch.randn(2, 4, 2, 6, device=device, dtype=torch.float64, requires_grad=True),
+                      *cache(2, 9, 2, 2, 4, 6, dtype=torch.float64, grad=True), lengths.long()), {}),
+        ("bf16", (torch.randn(2, 4, 1, 8, device=device).bfloat16(),
+                  *cache(2, 9, 2, 2, 4, 8, dtype=torch.bfloat16), lengths), {}),
+    ]
+
+
+TPA_DECODE_IDS = _ids(tpa_decode_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(TPA_DECODE_IDS)), ids=TPA_DECODE_IDS)
+def test_opcheck_tpa_decode_attention(device, idx):
+    _, args, kwargs = tpa_decode_samples(device)[idx]
+    torch.library.opcheck(ops.tpa_decode_attention.default, args, kwargs)
+    q, *factors, lengths = (t.detach() for t in args)
+    g = torch.randn_like(q).contiguous()
+    glse = torch.randn(q.shape[:3], device=device)
+    torch.library.opcheck(ops.tpa_decode_attention_backward.default, (g, glse, q, *factors, lengths), kwargs)
+    torch.library.opcheck(ops.tpa_decode_attention_backward.default, (g, None, q, *factors, lengths), kwargs)
+
+
 def test_opcheck_latent_cache_append(device):
     cache = torch.zeros(2, 1, 12, 10, device=device)
     c_kv = torch.randn(2, 1, 3, 6, device=device)

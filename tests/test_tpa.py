@@ -10,7 +10,7 @@ from attn_ext.compat import attention_zoo
 from attn_ext.nn import TensorProductAttention, TPAFactorCache
 from attn_ext.testing.documents import doc004
 from reference import ALL_DTYPES, assert_error_rule, grad_slack_ulps
-from reference_tpa import tpa_expand_reference, tpa_reference
+from reference_tpa import tpa_decode_reference, tpa_expand_reference, tpa_reference
 
 ops = torch.ops.attn_ext
 
@@ -116,6 +116,88 @@ def test_tpa_expand_errors(device):
 
 
 # -------------------------------------------------------------------------------- the modules
+
+
+# ----------------------------------------------------------------------- tpa_decode_attention
+
+
+def _factor_cache(B, N, rk, rv, H, D, dtype, device, grad=False):
+    return [torch.randn(B, N, r, x, device=device, dtype=dtype, requires_grad=grad)
+            for r, x in ((rk, H), (rk, D), (rv, H), (rv, D))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("D", [8, 13, 64])
+def test_decode_op_matches_formed_keys(device, dtype, S, ranks, D):
+    # Against attention over the keys and values formed from the factors; lengths include an
+    # empty sequence, one shorter than S (rows that see nothing give 0 / -inf) and a full one.
+    B, H, N = 4, 3, 37
+    q = torch.randn(B, H, S, D, device=device, dtype=dtype)
+    factors = _factor_cache(B, N, *ranks, H, D, dtype, device)
+    lengths = torch.tensor([N, 17, 0, 2], device=device, dtype=torch.int32)
+    out, lse = attn_ext.tpa_decode_attention(q, *factors, lengths, return_lse=True)
+    ref, _ = tpa_decode_reference(q, *factors, lengths, compute_dtype=None)
+    tru, tru_lse = tpa_decode_reference(q, *factors, lengths, compute_dtype=torch.float64)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    # the reference at the input dtype: formed in fp32 (fp64), rounded to the dtype like ours
+    assert_error_rule(out, ref.to(dtype), tru, name="out")
+    fin = torch.isfinite(tru_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse[fin].double(), tru_lse[fin], rtol=1e-5, atol=1e-5)
+    assert not out[2].any() and not out[3, :, : max(0, S - 2)].any()  # rows that see no token
+
+
+def test_decode_op_split_tokens_and_scales(device):
+    # A long cache for one sequence: the tokens are split across tasks and merged.
+    B, H, S, D, N = 1, 4, 2, 32, 3000
+    q = torch.randn(B, H, S, D, device=device, dtype=torch.float64)
+    factors = _factor_cache(B, N, 2, 2, H, D, torch.float64, device)
+    lengths = torch.tensor([2900], device=device)
+    kw = dict(scale=0.2, k_scale=0.9, v_scale=0.4)
+    out, lse = attn_ext.tpa_decode_attention(q, *factors, lengths, return_lse=True, **kw)
+    ref, ref_lse = tpa_decode_reference(q, *factors, lengths, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_op_gradcheck(device):
+    q = torch.randn(2, 3, 2, 5, device=device, dtype=torch.float64, requires_grad=True)
+    factors = _factor_cache(2, 7, 2, 3, 3, 5, torch.float64, device, grad=True)
+    lengths = torch.tensor([7, 3], device=device)
+    torch.autograd.gradcheck(lambda *ts: attn_ext.tpa_decode_attention(*ts, lengths, scale=0.7),
+                             (q, *factors))
+    # lse is float32 (as attention's), too coarse for finite differences: its gradient is
+    # compared with autograd through the reference instead
+    g_lse = torch.randn(2, 3, 2, device=device, dtype=torch.float64)
+
+    def lse_grads(fn):
+        lse = fn(q, *factors, lengths, scale=0.7)[1]
+        return torch.autograd.grad((lse.double().masked_fill(~torch.isfinite(lse), 0) * g_lse).sum(),
+                                   (q, *factors[:2]))  # lse does not depend on the values
+
+    got = lse_grads(lambda *a, **kw: attn_ext.tpa_decode_attention(*a, return_lse=True, **kw))
+    for a, b in zip(got, lse_grads(tpa_decode_reference)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_op_errors(device):
+    q = torch.randn(2, 3, 1, 8, device=device)
+    factors = _factor_cache(2, 5, 2, 2, 3, 8, torch.float32, device)
+    lengths = torch.tensor([5, 5], device=device)
+    a_k, b_k, a_v, b_v = factors
+    with pytest.raises(RuntimeError, match=r"b_k must have shape \(B, N, R, D\) = \(2, 5, R >= 1, 8\)"):
+        attn_ext.tpa_decode_attention(q, a_k, b_k[..., :7], a_v, b_v, lengths)
+    with pytest.raises(RuntimeError, match=r"a_v must have shape \(B, N, R, H\) = \(2, 5, R >= 1, 3\)"):
+        attn_ext.tpa_decode_attention(q, a_k, b_k, a_v[..., :2], b_v, lengths)
+    with pytest.raises(RuntimeError, match=r"b_v's rank \(dim 2\) must be a_v's 2, got 1"):
+        attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v[:, :, :1], lengths)
+    with pytest.raises(RuntimeError, match="a_k must have q's dtype"):
+        attn_ext.tpa_decode_attention(q, a_k.double(), b_k, a_v, b_v, lengths)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] must be in \[0, 5\], got 6"):
+            attn_ext.tpa_decode_attention(q, *factors, torch.tensor([5, 6]))
 
 
 def _layer(device, dtype, cls=TensorProductAttention, **kw):

@@ -3,8 +3,9 @@
 
 * every ``csrc/cuda/**/*.cu`` with nvcc for each architecture (default ``sm_80`` and
   ``sm_90a``: A100 and H100), to an object file;
-* every ``csrc/cuda/**/*.cpp`` (the op wrappers) with the host C++ compiler, syntax only, against
-  torch's headers and the CUDA toolkit's. A CPU-only torch ships the c10/ATen CUDA headers but
+* every ``csrc/cuda/**/*.cpp`` (the op wrappers), and every other ``csrc`` source with an
+  ``ATTN_EXT_WITH_CUDA`` part, with the host C++ compiler, syntax only, against torch's headers
+  and the CUDA toolkit's. A CPU-only torch ships the c10/ATen CUDA headers but
   not the generated ``c10/cuda/impl/cuda_cmake_macros.h``; a one-line stand-in is supplied.
 
 Exit status 0 when everything compiles, 1 when something does not (its compiler output is
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
     nvcc = str(cuda_home / "bin" / "nvcc")
     cu = sorted((ROOT / "csrc" / "cuda").rglob("*.cu"))
     cpp = sorted((ROOT / "csrc" / "cuda").rglob("*.cpp"))
+    # shared sources with a CUDA-only part (registrations under ATTN_EXT_WITH_CUDA)
+    cpp += sorted(p for p in (ROOT / "csrc").rglob("*.cpp")
+                  if "cuda" not in p.relative_to(ROOT).parts and "ATTN_EXT_WITH_CUDA" in p.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True)

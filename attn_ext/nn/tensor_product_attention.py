@@ -26,7 +26,7 @@ from torch import nn
 
 from ..decoding import KVCache, rope
 from ..functional import attention
-from ..tpa import tpa_expand
+from ..tpa import tpa_decode_attention, tpa_expand
 
 _ops = torch.ops.attn_ext
 
@@ -225,31 +225,11 @@ class TensorProductAttention(nn.Module):
                        interleaved=self.rope_interleaved).transpose(1, 2)
         cache.append(a_k, b_k, a_v, b_v)
         n = cache.max_length()
-        return self._merge_heads(_factor_attention(q, cache, n, pos, self.scale))
+        factors = (t[:, :n] for t in (cache.a_k, cache.b_k, cache.a_v, cache.b_v))
+        out = tpa_decode_attention(q.transpose(1, 2), *factors, cache.lengths, scale=self.scale)
+        return self._merge_heads(out)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"r_q={self.r_q}, r_k={self.r_k}, r_v={self.r_v}, causal={self.causal}, "
                 f"rope={self.rope}, rope_base={self.rope_base}, rope_interleaved={self.rope_interleaved}")
-
-
-def _factor_attention(q: torch.Tensor, cache: TPAFactorCache, n: int, pos: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Causal attention of q (B, S, H, d) at positions ``pos`` (B, S) against the first ``n``
-    cached rows, through the factors: scores ``(1/R_K) Σ_r A_K[t, r, h] (q_h · B_K[t, r])``,
-    output ``(1/R_V) Σ_{t,r} (p_t A_V[t, r, h]) B_V[t, r]``. Everything runs in the cache's
-    (t, r) row order, so the factors are read in place. Returns (B, H, S, d)."""
-    B, S, H, d = q.shape
-    a_k, b_k, a_v, b_v = (t[:, :n] for t in (cache.a_k, cache.b_k, cache.a_v, cache.b_v))
-    r_k, r_v = a_k.size(2), a_v.size(2)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # B_K q for every cached (row, rank) and every (query, head): one (n*R_K, d) x (d, S*H) product.
-    qb = torch.matmul(b_k.reshape(B, n * r_k, d), q.reshape(B, S * H, d).transpose(1, 2))
-    qb = qb.view(B, n, r_k, S, H).to(acc)
-    scores = (qb * a_k.to(acc).unsqueeze(3)).sum(2) * (scale / r_k)  # (B, n, S, H)
-    visible = torch.arange(n, device=q.device)[None, :, None] <= pos[:, None, :]  # (B, n, S)
-    p = torch.softmax(scores.masked_fill(~visible.unsqueeze(-1), float("-inf")), dim=1)
-    # Probabilities through A_V (B, n, R_V, S, H), then one product with B_V (n*R_V, d).
-    w = (p.unsqueeze(2) * a_v.to(acc).unsqueeze(3)).reshape(B, n * r_v, S * H) / r_v
-    out = torch.matmul(w.to(q.dtype).transpose(1, 2), b_v.reshape(B, n * r_v, d))  # (B, S*H, d)
-    return out.view(B, S, H, d).transpose(1, 2)

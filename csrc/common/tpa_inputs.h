@@ -28,4 +28,17 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
                                const TpaOptions& o, const at::Tensor* grad_out = nullptr);
 at::Tensor allocate_tpa_output(const TpaExpandParams& p, const at::Tensor& a);
 
+// tpa_decode_attention's inputs (see TpaDecodeParams): shapes, dtypes and devices checked,
+// each factor cache viewed as (B, N * R, X) rows (copied once only if its token and rank
+// dimensions do not merge), lengths as int64 (values checked in [0, N] with check_values).
+struct PreparedTpaDecode {
+  at::Tensor q, a_k, b_k, a_v, b_v, lengths;
+  TpaDecodeParams params;  // everything but out / lse
+};
+PreparedTpaDecode prepare_tpa_decode(const char* op, const at::Tensor& q, const at::Tensor& a_k,
+                                     const at::Tensor& b_k, const at::Tensor& a_v,
+                                     const at::Tensor& b_v, const at::Tensor& cache_seqlens,
+                                     std::optional<double> scale, std::optional<double> k_scale,
+                                     std::optional<double> v_scale, bool check_values);
+
 }  // namespace attn_ext

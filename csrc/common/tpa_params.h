@@ -34,4 +34,25 @@ struct TpaExpandParams {
   }
 };
 
+// tpa_decode_attention: queries q (B, H, S, D) against cached factors of N tokens,
+// a_k (B, N, R_K, H), b_k (B, N, R_K, D), a_v (B, N, R_V, H), b_v (B, N, R_V, D), read as
+// rows of merged (token, rank) index (row stride in elements, last dimension contiguous).
+// Query i of sequence b sits at position lengths[b] - S + i and sees tokens [0, position];
+// score(h, i, t) = scale * k_scale * sum_r a_k[t, r, h] (q[h, i] . b_k[t, r]),
+// out[h, i] = sum_t softmax_t(score) * v_scale * sum_r a_v[t, r, h] b_v[t, r].
+struct TpaDecodeParams {
+  const void* q = nullptr;
+  const void *a_k = nullptr, *b_k = nullptr, *a_v = nullptr, *b_v = nullptr;
+  void* out = nullptr;      // (B, H, S, D)
+  float* lse = nullptr;     // (B, H, S), natural log, scale included
+  const int64_t* lengths = nullptr;  // (B,) on the host for the CPU kernel
+  int64_t batch = 0, heads = 0, seqlen_q = 0, head_dim = 0, tokens = 0, rank_k = 0, rank_v = 0;
+  int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
+  int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
+  int64_t ak_batch_stride = 0, ak_row_stride = 0, bk_batch_stride = 0, bk_row_stride = 0;
+  int64_t av_batch_stride = 0, av_row_stride = 0, bv_batch_stride = 0, bv_row_stride = 0;
+  double scale = 1.0, k_scale = 1.0, v_scale = 1.0;
+  int64_t num_splits = 1;
+};
+
 }  // namespace attn_ext
