@@ -14,7 +14,9 @@ Modes: ``fwd`` (forward only, inputs without grad) and ``fwd+bwd`` (forward, the
 ``loss = (out * grad).sum()`` with a fixed random ``grad`` and backward to q, k, v).
 With Sq == Sk, attn_ext's bottom-right causal mask equals torch's top-left one.
 
-Every cell prints the median time per candidate, the ratios ``sdpa / attn_ext``
+The candidates of a cell are timed in interleaved rounds (each round runs each candidate
+once), so a slow phase of a shared machine slows them alike. Every cell prints the median
+time per candidate, the ratios ``sdpa / attn_ext``
 ("speedup vs torch", > 1 means attn_ext is faster) and ``doc / attn_ext``, and
 the max abs difference between attn_ext and sdpa (output, plus q/k/v grads in
 ``fwd+bwd``) as a sanity check. The table goes to stdout, to a markdown file
@@ -130,28 +132,50 @@ class Measurement:
     result: object  # what the first warmup run returned (for the sanity check)
 
 
-def measure(run: Callable, timer: Timer, args) -> Measurement:
-    """Warm up, then time the median of N repeats, N chosen so a cell takes ~target_time.
+def measure_interleaved(runs: Dict[str, Callable], timer: Timer, args) -> Dict[str, object]:
+    """Warm up every candidate, then time them in rounds, each round running every candidate
+    once in turn, so that a slow phase of a shared machine slows all of them alike (timing
+    one candidate's repeats after the other's made single cells swing by 2x on the build
+    machine). A candidate's result is the median of its rounds, or the exception its warmup
+    raised.
 
-    The warmup's duration picks N: cheap calls repeat until ``--target-time``
-    seconds are spent (at most ``--max-repeats``); expensive ones get the
-    minimum (``--min-repeats``, 2 by default).
+    The warmup's duration picks each candidate's repeats: cheap calls repeat until
+    ``--target-time`` seconds are spent (at most ``--max-repeats``); expensive ones get the
+    minimum (``--min-repeats``, 2 by default). A candidate that has done its repeats sits
+    out the remaining rounds.
     """
     timer.sync()
-    first = None
-    t_est = float("inf")
-    for i in range(max(1, args.warmup)):
-        t_est, result = timer(run)
-        if i == 0:
-            first = result
-        del result
-    repeats = int(args.target_time / max(t_est, 1e-9))
-    repeats = max(args.min_repeats, min(args.max_repeats, repeats))
-    times = []
-    for _ in range(repeats):
-        t, _ = timer(run)
-        times.append(t)
-    return Measurement(statistics.median(times), repeats, first)
+    out: Dict[str, object] = {}
+    firsts, counts = {}, {}
+    for name, run in runs.items():
+        try:
+            t_est = float("inf")
+            for i in range(max(1, args.warmup)):
+                t_est, result = timer(run)
+                if i == 0:
+                    firsts[name] = result
+                del result
+        except Exception as e:  # keep sweeping; the error lands in the table
+            out[name] = e
+            continue
+        counts[name] = max(args.min_repeats, min(args.max_repeats, int(args.target_time / max(t_est, 1e-9))))
+    times: Dict[str, List[float]] = {name: [] for name in counts}
+    for r in range(max(counts.values(), default=0)):
+        for name in counts:
+            if r < counts[name]:
+                t, _ = timer(runs[name])
+                times[name].append(t)
+    for name in counts:
+        out[name] = Measurement(statistics.median(times[name]), counts[name], firsts[name])
+    return out
+
+
+def measure(run: Callable, timer: Timer, args) -> Measurement:
+    """One candidate alone (the other drivers' use): warmup, then the median of its repeats."""
+    m = measure_interleaved({"run": run}, timer, args)["run"]
+    if isinstance(m, Exception):
+        raise m
+    return m
 
 
 def make_runner(fn: Callable, mode: str, q, k, v, grad, causal: bool) -> Callable:
@@ -268,15 +292,16 @@ def make_inputs(b, h, s, d, dtype, device, seed):
 
 def run_cell(cell: Cell, inputs, fns, timer: Timer, args) -> Cell:
     q, k, v, grad = inputs
-    results = {}
+    runs = {}
     for name, fn in fns.items():
         if name == "doc" and cell.s > args.doc_max_s:
             cell.ms[name], cell.note[name] = None, "skip"
             continue
-        try:
-            m = measure(make_runner(fn, cell.mode, q, k, v, grad, cell.causal), timer, args)
-        except Exception as e:  # keep sweeping; the error lands in the table
-            cell.ms[name], cell.note[name] = None, f"error: {type(e).__name__}: {e}"
+        runs[name] = make_runner(fn, cell.mode, q, k, v, grad, cell.causal)
+    results = {}
+    for name, m in measure_interleaved(runs, timer, args).items():
+        if isinstance(m, Exception):
+            cell.ms[name], cell.note[name] = None, f"error: {type(m).__name__}: {m}"
             continue
         cell.ms[name], cell.repeats[name] = m.median_s * 1e3, m.repeats
         if name in ("attn_ext", "sdpa"):
