@@ -377,6 +377,35 @@ def tpa_expand_case(rope):
                 truth=lambda **t: plain(**t, exact=True))
 
 
+def tpa_decode_case():
+    """Factor-cache attention against attention over the keys / values formed from the factors."""
+    lengths = (300, 57, 0)
+
+    def make(dev):
+        b, n, h, d = len(lengths), max(lengths) + 5, 8, 64
+        return {"q": randn(b, h, 2, d, device=dev), "a_k": randn(b, n, 2, h, device=dev),
+                "b_k": randn(b, n, 2, d, device=dev), "a_v": randn(b, n, 3, h, device=dev),
+                "b_v": randn(b, n, 3, d, device=dev),
+                "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev)}
+
+    def ext(q, a_k, b_k, a_v, b_v, lengths):
+        return tuple(attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, lengths, return_lse=True))
+
+    def ref(q, a_k, b_k, a_v, b_v, lengths):
+        k = torch.einsum("bnrh,bnrd->bhnd", a_k, b_k) / a_k.size(2)
+        v = torch.einsum("bnrh,bnrd->bhnd", a_v, b_v) / a_v.size(2)
+        outs, lses = [], []
+        for b, n in enumerate(lengths.tolist()):
+            keep = keep_mask(q.size(2), n, q.device, causal=True)
+            q_b, k_b, v_b = q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n]
+            outs.append(reference_attention(q_b, k_b, v_b, keep=keep))
+            lses.append(reference_lse(q_b, k_b, keep=keep))
+        return torch.cat(outs), torch.cat(lses)
+
+    return Case("tpa_decode_attention (factor cache, ranks 2/3, ragged lengths)", make, ext, ref,
+                grads=("q", "a_k", "b_k", "a_v", "b_v"))
+
+
 def reference_linear(q, k, v, causal, eps=1e-6):
     """Document 000's linear attention with phi = elu + 1; causal as the masked quadratic form."""
     fq, fk = F.elu(q) + 1, F.elu(k) + 1
@@ -471,6 +500,7 @@ def all_cases() -> List[Case]:
         mla_decode_case(),
         tpa_expand_case(rope=False),
         tpa_expand_case(rope=True),
+        tpa_decode_case(),
         linear_case(causal=False),
         linear_case(causal=True),
         *spatial_cases(),
