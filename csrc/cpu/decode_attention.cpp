@@ -131,15 +131,8 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
   at::parallel_for(0, p.batch * p.kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> acc(Dv);
     for (int64_t row = begin; row < end; ++row) {
-      SoftmaxState<acc_t> total;
-      std::fill(acc.data.begin(), acc.data.end(), acc_t(0));
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t slot = row * splits + sp;
-        acc_t self_factor, other_factor;
-        total.merge(partials.state[slot], &self_factor, &other_factor);
-        const acc_t* part = partials.o + slot * Dv;
-        for (int64_t c = 0; c < Dv; ++c) acc.get()[c] = acc.get()[c] * self_factor + part[c] * other_factor;
-      }
+      const SoftmaxState<acc_t> total = merge_row_splits(
+          partials.state + row * splits, partials.o + row * splits * Dv, splits, Dv, acc.get());
       const int64_t bk = row / rows, r = row % rows;
       const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads, i = r / G, h = hk * G + r % G;
       auto* o = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,

@@ -158,15 +158,8 @@ void tpa_decode_kernel(const TpaDecodeParams& p) {
   at::parallel_for(0, p.batch * H * S, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> acc(D);
     for (int64_t row = begin; row < end; ++row) {
-      SoftmaxState<acc_t> total;
-      std::fill(acc.data.begin(), acc.data.end(), acc_t(0));
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t slot = row * splits + sp;
-        acc_t self_factor, other_factor;
-        total.merge(part_state[slot], &self_factor, &other_factor);
-        const acc_t* part = part_o.data() + slot * D;
-        for (int64_t c = 0; c < D; ++c) acc.get()[c] = acc.get()[c] * self_factor + part[c] * other_factor;
-      }
+      const SoftmaxState<acc_t> total = merge_row_splits(
+          part_state.data() + row * splits, part_o.data() + row * splits * D, splits, D, acc.get());
       const int64_t b = row / (H * S), h = (row / S) % H, i = row % S;
       auto* out = static_cast<scalar_t*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
                   i * p.o_row_stride;
