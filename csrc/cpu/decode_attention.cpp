@@ -17,12 +17,11 @@
 #include "blas.h"
 #include "cpu_support.h"
 #include "kernel_traits.h"
+#include "split_kv.h"
 #include "vec_math.h"
 
 namespace attn_ext::cpu {
 namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Where a task's partial result goes: straight to out / lse (one split), or to the split's
 // slot of the workspace for the merge.
@@ -57,9 +56,7 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       const int64_t len = p.lengths[b];
       const LocalBand band{len - Sq, p.window_left, p.window_right};
       const int64_t lo = band.key_begin(i_begin, len), hi = band.key_end(i_end, len);
-      const int64_t chunk = std::max<int64_t>(ceil_div(ceil_div(hi - lo, splits), kN) * kN, kN);
-      const int64_t j_begin = std::min(hi, lo + split * chunk);
-      const int64_t j_end = std::min(hi, j_begin + chunk);
+      const auto [j_begin, j_end] = split_range(lo, hi, splits, split, kN);
 
       for (int64_t rr = 0; rr < m; ++rr) {
         const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
@@ -141,15 +138,6 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
       p.lse[(b * p.heads + h) * Sq + i] = total.lse();
     }
   });
-}
-
-// Enough (block, split) tasks to keep every thread busy, but no split shorter than
-// kMinSplitKeys keys.
-int64_t auto_splits(int64_t blocks, int64_t max_len, int64_t min_split_keys,
-                    int64_t tasks_per_thread) {
-  const int64_t want = ceil_div(tasks_per_thread * at::get_num_threads(), std::max<int64_t>(blocks, 1));
-  const int64_t most = std::max<int64_t>(1, max_len / min_split_keys);
-  return std::clamp<int64_t>(want, 1, most);
 }
 
 template <typename scalar_t>

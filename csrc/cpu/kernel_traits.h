@@ -1,6 +1,5 @@
 #pragma once
 // Compile-time shape of the CPU flash kernels and the per-thread workspace they use.
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -53,23 +52,6 @@ struct Buffer {
   explicit Buffer(int64_t n = 0) : data(static_cast<size_t>(n)) {}
   T* get() { return data.data(); }
 };
-
-// Folds one row's `splits` partial results (online-softmax states and unnormalized outputs
-// of d values, split-major) into `acc`, in split order (deterministic); returns the merged
-// state, whose inv_sum() normalizes `acc`. Split-KV decoding's merge.
-template <typename acc_t, typename State>
-State merge_row_splits(const State* states, const acc_t* outs, int64_t splits, int64_t d,
-                       acc_t* acc) {
-  State total;
-  std::fill(acc, acc + d, acc_t(0));
-  for (int64_t sp = 0; sp < splits; ++sp) {
-    acc_t self_factor, other_factor;
-    total.merge(states[sp], &self_factor, &other_factor);
-    const acc_t* part = outs + sp * d;
-    for (int64_t c = 0; c < d; ++c) acc[c] = acc[c] * self_factor + part[c] * other_factor;
-  }
-  return total;
-}
 
 // Row r of a strided (B, H, S, *) tensor.
 template <typename T>

@@ -19,6 +19,7 @@
 #include "blas.h"
 #include "cpu_support.h"
 #include "kernel_traits.h"
+#include "split_kv.h"
 #include "vec_math.h"
 
 namespace attn_ext::cpu {
@@ -29,8 +30,6 @@ namespace {
 constexpr int64_t kMaxRows = 128;
 constexpr int64_t kTile = 128;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 struct Geometry {
   int64_t queries_per_block, blocks_per_seq, splits;
 };
@@ -38,12 +37,10 @@ struct Geometry {
 Geometry geometry(const TpaDecodeParams& p) {
   const int64_t qpb = std::max<int64_t>(1, kMaxRows / std::max<int64_t>(p.heads, 1));
   const int64_t blocks = ceil_div(p.seqlen_q, qpb);
-  // Enough (block, split) tasks for every thread, no split below kMinSplitKeys tokens.
   const int64_t max_len = p.batch ? *std::max_element(p.lengths, p.lengths + p.batch) : 0;
-  const int64_t want = ceil_div(FlashTraits<float>::kTasksPerThread * at::get_num_threads(),
-                                std::max<int64_t>(p.batch * blocks, 1));
-  const int64_t most = std::max<int64_t>(1, max_len / FlashTraits<float>::kMinSplitKeys);
-  return {qpb, blocks, std::clamp<int64_t>(want, 1, most)};
+  return {qpb, blocks,
+          auto_splits(p.batch * blocks, max_len, FlashTraits<float>::kMinSplitKeys,
+                      FlashTraits<float>::kTasksPerThread)};
 }
 
 template <typename scalar_t>
@@ -75,9 +72,7 @@ void tpa_decode_kernel(const TpaDecodeParams& p) {
       const int64_t rows = H * m;  // row h * m + (i - i0)
       const int64_t len = p.lengths[b];
       const int64_t visible = std::clamp<int64_t>(len - S + i0 + m, 0, len);  // last row's view
-      const int64_t chunk = std::max(ceil_div(ceil_div(visible, splits), kTile) * kTile, kTile);
-      const int64_t j_begin = std::min(visible, split * chunk);
-      const int64_t j_end = std::min(visible, j_begin + chunk);
+      const auto [j_begin, j_end] = split_range(0, visible, splits, split, kTile);
 
       const auto* q = static_cast<const scalar_t*>(p.q) + b * p.q_batch_stride;
       for (int64_t h = 0; h < H; ++h)
