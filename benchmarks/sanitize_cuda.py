@@ -1,8 +1,13 @@
 #!/usr/bin/env python
-"""A few small attn_ext.attention calls (forward and backward) covering every CUDA kernel path,
-sized for compute-sanitizer: tensor-core forward at head dims 64 / 128 / 256 and a padded one,
-the generic forward and backward in every dtype, masks (bool, additive, broadcast), causal and
-window bands, fully masked rows, GQA, Dv != D, dropout, strided and misaligned inputs.
+"""Small calls of every attn_ext op that has a CUDA kernel, sized for compute-sanitizer.
+
+attention (forward and backward): tensor-core forward at head dims 64 / 128 / 256 and a padded
+one, the generic forward and backward in every dtype, masks (bool, additive, broadcast), causal
+and window bands, fully masked rows, GQA, Dv != D, dropout, strided and misaligned inputs.
+The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append (left padding,
+rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
+sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
+and spatial_gate (+ backward, both layouts).
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_cuda.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_cuda.py
@@ -67,12 +72,93 @@ def run_case(name, dtype, B, H, Hkv, Sq, Sk, D, Dv, opts):
     return finite
 
 
+def _report(name, tensors):
+    torch.cuda.synchronize()
+    finite = all(torch.isfinite(t).all().item() for t in tensors)
+    print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
+    return finite
+
+
+def _grads(*ts):
+    return [t.grad for t in ts]
+
+
+def decoding_cases():
+    dev, ok = "cuda", []
+    for dtype, d in ((torch.bfloat16, 128), (torch.float32, 64), (torch.float16, 96)):
+        x = torch.randn(2, 3, 7, d, device=dev, dtype=dtype, requires_grad=True)
+        y = attn_ext.rope(x, offset=5) + attn_ext.rope(x, interleaved=False, rotary_dim=d // 2)
+        y.float().sum().backward()
+        z = x.detach().clone()
+        attn_ext.rope_(z, positions=torch.randint(0, 100, (2, 7), device=dev))
+        ok.append(_report(f"rope {dtype} d{d}", [y, x.grad, z]))
+
+        cache = attn_ext.KVCache(3, 2, 300, d, dtype=dtype, device=dev)
+        cache.append(torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
+                     torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
+                     new_lengths=torch.tensor([0, 150, 97], device=dev), rope=True)
+        cache.append(torch.randn(3, 2, 3, d, device=dev, dtype=dtype),
+                     torch.randn(3, 2, 3, d, device=dev, dtype=dtype), new_lengths=torch.tensor([3, 3, 1], device=dev))
+        outs = []
+        for sq in (1, 3):
+            q = torch.randn(3, 8, sq, d, device=dev, dtype=dtype)
+            for splits in (1, 4, 0):
+                outs += cache.attend(q, num_splits=splits, return_lse=True)
+            outs += cache.attend(q, window_left=40, return_lse=True)
+            outs.append(cache.attend(q, causal=False))
+        # an empty sequence's rows are zeros and its lse -inf: check the others only
+        ok.append(_report(f"kv_cache_append + decode_attention {dtype} d{d}", [o[1:] for o in outs]))
+
+    latent = attn_ext.LatentKVCache(2, 40, 512, 64, dtype=torch.bfloat16, device=dev)
+    latent.append(torch.randn(2, 1, 9, 512, device=dev, dtype=torch.bfloat16),
+                  torch.randn(2, 1, 9, 64, device=dev, dtype=torch.bfloat16), new_lengths=torch.tensor([9, 4], device=dev))
+    q = torch.randn(2, 16, 1, 576, device=dev, dtype=torch.bfloat16)
+    out = attn_ext.decode_attention(q, latent.k, latent.v, latent.lengths)
+    ok.append(_report("latent_cache_append + absorbed decode", [latent.kv, out]))
+    return ok
+
+
+def compression_cases():
+    dev, ok = "cuda", []
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(2, 9, 3, 8, device=dev, dtype=dtype, requires_grad=True)
+        b = torch.randn(2, 9, 3, 64, device=dev, dtype=dtype, requires_grad=True)
+        e = attn_ext.tpa_expand(a, b, scale=1 / 3) + attn_ext.tpa_expand(a, b, rope=True, rotary_dim=32)
+        e.float().sum().backward()
+        ok.append(_report(f"tpa_expand {dtype}", [e, a.grad, b.grad]))
+
+        B, S, H, D, rk, rv, L = 2, 2, 8, 64, 2, 2, 45
+        q = torch.randn(B, H, S, D, device=dev, dtype=dtype, requires_grad=True)
+        a_k = torch.randn(B, L, rk, H, device=dev, dtype=dtype, requires_grad=True)
+        b_k = torch.randn(B, L, rk, D, device=dev, dtype=dtype, requires_grad=True)
+        a_v = torch.randn(B, L, rv, H, device=dev, dtype=dtype, requires_grad=True)
+        b_v = torch.randn(B, L, rv, D, device=dev, dtype=dtype, requires_grad=True)
+        out = attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, torch.tensor([30, 45], device=dev))
+        out.float().square().sum().backward()
+        ok.append(_report(f"tpa_decode_attention {dtype}", [out, *_grads(q, a_k, b_k, a_v, b_v)]))
+    return ok
+
+
+def spatial_cases():
+    dev, ok = "cuda", []
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            x = torch.randn(2, 37, 13, 11, device=dev, dtype=dtype).to(memory_format=fmt).requires_grad_(True)
+            pooled = attn_ext.channel_pool(x)
+            gate = torch.randn(2, 1, 13, 11, device=dev, dtype=dtype, requires_grad=True)
+            y = attn_ext.spatial_gate(x, gate)
+            (pooled.float().sum() + y.float().square().sum()).backward()
+            ok.append(_report(f"channel_pool + spatial_gate {dtype} {str(fmt).split('.')[-1]}",
+                              [pooled, y, x.grad, gate.grad]))
+    return ok
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("sanitize_cuda: no CUDA device visible; nothing to check")
         return 0
     torch.manual_seed(0)
-    results = [run_case(*c) for c in CASES]
+    results = [run_case(*c) for c in CASES] + decoding_cases() + compression_cases() + spatial_cases()
     return 0 if all(results) else 1
 
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device-tool call on a lent GPU (H100/H200): the phases named on the command line, each
+# under a share of a deadline so the call ends inside the tool's 10-minute limit and the
+# summary table prints last. Logs go to $OUT (at most 8 files come back).
+#
+#   bash dev/gpu_session.sh build test sanitize   # first call on a fresh machine
+#   bash dev/gpu_session.sh bench                 # next call while the machine is warm
+#
+# build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT
+# test:     python -m attn_ext, then the whole suite (xdist) with the CUDA cases
+# sanitize: compute-sanitizer memcheck / racecheck / synccheck over benchmarks/sanitize_cuda.py
+# bench:    bench_attention_cuda (D 64/128), bench_decode, bench_kv_compression, bench_spatial
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+PY=${PYTHON:-python3}
+DEADLINE=$(( $(date +%s) + ${SESSION_SECONDS:-570} ))
+SUMMARY="$OUT/summary.txt"
+
+# step NAME LIMIT_SECONDS CMD...: runs CMD with output in $OUT/NAME.log, never past the deadline.
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - $(date +%s) - 5 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 10 )); then echo "$name: skipped (deadline)" >> "$SUMMARY"; return; fi
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$SUMMARY"
+}
+
+for phase in "$@"; do
+  case $phase in
+    build)
+      { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version | tail -1; } >> "$SUMMARY" 2>&1
+      step build 420 bash tools/bootstrap.sh test
+      so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
+      if [ -n "$so" ]; then
+        strip --strip-debug -o "$OUT/_C.so" "$so" && echo "so: $(du -h "$OUT/_C.so" | cut -f1)" >> "$SUMMARY"
+        [ "$(stat -c %s "$OUT/_C.so")" -gt 16000000 ] && split -b 15M "$OUT/_C.so" "$OUT/_C.so.part" && rm "$OUT/_C.so"
+      fi ;;
+    test)
+      step main 90 $PY -m attn_ext
+      OMP_NUM_THREADS=2 step pytest 400 $PY -m pytest tests -q -n 8 -p no:cacheprovider --timeout 300 -rfE \
+        --deselect tests/test_cuda_build.py::test_cuda_sources_compile
+      grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY benchmarks/sanitize_cuda.py
+        grep -E "ERROR SUMMARY|NON-FINITE" "$OUT/san_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      cat "$OUT"/san_*.log > "$OUT/sanitize.log"; rm -f "$OUT"/san_*.log ;;
+    bench)
+      step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/attention_cuda.md"
+      step bench_decode 120 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 8192 16384 32768 --new-tokens 128 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
+      step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/kv_compression_cuda.md"
+      step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --out "$OUT/spatial_cuda.md"
+      cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
+    *) echo "unknown phase $phase" >> "$SUMMARY" ;;
+  esac
+done
+
+echo "===== summary"
+grep -E "^(FAILED|ERROR)" "$OUT"/pytest.log 2>/dev/null | cut -c1-220 | head -60
+cat "$SUMMARY"
