@@ -82,13 +82,23 @@ def _cpu_isa_flags():
     return {"avx2": ["-mavx2", "-mfma", "-mf16c"], "native": ["-march=native"], "generic": []}[isa]
 
 
+def _runtime_link_args():
+    """Link the C++ runtime dynamically, as torch itself is linked. A GPU image (torch 2.11,
+    Ubuntu g++ 13.3, 2026-11-23) linked libstdc++ statically into the extension: its copy of
+    the stream code then ran against the process's libstdc++ data (Python's -Bsymbolic-functions
+    binds functions locally, data globally), and the first error message that formatted a
+    number crashed. Naming the runtime library makes the linker resolve every libstdc++
+    symbol from it, so no archive member is pulled in."""
+    return ["-l:libstdc++.so.6"] if platform.system() == "Linux" else []
+
+
 def _extension():
     debug = os.environ.get("ATTN_EXT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     cxx = opt + ["-fopenmp", "-fvisibility=hidden"] + _cpu_isa_flags()
     sources = (_sources("csrc/*.cpp") + _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp")
                + _sources("csrc/linear/*.cpp") + _sources("csrc/spatial/*.cpp"))
-    kwargs = dict(extra_link_args=["-fopenmp"])
+    kwargs = dict(extra_link_args=["-fopenmp"] + _runtime_link_args())
     if _cuda_enabled():
         cxx.append("-DATTN_EXT_WITH_CUDA")
         arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")

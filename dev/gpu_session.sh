@@ -37,19 +37,22 @@ for phase in "$@"; do
       { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version | tail -1; } >> "$SUMMARY" 2>&1
       step build 420 bash tools/bootstrap.sh test
       so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
+      { echo "libstdc++ for the linker: $(c++ -print-file-name=libstdc++.so)  LDFLAGS=${LDFLAGS:-}";
+        $PY -c "import sysconfig; print('LDSHARED', sysconfig.get_config_var('LDSHARED'))";
+        [ -n "$so" ] && readelf -d "$so" | grep -E "NEEDED.*stdc"; } >> "$SUMMARY" 2>&1
       if [ -n "$so" ]; then
         strip --strip-debug -o "$OUT/_C.so" "$so" && echo "so: $(du -h "$OUT/_C.so" | cut -f1)" >> "$SUMMARY"
         [ "$(stat -c %s "$OUT/_C.so")" -gt 16000000 ] && split -b 15M "$OUT/_C.so" "$OUT/_C.so.part" && rm "$OUT/_C.so"
       fi ;;
     test)
       step main 90 $PY -m attn_ext
-      OMP_NUM_THREADS=2 step pytest 400 $PY -m pytest tests -q -n 8 -p no:cacheprovider --timeout 300 -rfE \
+      OMP_NUM_THREADS=1 step pytest 400 $PY -m pytest tests -q -n 14 -p no:cacheprovider --timeout 300 -rfE \
         --deselect tests/test_cuda_build.py::test_cuda_sources_compile
       grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY benchmarks/sanitize_cuda.py
-        grep -E "ERROR SUMMARY|NON-FINITE" "$OUT/san_$tool.log" | head -3 >> "$SUMMARY"
+        grep -E "SUMMARY|NON-FINITE" "$OUT/san_$tool.log" | head -3 >> "$SUMMARY"
       done
       cat "$OUT"/san_*.log > "$OUT/sanitize.log"; rm -f "$OUT"/san_*.log ;;
     bench)
@@ -57,6 +60,10 @@ for phase in "$@"; do
       step bench_decode 120 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 8192 16384 32768 --new-tokens 128 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
       step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/kv_compression_cuda.md"
       step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --out "$OUT/spatial_cuda.md"
+      cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
+    bench-short)  # the memory-bound kernels: decode steps (no generation loop) and the spatial gate
+      step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --step-repeats 10 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
+      step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/spatial_cuda.md"
       cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
     *) echo "unknown phase $phase" >> "$SUMMARY" ;;
   esac

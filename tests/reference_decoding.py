@@ -24,9 +24,10 @@ def rope_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.
     """float32 frequencies 1 / base ** (2i / rotary_dim) as attn_ext defines them: the exponent
     formed in float32 (arange / d, as the documents and HuggingFace do), the power in float64,
     rounded once. (torch's own float32 pow is off by an ulp for ~1.5% of the exponents, which
-    plain references inherit.)"""
-    exponent = torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim
-    return (1.0 / (base ** exponent.double())).float()
+    plain references inherit.) Formed on the CPU: torch's CUDA division by a scalar multiplies
+    by its reciprocal, which rounds some exponents 2i / d differently from a true division."""
+    exponent = torch.arange(0, rotary_dim, 2).float() / rotary_dim
+    return (1.0 / (base ** exponent.double())).float().to(device)
 
 
 def rope_angles(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,

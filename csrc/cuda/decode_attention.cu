@@ -22,6 +22,10 @@ namespace {
 constexpr int kThreads = 128;  // four warps; also the key tile and the output-feature stride
 constexpr int kTile = kThreads;
 constexpr int kWarp = 32;
+// Dot products are summed in chunks of kDotChunk features, each chunk's partial sum added to
+// the total: the fp32 rounding error grows with kDotChunk + D / kDotChunk rather than with D
+// (MLA's absorbed decode has D = 576).
+constexpr int kDotChunk = 32;
 constexpr int kRows = static_cast<int>(kDecodeRowsPerBlock);
 constexpr int kMaxDvPerThread = static_cast<int>((kDecodeMaxHeadDimV + kThreads - 1) / kThreads);
 
@@ -97,10 +101,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
     for (int r = 0; r < kRows; ++r) s[r] = 0;
     if (j < j_end) {
       const T* kr = k + j * p.k_row_stride;
-      for (int64_t c = 0; c < D; ++c) {
-        const acc_t kv = Elem<T>::load(kr[c]);
+      for (int64_t c0 = 0; c0 < D; c0 += kDotChunk) {
+        acc_t part[kRows];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) s[r] += q_s[r * D + c] * kv;
+        for (int r = 0; r < kRows; ++r) part[r] = 0;
+        for (int64_t c = c0; c < min(D, c0 + kDotChunk); ++c) {
+          const acc_t kv = Elem<T>::load(kr[c]);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) part[r] += q_s[r * D + c] * kv;
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) s[r] += part[r];
       }
     }
     const bool tile_full = band.tile_unmasked(i_begin, i_end, j0, j0 + kTile) && j0 + kTile <= j_end;
@@ -127,6 +138,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
         sum += e;
       }
       for (int off = kWarp / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();  // every lane has read state_s[r] before lane 0 overwrites it
       if (lane == 0) {
         st.sum += sum;
         state_s[r] = st;

@@ -97,7 +97,7 @@ flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
       acc_t s = 0;
       for (int64_t c = 0; c < p.head_dim; ++c)
         s += Elem<T>::load(q[c]) * Elem<T>::load(k[j * p.k_row_stride + c]);
-      s = mask.apply(s * s_scale, i, j);
+      s = mask.apply(s, s_scale, i, j);
       st.rescale_to(s);
       st.sum += exp2(s - st.shift());
     }
@@ -149,7 +149,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       const acc_t l2 = rows.lse2[i];
       acc_t s = 0;
       for (int64_t x = 0; x < p.head_dim; ++x) s += t.q[r * p.head_dim + x] * t.k[c * t.ldk + x];
-      s = mask.apply(s * s_scale, i, j);  // the forward's log2-domain score
+      s = mask.apply(s, s_scale, i, j);  // the forward's log2-domain score
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
       for (int64_t x = 0; x < p.head_dim_v; ++x) dp += t.dout[r * p.head_dim_v + x] * t.v[c * t.ldv + x];

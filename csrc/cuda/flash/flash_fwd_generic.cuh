@@ -89,7 +89,7 @@ flash_fwd_generic_kernel(AttentionParams p) {
     for (int r = 0; r < kRows; ++r) {
       acc_t val = -INFINITY;
       const acc_t sc = s[r] * s_scale;
-      if (r < bi.rows && in_range) val = unmasked ? sc : mask.apply(sc, bi.m0 + r, j);
+      if (r < bi.rows && in_range) val = unmasked ? sc : mask.apply(s[r], s_scale, bi.m0 + r, j);
       s_s[r * kTile + threadIdx.x] = val;
     }
     __syncthreads();
@@ -111,6 +111,7 @@ flash_fwd_generic_kernel(AttentionParams p) {
         sr[c] = e;
       }
       for (int off = Tr::kWarp / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();  // every lane has read state_s[r] before lane 0 overwrites it
       if (lane == 0) {
         st.sum += sum;
         state_s[r] = st;

@@ -89,7 +89,7 @@ __device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ, const
       float s = acc_s[nt][e] * s_scale;
       if constexpr (kMasked) {
         const int64_t i = row0 + g + 8 * (e / 2), j = j0 + nt * Tr::kMmaN + 2 * t + e % 2;
-        s = i < seqlen_q ? mask.apply(s, i, j) : -INFINITY;
+        s = i < seqlen_q ? mask.apply(acc_s[nt][e], s_scale, i, j) : -INFINITY;
       }
       acc_s[nt][e] = s;
     }

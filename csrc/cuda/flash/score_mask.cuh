@@ -35,13 +35,17 @@ struct ScoreMask {
     return kind == MaskKind::kNone && c1 <= key_limit && band.tile_unmasked(r0, r1, c0, c1);
   }
 
-  // The score of (row i, key j) after masking: -inf where the key is hidden.
-  __device__ acc_t apply(acc_t s, int64_t i, int64_t j) const {
+  // The log2-domain score of (row i, key j) from its raw dot product: raw * s_scale plus the
+  // additive mask in log2 units, -inf where the key is hidden. The additive case is one fma
+  // (the product is not rounded before the mask is added: one rounding fewer in fp32).
+  __device__ acc_t apply(acc_t raw, acc_t s_scale, int64_t i, int64_t j) const {
     if (j >= key_limit) return -INFINITY;
-    if (kind == MaskKind::kBool) {
-      if (!static_cast<const bool*>(mask)[i * row_stride + j * col_stride]) s = -INFINITY;
-    } else if (kind == MaskKind::kAdditive) {
-      s += static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e);
+    acc_t s;
+    if (kind == MaskKind::kAdditive) {
+      s = fma(raw, s_scale, static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e));
+    } else {
+      s = raw * s_scale;
+      if (kind == MaskKind::kBool && !static_cast<const bool*>(mask)[i * row_stride + j * col_stride]) s = -INFINITY;
     }
     return band.allowed(i, j) ? s : acc_t(-INFINITY);
   }
