@@ -1,7 +1,7 @@
 """Autoregressive decoding: rotary position embedding, a preallocated KV cache and attention of
 new queries against it. Thin wrappers over the registered operators (shapes and arguments
 only)."""
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -108,20 +108,23 @@ class KVCache:
         self.lengths.zero_()
         self._host_lengths = [0] * self.batch_size
 
-    def _check_room(self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]) -> List[int]:
+    def _room_after(self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]) -> Tuple[List[int], Optional[str]]:
+        """The host lengths after appending k, and why the append must fail (None if it fits).
+        Raised after the op has validated its inputs, so that a bad input gets the op's own
+        error, as on the CPU (a GPU append that does not fit writes nothing)."""
         if k.dim() != 4:  # the op reports the shape error
-            return self._host_lengths
+            return self._host_lengths, None
         s_new = k.size(2)
         add = [s_new] * self.batch_size if new_lengths is None else [int(n) for n in new_lengths.cpu()]
         if len(add) != self.batch_size:
-            return self._host_lengths
+            return self._host_lengths, None
         for b, (n, a) in enumerate(zip(self._host_lengths, add)):
             if not 0 <= a <= s_new:
-                raise RuntimeError(f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}")
+                return self._host_lengths, f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}"
             if n + a > self.max_len:
-                raise RuntimeError(f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
-                                   f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)")
-        return [n + a for n, a in zip(self._host_lengths, add)]
+                return self._host_lengths, (f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
+                                            f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)")
+        return [n + a for n, a in zip(self._host_lengths, add)], None
 
     def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next ``seqlen`` tokens of each sequence, the
@@ -140,10 +143,12 @@ class KVCache:
         ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
         cache positions on the way in."""
         on_host = self.k.device.type == "cpu"
-        after = None if on_host else self._check_room(k, new_lengths)
+        after, refusal = (None, None) if on_host else self._room_after(k, new_lengths)
         _ops.kv_cache_append(self.k, self.v, self.lengths, k, v, new_lengths, rope=rope,
                              rope_base=rope_base, rope_interleaved=rope_interleaved,
                              rotary_dim=rotary_dim)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if after is not None:
             self._host_lengths = after
 
@@ -226,9 +231,11 @@ class LatentKVCache(KVCache):
         (B, 1, S_new, rope_dim) at each sequence's length, rotating k_rope by RoPE at its
         cache position, and advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
         on_host = self.kv.device.type == "cpu"
-        after = None if on_host else self._check_room(c_kv, new_lengths)
+        after, refusal = (None, None) if on_host else self._room_after(c_kv, new_lengths)
         _ops.latent_cache_append(self.kv, self.lengths, c_kv, k_rope, new_lengths,
                                  rope_base=rope_base, rope_interleaved=rope_interleaved)
+        if refusal is not None:
+            raise RuntimeError(refusal.replace("kv_cache_append", "latent_cache_append"))
         self._empty = False
         if after is not None:
             self._host_lengths = after
