@@ -9,7 +9,9 @@
 # build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT
 # test:     python -m attn_ext, then the whole suite (xdist) with the CUDA cases
 # sanitize: compute-sanitizer memcheck / racecheck / synccheck over benchmarks/sanitize_cuda.py
-# bench:    bench_attention_cuda (D 64/128), bench_decode, bench_kv_compression, bench_spatial
+# bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
+#           bench_decode (steps only) and bench_spatial. Notes and timings of past calls:
+#           dev/gpu_notes.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -55,13 +57,11 @@ for phase in "$@"; do
         grep -E "SUMMARY|NON-FINITE" "$OUT/san_$tool.log" | head -3 >> "$SUMMARY"
       done
       cat "$OUT"/san_*.log > "$OUT/sanitize.log"; rm -f "$OUT"/san_*.log ;;
-    bench)
-      step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/attention_cuda.md"
-      step bench_decode 120 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 8192 16384 32768 --new-tokens 128 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
-      step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/kv_compression_cuda.md"
-      step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --out "$OUT/spatial_cuda.md"
-      cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
-    bench-short)  # the memory-bound kernels: decode steps (no generation loop) and the spatial gate
+    bench|bench-short)  # bench-short: the memory-bound kernels only (decode steps, spatial gate)
+      if [ "$phase" = bench ]; then
+        step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/attention_cuda.md"
+        step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/kv_compression_cuda.md"
+      fi
       step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --step-repeats 10 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
       step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/spatial_cuda.md"
       cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
