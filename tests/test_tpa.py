@@ -162,6 +162,29 @@ def test_decode_op_split_tokens_and_scales(device):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_decode_cuda_composite_equals_cpu_kernel(dtype):
+    # The CUDA forward is an ATen composite registered for CUDA in every build: run it on CPU
+    # tensors through the CUDA key against the CPU kernel (ragged, empty and short sequences).
+    B, H, S, D, N = 4, 3, 2, 24, 150
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    factors = _factor_cache(B, N, 2, 3, H, D, dtype, "cpu")
+    lengths = torch.tensor([N, 17, 0, 1], dtype=torch.int32)
+    kw = dict(scale=0.3, k_scale=0.8, v_scale=0.6)
+    want = torch.ops.attn_ext.tpa_decode_attention(q, *factors, lengths, **kw)
+    got = torch.ops.attn_ext.tpa_decode_attention.default.redispatch(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA), q, *factors, lengths, **kw)
+    # float64: exact up to summation order; lower precision: the two round P and the output
+    # differently, so each is held to the float64 truth by the suite's error rule
+    if dtype == torch.float64:
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, equal_nan=True)
+        return
+    tru, _ = tpa_decode_reference(q, *factors, lengths, compute_dtype=torch.float64, **kw)
+    assert_error_rule(got[0], want[0], tru, name="out")
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_decode_op_gradcheck(device):
     q = torch.randn(2, 3, 2, 5, device=device, dtype=torch.float64, requires_grad=True)
     factors = _factor_cache(2, 7, 2, 3, 3, 5, torch.float64, device, grad=True)

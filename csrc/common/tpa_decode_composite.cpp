@@ -41,7 +41,6 @@ Factors probabilities(const PreparedTpaDecode& in) {
   return f;
 }
 
-#ifdef ATTN_EXT_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> tpa_decode_attention_composite(
     const at::Tensor& q, const at::Tensor& a_k, const at::Tensor& b_k, const at::Tensor& a_v,
     const at::Tensor& b_v, const at::Tensor& cache_seqlens, std::optional<double> scale,
@@ -54,7 +53,6 @@ std::tuple<at::Tensor, at::Tensor> tpa_decode_attention_composite(
   const at::Tensor out = at::einsum("bnrhs,bnrd->bhsd", {w, f.b_v});
   return {out.to(q.scalar_type()).contiguous(), f.lse.to(at::kFloat)};
 }
-#endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tpa_decode_attention_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
@@ -98,11 +96,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tpa_decod
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("tpa_decode_attention_backward", &tpa_decode_attention_backward);
 }
-#ifdef ATTN_EXT_WITH_CUDA
+// Plain ATen, so registered for CUDA in every build: the CPU-only suite runs the CUDA forward
+// on CPU tensors by redispatching to the CUDA key.
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("tpa_decode_attention", &tpa_decode_attention_composite);
   m.impl("tpa_decode_attention_backward", &tpa_decode_attention_backward);
 }
-#endif
 
 }  // namespace attn_ext
