@@ -11,7 +11,6 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#include "../common/inputs.h"
 #include "feature_map.h"
 #include "linear_inputs.h"
 
@@ -120,17 +119,13 @@ linear_attention_backward_composite(
     const std::optional<at::Tensor>& initial_state_k,
     const std::optional<at::Tensor>& grad_state_kv, const std::optional<at::Tensor>& grad_state_k,
     bool causal, double eps, c10::string_view feature_map) {
-  constexpr const char* kOp = "attn_ext.linear_attention_backward";
-  const LinearInputs in = prepare_linear_attention(kOp, q, k, v, initial_state_kv,
-                                                   initial_state_k, causal, eps, feature_map);
-  const LinearAttentionParams& p = in.params;
+  const LinearBackwardInputs in = prepare_linear_attention_backward(
+      "attn_ext.linear_attention_backward", grad_out, q, k, v, initial_state_kv, initial_state_k,
+      grad_state_kv, grad_state_k, causal, eps, feature_map);
+  const LinearAttentionParams& p = in.fwd.params;
   const int64_t Dv = p.head_dim_v;
-  check_companion(kOp, "grad_out", grad_out, q, {p.batch, p.heads, p.seqlen_q, Dv},
-                  q.scalar_type());
-  const auto [grad_final_kv, grad_final_k] =
-      check_state_pair(kOp, "grad_state_kv", "grad_state_k", grad_state_kv, grad_state_k, q, Dv);
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  const Operands o = operands(in);
+  const Operands o = operands(in.fwd);
   const Forward f = forward(p, o);
 
   // d(num / den): the numerator columns get g / den, the ones column -(g . out) / den.
@@ -138,7 +133,7 @@ linear_attention_backward_composite(
   const at::Tensor den = f.nd.narrow(-1, Dv, 1) + eps;
   const at::Tensor out = f.nd.narrow(-1, 0, Dv) / den;
   const at::Tensor dnd = at::cat({g / den, -(g * out).sum(-1, true) / den}, -1);  // (B, H, Sq, Dp)
-  const at::Tensor grad_final = packed_state(grad_final_kv, grad_final_k, p, acc);
+  const at::Tensor grad_final = packed_state(in.grad_final_kv, in.grad_final_k, p, acc);
 
   at::Tensor dphiq, dphik, dv1, grad_init;
   if (!p.causal) {

@@ -440,14 +440,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_at
     bool causal, double eps, c10::string_view feature_map) {
   constexpr const char* kOp = "attn_ext.linear_attention_backward";
   cpu::check_cpu_support(kOp);
-  LinearInputs in = prepare_linear_attention(kOp, q, k, v, initial_state_kv, initial_state_k,
-                                             causal, eps, feature_map);
-  const LinearAttentionParams& p = in.params;
-  check_companion(kOp, "grad_out", grad_out, q, {p.batch, p.heads, p.seqlen_q, p.head_dim_v},
-                  q.scalar_type());
-  auto [grad_final_kv, grad_final_k] =
-      check_state_pair(kOp, "grad_state_kv", "grad_state_k", grad_state_kv, grad_state_k, q,
-                       p.head_dim_v);
+  const LinearBackwardInputs in = prepare_linear_attention_backward(
+      kOp, grad_out, q, k, v, initial_state_kv, initial_state_k, grad_state_kv, grad_state_k,
+      causal, eps, feature_map);
+  const LinearAttentionParams& p = in.fwd.params;
+  const at::Tensor& grad_final_kv = in.grad_final_kv;
+  const at::Tensor& grad_final_k = in.grad_final_k;
   const at::Tensor g = blas_rows(grad_out);
   const Rows dout{g.data_ptr(), g.stride(0), g.stride(1), blas_row_stride(g)};
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));

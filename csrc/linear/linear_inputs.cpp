@@ -87,4 +87,20 @@ LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const
   return r;
 }
 
+LinearBackwardInputs prepare_linear_attention_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const std::optional<at::Tensor>& initial_kv,
+    const std::optional<at::Tensor>& initial_k, const std::optional<at::Tensor>& grad_state_kv,
+    const std::optional<at::Tensor>& grad_state_k, bool causal, double eps,
+    std::string_view feature_map) {
+  LinearBackwardInputs r;
+  r.fwd = prepare_linear_attention(op, q, k, v, initial_kv, initial_k, causal, eps, feature_map);
+  const LinearAttentionParams& p = r.fwd.params;
+  check_companion(op, "grad_out", grad_out, q, {p.batch, p.heads, p.seqlen_q, p.head_dim_v},
+                  q.scalar_type());
+  std::tie(r.grad_final_kv, r.grad_final_k) = check_state_pair(
+      op, "grad_state_kv", "grad_state_k", grad_state_kv, grad_state_k, q, p.head_dim_v);
+  return r;
+}
+
 }  // namespace attn_ext::linear

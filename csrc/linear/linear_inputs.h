@@ -45,6 +45,20 @@ LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const
                                       const std::optional<at::Tensor>& initial_k, bool causal,
                                       double eps, std::string_view feature_map);
 
+// The backward's inputs: the forward's (as prepare_linear_attention), grad_out checked against
+// (B, H, Sq, Dv) in q's dtype, and the final state's gradient pair (undefined when absent).
+struct LinearBackwardInputs {
+  LinearInputs fwd;
+  at::Tensor grad_final_kv, grad_final_k;
+};
+
+LinearBackwardInputs prepare_linear_attention_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const std::optional<at::Tensor>& initial_kv,
+    const std::optional<at::Tensor>& initial_k, const std::optional<at::Tensor>& grad_state_kv,
+    const std::optional<at::Tensor>& grad_state_k, bool causal, double eps,
+    std::string_view feature_map);
+
 // Checks an optional (kv, k)-shaped state tensor pair the op receives (initial state or the
 // gradient of the final state): both or neither, accumulation dtype, q's device, shapes
 // (B, H, D, Dv) and (B, H, D). Returns them contiguous (undefined tensors when absent).
