@@ -10,6 +10,8 @@ Environment switches:
   ATTN_EXT_CUDA_DTYPES      e.g. "bf16" or "bf16,f32": attention kernel dtypes to compile
                             (of f32, f64, bf16, f16; default all; others raise on CUDA)
   ATTN_EXT_CUDA_BACKWARD    0: no attention backward kernels on CUDA (default 1)
+  TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs'; with
+                            none visible "8.0+PTX;9.0a")
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
 import glob
@@ -82,6 +84,18 @@ def _cpu_isa_flags():
     return {"avx2": ["-mavx2", "-mfma", "-mf16c"], "native": ["-march=native"], "generic": []}[isa]
 
 
+def _cuda_arch_list():
+    """TORCH_CUDA_ARCH_LIST as given; unset, the architectures of the visible GPUs (torch's own
+    default, with PTX of the newest); with no GPU visible (a build machine), A100 and H100
+    machine code plus A100 PTX, which the driver compiles for any newer GPU at load."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    if torch.cuda.is_available():
+        return None
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0+PTX;9.0a"
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
 def _runtime_link_args():
     """Link the C++ runtime dynamically, as torch itself is linked. A GPU image (torch 2.11,
     Ubuntu g++ 13.3, 2026-11-23) linked libstdc++ statically into the extension: its copy of
@@ -101,7 +115,7 @@ def _extension():
     kwargs = dict(extra_link_args=["-fopenmp"] + _runtime_link_args())
     if _cuda_enabled():
         cxx.append("-DATTN_EXT_WITH_CUDA")
-        arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+        arch = _cuda_arch_list() or "the visible GPUs' architectures"
         instantiations, defines = _cuda_attention_selection()
         nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"] + defines
         hand_written = [s for s in _sources("csrc/cuda/**/*.cu") if "instantiations" not in s.split(os.sep)]
