@@ -1,7 +1,8 @@
 #pragma once
 // The element-wise pieces every flash kernel applies to a score: the explicit mask, the
 // local band, the key range, and dropout. Scores are in the log2 domain, so an additive mask
-// (natural-log units) is scaled by log2(e) -- exactly as csrc/cpu/tile_mask.h does.
+// (natural-log units) is scaled by log2(e), as csrc/cpu/tile_mask.h does (here added to the
+// scaled score in one fma).
 #include <cstdint>
 #include "../../common/constants.h"
 #include "../../common/dropout.h"
