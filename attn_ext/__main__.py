@@ -163,7 +163,6 @@ class Case:
     ref: Callable[..., Tuple[torch.Tensor, ...]]
     grads: Tuple[str, ...] = ("q", "k", "v")
     truth: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
-    op: str = "attention"  # the attn_ext operator it runs: skipped where it has no kernel
 
 
 def randn(*shape, device):
@@ -424,7 +423,7 @@ def linear_case(causal):
         return (reference_linear(q, k, v, causal),)
 
     name = "linear_attention " + ("causal (chunked)" if causal else "non-causal")
-    return Case(name, lambda d: qkv(sq=150, sk=150, dv=48, device=d), ext, ref, op="linear_attention")
+    return Case(name, lambda d: qkv(sq=150, sk=150, dv=48, device=d), ext, ref)
 
 
 def reference_channel_pool(x):
@@ -544,26 +543,14 @@ class CheckResult:
     dtype: str
     errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # what -> (ext err, tol)
     exception: Optional[str] = None
-    skipped: Optional[str] = None  # why it did not run (its op has no kernel on the device)
 
     @property
     def ok(self) -> bool:
         return self.exception is None and all(e <= tol for e, tol in self.errors.values())
 
 
-def missing_kernel(op: Optional[str], device: torch.device) -> Optional[str]:
-    """Why a check of `op` cannot run on `device` (no kernel registered there), else None."""
-    key = "CUDA" if device.type == "cuda" else "CPU"
-    if op and not torch._C._dispatch_has_kernel_for_dispatch_key(f"attn_ext::{op}", key):
-        return f"no {key} kernel for attn_ext::{op} (see the operator table)"
-    return None
-
-
 def run_case(case: Case, device: torch.device, dtype: torch.dtype) -> CheckResult:
-    res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""),
-                      skipped=missing_kernel(case.op, device))
-    if res.skipped:
-        return res
+    res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""))
     torch.manual_seed(0)
     try:
         low = cast_inputs(case.make(device), dtype)
@@ -590,9 +577,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype) -> CheckResul
 
 
 def format_result(r: CheckResult) -> str:
-    head = f"{'SKIP' if r.skipped else 'PASS' if r.ok else 'FAIL'}  {r.device:4s} {r.dtype:8s} {r.name:42s}"
-    if r.skipped:
-        return f"{head} {r.skipped}"
+    head = f"{'PASS' if r.ok else 'FAIL'}  {r.device:4s} {r.dtype:8s} {r.name:42s}"
     if r.exception:
         return f"{head} {r.exception}"
     fwd = [k for k in r.errors if not k.startswith("d")]
@@ -611,12 +596,10 @@ def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
             for case in all_cases():
                 r = run_case(case, device, dtype)
                 results.append(r)
-                if verbose or not r.ok or r.skipped:
+                if verbose or not r.ok:
                     print(format_result(r))
     failed = [r for r in results if not r.ok]
-    skipped = sum(1 for r in results if r.skipped)
-    print(f"{len(results) - len(failed) - skipped}/{len(results) - skipped} checks passed"
-          + (f", {skipped} skipped (no kernel on the device)" if skipped else "")
+    print(f"{len(results) - len(failed)}/{len(results)} checks passed"
           + ("" if verbose else " (run with -v to list each)"))
     return not failed
 
@@ -649,7 +632,6 @@ class CompatCase:
     # float64 tolerance relative to the magnitude, where the document itself computes part of
     # its float64 result in float32 (default COMPAT_F64_RTOL: the document is exact in float64)
     f64_rtol: Optional[float] = None
-    op: Optional[str] = None  # an attn_ext operator it needs: skipped where it has no kernel
 
 
 def _concat(fn):
@@ -682,7 +664,7 @@ def compat_cases() -> List[CompatCase]:
         CompatCase("torchcode.apply_rope (q_rot, k_rot)", _concat(doc000.apply_rope), _concat(tc.apply_rope),
                    ((2, 37, 16), (2, 37, 16)), f64_rtol=37 * 2.0**-22),
         CompatCase("torchcode.linear_attention", doc000.linear_attention, tc.linear_attention,
-                   ((2, 37, 8), (2, 37, 8), (2, 37, 5)), op="linear_attention"),
+                   ((2, 37, 8), (2, 37, 8), (2, 37, 5))),
         CompatCase("llms_from_scratch.simplified_self_attention", doc001.simplified_self_attention,
                    lfs.simplified_self_attention, ((6, 3),)),
         CompatCase("llms_from_scratch.SelfAttention_v1", doc001.SelfAttention_v1, lfs.SelfAttention_v1,
@@ -753,10 +735,7 @@ def compat_forward_backward(fn, params, inputs, grad_out) -> Dict[str, torch.Ten
 
 
 def run_compat_case(case: CompatCase, device: torch.device, dtype: torch.dtype) -> CheckResult:
-    res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""),
-                      skipped=missing_kernel(case.op, device))
-    if res.skipped:
-        return res
+    res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""))
     torch.manual_seed(0)
     try:
         (doc, doc_p), (exact, exact_p), (ours, ours_p) = compat_candidates(case, device, dtype)
@@ -789,8 +768,6 @@ def format_compat_row(by_dtype: Sequence[CheckResult]) -> str:
     """One line per class: per dtype the worst (error, tolerance) pair and what it was for."""
     ok = all(r.ok for r in by_dtype)
     cells = []
-    if by_dtype[0].skipped:
-        return f"SKIP  {by_dtype[0].device:4s} {by_dtype[0].name:44s} {by_dtype[0].skipped}"
     for r in by_dtype:
         if r.exception:
             cells.append(f"{r.dtype} {r.exception}")

@@ -53,6 +53,14 @@ def make(shape, dtype, misaligned):
     return torch.randn(shape, device="cuda").to(dtype)
 
 
+def _report(name, tensors):
+    """Prints and returns whether every tensor is finite (after the device finished)."""
+    torch.cuda.synchronize()
+    finite = all(torch.isfinite(t).all().item() for t in tensors)
+    print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
+    return finite
+
+
 def run_case(name, dtype, B, H, Hkv, Sq, Sk, D, Dv, opts):
     opts = dict(opts)
     mis = opts.pop("misaligned", False)
@@ -66,21 +74,7 @@ def run_case(name, dtype, B, H, Hkv, Sq, Sk, D, Dv, opts):
     v = make((B, Hkv, Sk, Dv), dtype, mis).requires_grad_(True)
     out = attn_ext.attention(q, k, v, **opts)
     out.float().square().sum().backward()
-    torch.cuda.synchronize()
-    finite = all(torch.isfinite(t).all().item() for t in (out, q.grad, k.grad, v.grad))
-    print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
-    return finite
-
-
-def _report(name, tensors):
-    torch.cuda.synchronize()
-    finite = all(torch.isfinite(t).all().item() for t in tensors)
-    print(f"{'ok ' if finite else 'NON-FINITE'} {name}")
-    return finite
-
-
-def _grads(*ts):
-    return [t.grad for t in ts]
+    return _report(name, [out, q.grad, k.grad, v.grad])
 
 
 def decoding_cases():
@@ -135,7 +129,7 @@ def compression_cases():
         b_v = torch.randn(B, L, rv, D, device=dev, dtype=dtype, requires_grad=True)
         out = attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, torch.tensor([30, 45], device=dev))
         out.float().square().sum().backward()
-        ok.append(_report(f"tpa_decode_attention {dtype}", [out, *_grads(q, a_k, b_k, a_v, b_v)]))
+        ok.append(_report(f"tpa_decode_attention {dtype}", [out] + [t.grad for t in (q, a_k, b_k, a_v, b_v)]))
     return ok
 
 
