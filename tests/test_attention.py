@@ -77,7 +77,7 @@ def check_backward(q, k, v, **kw):
 # Forward numerics
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [16, 32, 64, 80, 128])
+@pytest.mark.parametrize("D", [16, 32, 40, 64, 80, 128])
 def test_head_dims(device, dtype, D):
     q, k, v = make_qkv(2, 3, 3, 37, 45, D, dtype=dtype, device=device)
     out, lse = check_forward(q, k, v)
@@ -117,21 +117,23 @@ def test_causal_and_window(device, dtype, sq, sk, causal, window):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (700, -1))])
-def test_long_head_converted_per_tile(device, dtype, causal, window):
-    # bf16/fp16 K/V of a head under 2^21 elements (Sk * (D + Dv)) are converted once per
-    # head; a longer head is converted tile by tile: this shape takes that path on the CPU.
-    q, k, v = make_qkv(1, 2, 1, 150, 8300, 128, dtype=dtype, device=device)
+def test_long_head_packed_per_tile(device, dtype, causal, window):
+    # The CPU forward packs (AVX2) or converts (BLAS, bf16/fp16) a head's K/V once per head
+    # when it fits a per-thread budget (Sk * (D + Dv) <= 2^22 resp. 2^21 elements), else
+    # tile by tile: this shape takes the per-tile path of both.
+    q, k, v = make_qkv(1, 2, 1, 150, 16500, 128, dtype=dtype, device=device)
     check_forward(q, k, v, causal=causal, window_size=window)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_converted_head_reused_across_blocks_and_heads(device, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_head_reused_across_blocks_and_heads(device, dtype):
     # Many query blocks per head, a GQA group sharing each kv head, and a window whose
-    # key range starts past 0: the per-thread converted K/V must follow every switch.
+    # key range starts past 0 (and off the 16-key panel grid): the per-thread packed or
+    # converted K/V must follow every switch.
     q, k, v = make_qkv(2, 4, 2, 700, 900, 64, dtype=dtype, device=device)
-    check_forward(q, k, v, causal=True, window_size=(300, -1))
+    check_forward(q, k, v, causal=True, window_size=(301, -1))
     check_forward(q, k, v)
 
 

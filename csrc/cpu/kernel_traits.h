@@ -31,6 +31,11 @@ struct FlashTraits {
   // of the bf16 forward); heads larger than this many elements fall back to per-tile
   // conversion so that a long context cannot claim gigabytes of per-thread scratch.
   static constexpr int64_t kMaxConvertedHeadElems = int64_t(1) << 21;  // 8 MiB of fp32
+  // The AVX2 forward packs K and V into panels once per (batch, kv head) and thread, up to
+  // this many floats (16 MiB: S = 32768 at D = 64); a larger head is packed tile by tile.
+  static constexpr int64_t kMaxPackedHeadElems = int64_t(1) << 22;
+  // Below this many query rows a head's panels serve too few rows to repay packing them.
+  static constexpr int64_t kPackedMinQueries = 16;
   // Backward tiles are square and smaller: two score-sized tiles (P and dP) live at once.
   static constexpr int64_t kBwdBlockM = 64;
   static constexpr int64_t kBwdBlockN = 128;
