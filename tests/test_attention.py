@@ -409,6 +409,8 @@ BACKWARD_CASES = {
     "bshd": dict(shape=(2, 4, 2, 17, 17, 32), layout="bshd", causal=True),
     "long": dict(shape=(1, 1, 1, 129, 257, 64), causal=True),
     "d128": dict(shape=(1, 2, 2, 65, 63, 128)),
+    # several key blocks and query tiles, head dims off the CPU kernels' 16-wide panels
+    "odd_dims_blocks": dict(shape=(1, 2, 1, 150, 270, 40), dv=24, window_size=(100, 20)),
 }
 
 

@@ -14,6 +14,9 @@
 #include "kernel_traits.h"
 #include "tile_mask.h"
 #include "vec_math.h"
+#ifdef ATTN_EXT_AVX2
+#include "avx2_block_products.h"
+#endif
 
 namespace attn_ext::cpu {
 namespace {
@@ -72,8 +75,100 @@ int64_t flash_bwd_chunks(const AttentionParams& p) {
                         sizeof(typename Traits::acc_t));
 }
 
-// dq must hold chunks x (B, H, Sq, D) partials (chunk-major).
+// The backward's five block products, one policy per backend, for a key block (K_j, V_j)
+// and a query tile (Q_i, dO_i): S = scale * Q_i K_j^T, dP = dO_i V_j^T, dV_j += P^T dO_i,
+// dQ_i += dS K_j, dK_j += dS^T Q_i (dS arrives already multiplied by the softmax scale).
+
+// BLAS on the inputs as they are, or on fp32 copies of reduced-precision tiles.
 template <typename scalar_t>
+struct BlasBwdProducts {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  int64_t d, dv, ldk = 0, ldv = 0, ldq = 0, ldo = 0;
+  Buffer<acc_t> k_buf, v_buf, q_buf, do_buf;
+  const acc_t *kt = nullptr, *vt = nullptr, *qt = nullptr, *dot = nullptr;
+
+  BlasBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
+      : d(p.head_dim), dv(p.head_dim_v),
+        k_buf(Traits::kConvert ? block_n * d : 0), v_buf(Traits::kConvert ? block_n * dv : 0),
+        q_buf(Traits::kConvert ? block_m * d : 0), do_buf(Traits::kConvert ? block_m * dv : 0) {}
+
+  void load_keys(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t n) {
+    kt = load_tile(k, k_ld, n, d, k_buf.get(), &ldk);
+    vt = load_tile(v, v_ld, n, dv, v_buf.get(), &ldv);
+  }
+  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
+                    int64_t m) {
+    qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
+    dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
+  }
+  void scores(int64_t m, int64_t n, acc_t scale, acc_t* s, int64_t lds) const {
+    gemm(false, true, m, n, d, acc_t(1), qt, ldq, kt, ldk, acc_t(0), s, lds);
+    for (int64_t r = 0; r < m; ++r) scale_row(s + r * lds, n, scale);
+  }
+  void dprobs(int64_t m, int64_t n, acc_t* dp, int64_t lds) const {
+    gemm(false, true, m, n, dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dp, lds);
+  }
+  void add_dv(const acc_t* pm, int64_t lds, int64_t m, int64_t n, acc_t* dv_rows) const {
+    gemm(true, false, n, dv, m, acc_t(1), pm, lds, dot, ldo, acc_t(1), dv_rows, dv);
+  }
+  void add_dq(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dq_rows) const {
+    gemm(false, false, m, d, n, acc_t(1), ds, lds, kt, ldk, acc_t(1), dq_rows, d);
+  }
+  void add_dk(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dk_rows) const {
+    gemm(true, false, n, d, m, acc_t(1), ds, lds, qt, ldq, acc_t(1), dk_rows, d);
+  }
+};
+
+#ifdef ATTN_EXT_AVX2
+// AVX2 register-blocked products (float accumulation): each key block's K and V are packed
+// once for all the query tiles that see it, each query tile's Q and dO once per key block,
+// in the 16-wide panels of avx2_block_products.h (BLAS repacked both on all five calls).
+template <typename scalar_t>
+struct PackedBwdProducts {
+  int64_t d, dv, bm, bn, ldq = 0, ldo = 0;
+  Buffer<float> k_key, v_key, k_val, q_val, do_val, q_buf, do_buf;
+  const float *qt = nullptr, *dot = nullptr;
+
+  PackedBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
+      : d(p.head_dim), dv(p.head_dim_v), bm(block_m), bn(avx2::round_up_cols(block_n)),
+        k_key(bn * d), v_key(bn * dv), k_val(avx2::round_up_cols(d) * bn),
+        q_val(avx2::round_up_cols(d) * block_m), do_val(avx2::round_up_cols(dv) * block_m),
+        q_buf(FlashTraits<scalar_t>::kConvert ? block_m * d : 0),
+        do_buf(FlashTraits<scalar_t>::kConvert ? block_m * dv : 0) {}
+
+  void load_keys(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t n) {
+    avx2::pack_key_panels(k, k_ld, n, d, k_key.get());
+    avx2::pack_key_panels(v, v_ld, n, dv, v_key.get());
+    avx2::pack_value_panels(k, k_ld, n, d, k_val.get(), bn * avx2::kCols);
+  }
+  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
+                    int64_t m) {
+    qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
+    dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
+    avx2::pack_value_panels(qt, ldq, m, d, q_val.get(), bm * avx2::kCols);
+    avx2::pack_value_panels(dot, ldo, m, dv, do_val.get(), bm * avx2::kCols);
+  }
+  void scores(int64_t m, int64_t n, float scale, float* s, int64_t lds) const {
+    avx2::scores_tile(qt, ldq, m, k_key.get(), n, d, scale, s, lds);
+  }
+  void dprobs(int64_t m, int64_t n, float* dp, int64_t lds) const {
+    avx2::scores_tile(dot, ldo, m, v_key.get(), n, dv, 1.f, dp, lds);
+  }
+  void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float* dv_rows) const {
+    avx2::atb_tile(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, dv);
+  }
+  void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows) const {
+    avx2::pv_tile(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, d);
+  }
+  void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows) const {
+    avx2::atb_tile(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, d);
+  }
+};
+#endif
+
+// dq must hold chunks x (B, H, Sq, D) partials (chunk-major).
+template <typename scalar_t, typename Products>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
@@ -130,10 +225,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   const int64_t key_blocks = (Sk + kN - 1) / kN;
   const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
   at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
+    Products prod(p, kM, kN);
     Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
-    const bool cv = Traits::kConvert;
-    Buffer<acc_t> q_buf(cv ? kM * D : 0), do_buf(cv ? kM * Dv : 0);
-    Buffer<acc_t> k_buf(cv ? kN * D : 0), v_buf(cv ? kN * Dv : 0);
     Buffer<uint8_t> keep(dropout ? kM * kN : 0);
 
     for (int64_t task = begin; task < end; ++task) {
@@ -158,34 +251,29 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         const int64_t n = std::min(kN, Sk - j0);
         const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
         if (r_begin >= r_end) continue;
-        int64_t ldk, ldv;
-        const acc_t* kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
-        const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+        prod.load_keys(k + j0 * p.k_row_stride, p.k_row_stride, v + j0 * p.v_row_stride,
+                       p.v_row_stride, n);
 
         for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
           const int64_t m = std::min(kM, r_end - i0);
-          int64_t ldq, ldo;
-          const acc_t* qt = load_tile(q + i0 * p.q_row_stride, p.q_row_stride, m, D, q_buf.get(), &ldq);
-          const acc_t* dot = load_tile(dout + i0 * p.do_row_stride, p.do_row_stride, m, Dv, do_buf.get(), &ldo);
+          prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride,
+                            dout + i0 * p.do_row_stride, p.do_row_stride, m);
           acc_t* pt = p_buf.get();
           acc_t* dpt = dp_buf.get();
 
           // P = exp(scale * Q K^T - lse), masked entries 0; the scores are scaled as the
           // forward scaled them, so they match its lse to the rounding of the products.
-          gemm(false, true, m, n, D, acc_t(1), qt, ldq, kt, ldk, acc_t(0), pt, kN);
+          prod.scores(m, n, s_scale, pt, kN);
           const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-          const bool masked = band_partial || p.mask_kind != MaskKind::kNone;
-          if (masked) {
-            for (int64_t r = 0; r < m; ++r) scale_row(pt + r * kN, n, s_scale);
+          if (band_partial || p.mask_kind != MaskKind::kNone)
             mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
-          }
           for (int64_t r = 0; r < m; ++r) {
             const acc_t l2 = lse_r[i0 + r];
             acc_t* pr = pt + r * kN;
             if (l2 == -std::numeric_limits<acc_t>::infinity()) {
               std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
             } else {
-              exp2_scale_shift2(pr, n, masked ? acc_t(1) : s_scale, l2, lse_lo_r[i0 + r]);
+              exp2_scale_shift2(pr, n, acc_t(1), l2, lse_lo_r[i0 + r]);
             }
           }
 
@@ -199,22 +287,34 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
             }
             pv = dpt;
           }
-          gemm(true, false, n, Dv, m, acc_t(1), pv, kN, dot, ldo, acc_t(1), dv + j0 * Dv, Dv);
+          prod.add_dv(pv, kN, m, n, dv + j0 * Dv);
 
-          // dS = P * (dP - delta), dP = (dO V^T) through the dropout mask
-          gemm(false, true, m, n, Dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dpt, kN);
+          // dS = scale * P * (dP - delta), dP = (dO V^T) through the dropout mask
+          prod.dprobs(m, n, dpt, kN);
           for (int64_t r = 0; r < m; ++r) {
             if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
             softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
+            scale_row(dpt + r * kN, n, scale);
           }
 
-          // dQ += scale * dS K,  dK += scale * dS^T Q
-          gemm(false, false, m, D, n, scale, dpt, kN, kt, ldk, acc_t(1), dq + i0 * D, D);
-          gemm(true, false, n, D, m, scale, dpt, kN, qt, ldq, acc_t(1), dk + j0 * D, D);
+          // dQ += dS K,  dK += dS^T Q
+          prod.add_dq(dpt, kN, m, n, dq + i0 * D);
+          prod.add_dk(dpt, kN, m, n, dk + j0 * D);
         }
       }
     }
   });
+}
+
+// The packed AVX2 products for float accumulation; BLAS for fp64 and other ISAs.
+template <typename scalar_t>
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
+    return flash_bwd<scalar_t, PackedBwdProducts<scalar_t>>(p, chunks);
+  }
+#endif
+  flash_bwd<scalar_t, BlasBwdProducts<scalar_t>>(p, chunks);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
