@@ -64,23 +64,32 @@ void pack_value_panels(const scalar_t* v, int64_t ld, int64_t n, int64_t dv, flo
   }
 }
 
+// acc[r] = sum_k a[r * row_stride + k * k_stride] * panel[k][0..16) for R rows: the one
+// register-blocked loop behind all three products (A read by rows, or transposed).
+template <int R>
+__attribute__((always_inline)) inline void panel_product(const float* a, int64_t row_stride,
+                                                         int64_t k_stride, const float* panel,
+                                                         int64_t k_len, __m256 (&acc)[R][2]) {
+  ATTN_EXT_UNROLL_ROWS
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kCols);
+    const __m256 b1 = _mm256_loadu_ps(panel + k * kCols + 8);
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * row_stride + k * k_stride);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+}
+
 // s[r][0..16) = scale * (q[r] . key panel columns) for R rows.
 template <int R>
 inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t d,
                          __m256 scale, float* s, int64_t lds) {
   __m256 acc[R][2];
-  ATTN_EXT_UNROLL_ROWS
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t f = 0; f < d; ++f) {
-    const __m256 b0 = _mm256_loadu_ps(panel + f * kCols);
-    const __m256 b1 = _mm256_loadu_ps(panel + f * kCols + 8);
-    ATTN_EXT_UNROLL_ROWS
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(q + r * ldq + f);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
+  panel_product<R>(q, ldq, 1, panel, d, acc);
   ATTN_EXT_UNROLL_ROWS
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(acc[r][0], scale));
@@ -116,18 +125,7 @@ template <int R>
 inline void pv_micro(const float* p, int64_t ldp, const float* panel, int64_t n,
                      const float* factor, float* o, int64_t ldo, int64_t cols) {
   __m256 acc[R][2];
-  ATTN_EXT_UNROLL_ROWS
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 b0 = _mm256_loadu_ps(panel + j * kCols);
-    const __m256 b1 = _mm256_loadu_ps(panel + j * kCols + 8);
-    ATTN_EXT_UNROLL_ROWS
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
+  panel_product<R>(p, ldp, 1, panel, n, acc);
   ATTN_EXT_UNROLL_ROWS
   for (int r = 0; r < R; ++r)
     add_to_row(o + r * ldo, factor ? factor + r : nullptr, acc[r][0], acc[r][1], cols);
@@ -138,18 +136,7 @@ template <int R>
 inline void atb_micro(const float* a, int64_t lda, const float* panel, int64_t m, float* c,
                       int64_t ldc, int64_t cols) {
   __m256 acc[R][2];
-  ATTN_EXT_UNROLL_ROWS
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t r = 0; r < m; ++r) {
-    const __m256 b0 = _mm256_loadu_ps(panel + r * kCols);
-    const __m256 b1 = _mm256_loadu_ps(panel + r * kCols + 8);
-    ATTN_EXT_UNROLL_ROWS
-    for (int i = 0; i < R; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
-      acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
-    }
-  }
+  panel_product<R>(a, 1, lda, panel, m, acc);
   ATTN_EXT_UNROLL_ROWS
   for (int i = 0; i < R; ++i) add_to_row(c + i * ldc, nullptr, acc[i][0], acc[i][1], cols);
 }

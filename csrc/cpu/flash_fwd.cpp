@@ -32,7 +32,7 @@ struct BlasProducts {
   using acc_t = typename Traits::acc_t;
   static constexpr int64_t kKeyAlign = 1;  // tiles may start at any key
 
-  int64_t d, dv, o_ld;
+  int64_t d, dv;
   bool whole_head;
   const scalar_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
@@ -41,7 +41,7 @@ struct BlasProducts {
   int64_t ldk = 0, ldv = 0;
 
   BlasProducts(const AttentionParams& p, int64_t block_n)
-      : d(p.head_dim), dv(p.head_dim_v), o_ld(p.head_dim_v),
+      : d(p.head_dim), dv(p.head_dim_v),
         whole_head(Traits::kConvert &&
                    p.seqlen_k * (d + dv) <= Traits::kMaxConvertedHeadElems),
         k_conv(whole_head ? p.seqlen_k * d : 0), v_conv(whole_head ? p.seqlen_k * dv : 0),
@@ -79,8 +79,8 @@ struct BlasProducts {
   void accumulate(const acc_t* pm, int64_t ldp, int64_t m, int64_t n, const acc_t* factor,
                   acc_t* o) const {
     for (int64_t r = 0; r < m; ++r)
-      if (factor[r] != acc_t(1)) scale_row(o + r * o_ld, dv, factor[r]);
-    gemm(false, false, m, dv, n, acc_t(1), pm, ldp, vt, ldv, acc_t(1), o, o_ld);
+      if (factor[r] != acc_t(1)) scale_row(o + r * dv, dv, factor[r]);
+    gemm(false, false, m, dv, n, acc_t(1), pm, ldp, vt, ldv, acc_t(1), o, dv);
   }
 };
 
@@ -93,7 +93,7 @@ struct PackedProducts {
   using Traits = FlashTraits<scalar_t>;
   static constexpr int64_t kKeyAlign = avx2::kCols;
 
-  int64_t d, dv, dv_pad, o_ld, sk, sk_pad;
+  int64_t d, dv, dv_pad, sk, sk_pad;
   bool whole_head;
   const scalar_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
@@ -103,7 +103,7 @@ struct PackedProducts {
   int64_t v_panel_stride = 0, block_n;
 
   PackedProducts(const AttentionParams& p, int64_t block_n_)
-      : d(p.head_dim), dv(p.head_dim_v), dv_pad(avx2::round_up_cols(dv)), o_ld(dv_pad),
+      : d(p.head_dim), dv(p.head_dim_v), dv_pad(avx2::round_up_cols(dv)),
         sk(p.seqlen_k), sk_pad(avx2::round_up_cols(p.seqlen_k)),
         whole_head(sk_pad * (d + dv_pad) <= Traits::kMaxPackedHeadElems),
         k_panels((whole_head ? sk_pad : block_n_) * d),
@@ -145,7 +145,7 @@ struct PackedProducts {
 
   void accumulate(const float* pm, int64_t ldp, int64_t m, int64_t n, const float* factor,
                   float* o) const {
-    avx2::pv_tile(pm, ldp, m, vp, v_panel_stride, n, dv, factor, o, o_ld);
+    avx2::pv_tile(pm, ldp, m, vp, v_panel_stride, n, dv, factor, o, dv);
   }
 };
 #endif
@@ -165,7 +165,7 @@ void flash_fwd(const AttentionParams& p) {
 
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {
     Products prod(p, kN);
-    Buffer<acc_t> q_buf(Traits::kConvert ? kM * D : 0), s_buf(kM * kN), o_buf(kM * prod.o_ld);
+    Buffer<acc_t> q_buf(Traits::kConvert ? kM * D : 0), s_buf(kM * kN), o_buf(kM * Dv);
     Buffer<acc_t> factor(kM);
     Buffer<uint8_t> keep(dropout ? kM * kN : 0);
     std::vector<SoftmaxState<acc_t>> state(kM);
@@ -189,7 +189,7 @@ void flash_fwd(const AttentionParams& p) {
                      row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
                              p.v_head_stride, p.v_row_stride, b, hk, 0),
                      p.v_row_stride, n_begin, n_end);
-      std::fill(o_buf.data.begin(), o_buf.data.begin() + m * prod.o_ld, acc_t(0));
+      std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
       std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
 
       // ---- main loop over key blocks; tiles crossing the band's edge are masked per element
@@ -217,7 +217,7 @@ void flash_fwd(const AttentionParams& p) {
                         p.o_row_stride, b, h, i0);
       float* lse = p.lse + (b * p.heads + h) * Sq + i0;
       for (int64_t r = 0; r < m; ++r) {
-        store_row(o_buf.get() + r * prod.o_ld, o + r * p.o_row_stride, Dv, state[r].inv_sum());
+        store_row(o_buf.get() + r * Dv, o + r * p.o_row_stride, Dv, state[r].inv_sum());
         lse[r] = state[r].lse();
       }
     }
