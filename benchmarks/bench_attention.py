@@ -142,7 +142,10 @@ def measure_interleaved(runs: Dict[str, Callable], timer: Timer, args) -> Dict[s
     The warmup's duration picks each candidate's repeats: cheap calls repeat until
     ``--target-time`` seconds are spent (at most ``--max-repeats``); expensive ones get the
     minimum (``--min-repeats``, 2 by default). A candidate that has done its repeats sits
-    out the remaining rounds.
+    out the remaining rounds. When the first two candidates' medians then lie within
+    ``--close-margin`` of each other, the two run further rounds (up to ``--close-repeats``
+    each): on a shared machine single calls swing by 10%, and two samples should not decide
+    which of two close candidates is faster.
     """
     timer.sync()
     out: Dict[str, object] = {}
@@ -165,8 +168,19 @@ def measure_interleaved(runs: Dict[str, Callable], timer: Timer, args) -> Dict[s
             if r < counts[name]:
                 t, _ = timer(runs[name])
                 times[name].append(t)
+    pair = list(counts)[:2]
+
+    def close_call() -> bool:
+        a, b = (statistics.median(times[name]) for name in pair)
+        return abs(a / b - 1.0) < getattr(args, "close_margin", 0.0)
+
+    while (len(pair) == 2 and min(len(times[name]) for name in pair) < getattr(args, "close_repeats", 0)
+           and close_call()):
+        for name in pair:
+            t, _ = timer(runs[name])
+            times[name].append(t)
     for name in counts:
-        out[name] = Measurement(statistics.median(times[name]), counts[name], firsts[name])
+        out[name] = Measurement(statistics.median(times[name]), len(times[name]), firsts[name])
     return out
 
 
@@ -440,7 +454,9 @@ def environment_lines(args) -> List[str]:
     ]
     if not args.memory:
         lines.insert(3, f"B={args.batch} H={args.heads}, Sq=Sk; doc reference up to S={args.doc_max_s}; "
-                        f"median of >= {args.min_repeats} repeats after {args.warmup} warmup")
+                        f"median of >= {args.min_repeats} repeats after {args.warmup} warmup "
+                        f"(>= {args.close_repeats} when the first two candidates are within "
+                        f"{args.close_margin:.0%})")
     return lines
 
 
@@ -619,6 +635,11 @@ def parse_args(argv=None):
     t.add_argument("--max-repeats", type=int, default=None, help="default 50 (CPU), 200 (CUDA)")
     t.add_argument("--target-time", type=float, default=None,
                    help="seconds of timed repeats per candidate and cell (default 1.5)")
+    t.add_argument("--close-margin", type=float, default=0.15,
+                   help="the first two candidates' medians within this fraction of each other "
+                        "count as a close call")
+    t.add_argument("--close-repeats", type=int, default=7,
+                   help="rounds the two candidates of a close call run at least (0: none extra)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None,
                    help="markdown output (default benchmarks/results/attention_<device>[_quick].md); "
