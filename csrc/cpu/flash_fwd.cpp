@@ -97,18 +97,18 @@ struct PackedProducts {
   bool whole_head;
   const scalar_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
+  // Keys the panels hold: the whole head, or one tile. A value panel (16 features) spans them.
+  int64_t panel_keys, v_panel_stride;
   Buffer<float> k_panels, v_panels;
   const float* kp = nullptr;
   const float* vp = nullptr;
-  int64_t v_panel_stride = 0, block_n;
 
-  PackedProducts(const AttentionParams& p, int64_t block_n_)
+  PackedProducts(const AttentionParams& p, int64_t block_n)
       : d(p.head_dim), dv(p.head_dim_v), dv_pad(avx2::round_up_cols(dv)),
         sk(p.seqlen_k), sk_pad(avx2::round_up_cols(p.seqlen_k)),
         whole_head(sk_pad * (d + dv_pad) <= Traits::kMaxPackedHeadElems),
-        k_panels((whole_head ? sk_pad : block_n_) * d),
-        v_panels((whole_head ? sk_pad : block_n_) * dv_pad),
-        block_n(block_n_) {}
+        panel_keys(whole_head ? sk_pad : block_n), v_panel_stride(panel_keys * avx2::kCols),
+        k_panels(panel_keys * d), v_panels(panel_keys * dv_pad) {}
 
   void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride,
                  const scalar_t* v_rows, int64_t v_stride, int64_t n_begin, int64_t n_end) {
@@ -121,7 +121,7 @@ struct PackedProducts {
     const int64_t n = std::min(stop, sk) - hi;
     avx2::pack_key_panels(k + hi * k_ld, k_ld, n, d, k_panels.get() + hi * d);
     avx2::pack_value_panels(v + hi * v_ld, v_ld, n, dv, v_panels.get() + hi * avx2::kCols,
-                            sk_pad * avx2::kCols);
+                            v_panel_stride);
     hi = stop;
   }
 
@@ -129,12 +129,10 @@ struct PackedProducts {
     if (whole_head) {
       kp = k_panels.get() + j0 * d;
       vp = v_panels.get() + j0 * avx2::kCols;
-      v_panel_stride = sk_pad * avx2::kCols;
     } else {
       avx2::pack_key_panels(k + j0 * k_ld, k_ld, n, d, k_panels.get());
-      avx2::pack_value_panels(v + j0 * v_ld, v_ld, n, dv, v_panels.get(),
-                              block_n * avx2::kCols);
-      kp = k_panels.get(), vp = v_panels.get(), v_panel_stride = block_n * avx2::kCols;
+      avx2::pack_value_panels(v + j0 * v_ld, v_ld, n, dv, v_panels.get(), v_panel_stride);
+      kp = k_panels.get(), vp = v_panels.get();
     }
   }
 
