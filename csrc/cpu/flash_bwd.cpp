@@ -16,6 +16,7 @@
 #include "vec_math.h"
 #ifdef ATTN_EXT_AVX2
 #include "avx2_block_products.h"
+#include "block_kernels.h"
 #endif
 
 namespace attn_ext::cpu {
@@ -121,14 +122,16 @@ struct BlasBwdProducts {
 };
 
 #ifdef ATTN_EXT_AVX2
-// AVX2 register-blocked products (float accumulation): each key block's K and V are packed
-// once for all the query tiles that see it, each query tile's Q and dO once per key block,
-// in the 16-wide panels of avx2_block_products.h (BLAS repacked both on all five calls).
+// Register-blocked products (block_kernels(): AVX-512 or AVX2; float accumulation): each
+// key block's K and V are packed once for all the query tiles that see it, each query
+// tile's Q and dO once per key block, in the 16-wide panels of avx2_block_products.h (BLAS
+// repacked both on all five calls).
 template <typename scalar_t>
 struct PackedBwdProducts {
   int64_t d, dv, bm, bn, ldq = 0, ldo = 0;
   Buffer<float> k_key, v_key, k_val, q_val, do_val, q_buf, do_buf;
   const float *qt = nullptr, *dot = nullptr;
+  const BlockKernels& kernels = block_kernels();
 
   PackedBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
       : d(p.head_dim), dv(p.head_dim_v), bm(block_m), bn(avx2::round_up_cols(block_n)),
@@ -150,19 +153,19 @@ struct PackedBwdProducts {
     avx2::pack_value_panels(dot, ldo, m, dv, do_val.get(), bm * avx2::kCols);
   }
   void scores(int64_t m, int64_t n, float scale, float* s, int64_t lds) const {
-    avx2::scores_tile(qt, ldq, m, k_key.get(), n, d, scale, s, lds);
+    kernels.scores(qt, ldq, m, k_key.get(), n, d, scale, s, lds);
   }
   void dprobs(int64_t m, int64_t n, float* dp, int64_t lds) const {
-    avx2::scores_tile(dot, ldo, m, v_key.get(), n, dv, 1.f, dp, lds);
+    kernels.scores(dot, ldo, m, v_key.get(), n, dv, 1.f, dp, lds);
   }
   void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float* dv_rows) const {
-    avx2::atb_tile(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, dv);
+    kernels.atb(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, dv);
   }
   void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows) const {
-    avx2::pv_tile(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, d);
+    kernels.pv(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, d);
   }
   void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows) const {
-    avx2::atb_tile(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, d);
+    kernels.atb(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, d);
   }
 };
 #endif
@@ -306,7 +309,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   });
 }
 
-// The packed AVX2 products for float accumulation; BLAS for fp64 and other ISAs.
+// The packed products for float accumulation; BLAS for fp64 and other ISAs.
 template <typename scalar_t>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 #ifdef ATTN_EXT_AVX2

@@ -15,6 +15,7 @@
 #include "vec_math.h"
 #ifdef ATTN_EXT_AVX2
 #include "avx2_block_products.h"
+#include "block_kernels.h"
 #endif
 
 namespace attn_ext::cpu {
@@ -85,9 +86,10 @@ struct BlasProducts {
 };
 
 #ifdef ATTN_EXT_AVX2
-// AVX2 register-blocked products on K / V packed into 16-wide panels (float accumulation
-// only): once per (batch, kv head) when the packed head fits the per-thread budget, else
-// per tile. Tiles start at multiples of the panel width so that whole-head panels line up.
+// Register-blocked products (block_kernels(): AVX-512 or AVX2) on K / V packed into 16-wide
+// panels (float accumulation only): once per (batch, kv head) when the packed head fits the
+// per-thread budget, else per tile. Tiles start at multiples of the panel width so that
+// whole-head panels line up.
 template <typename scalar_t>
 struct PackedProducts {
   using Traits = FlashTraits<scalar_t>;
@@ -102,6 +104,7 @@ struct PackedProducts {
   Buffer<float> k_panels, v_panels;
   const float* kp = nullptr;
   const float* vp = nullptr;
+  const BlockKernels& kernels = block_kernels();
 
   PackedProducts(const AttentionParams& p, int64_t block_n)
       : d(p.head_dim), dv(p.head_dim_v), dv_pad(avx2::round_up_cols(dv)),
@@ -138,12 +141,12 @@ struct PackedProducts {
 
   void scores(const float* q, int64_t ldq, int64_t m, int64_t n, float scale, float* s,
               int64_t lds) const {
-    avx2::scores_tile(q, ldq, m, kp, n, d, scale, s, lds);
+    kernels.scores(q, ldq, m, kp, n, d, scale, s, lds);
   }
 
   void accumulate(const float* pm, int64_t ldp, int64_t m, int64_t n, const float* factor,
                   float* o) const {
-    avx2::pv_tile(pm, ldp, m, vp, v_panel_stride, n, dv, factor, o, dv);
+    kernels.pv(pm, ldp, m, vp, v_panel_stride, n, dv, factor, o, dv);
   }
 };
 #endif
@@ -222,7 +225,7 @@ void flash_fwd(const AttentionParams& p) {
   });
 }
 
-// The packed AVX2 products for float accumulation once the query blocks of a head are
+// The packed products for float accumulation once the query blocks of a head are
 // enough to amortize packing it; BLAS otherwise (fp64, other ISAs, a few query rows).
 template <typename scalar_t>
 void flash_fwd(const AttentionParams& p) {

@@ -1,0 +1,30 @@
+#pragma once
+// The packed block products behind the CPU flash kernels, chosen once per process for the CPU
+// that runs them: AVX-512 where it has it (avx512_block_products.cpp), else AVX2
+// (avx2_block_products.h). Both read the same 16-wide panels (packed by avx2::pack_*) and
+// form every output element from the same fused multiply-adds in the same order, so they
+// return identical bits; only the speed differs.
+#include <cstdint>
+
+namespace attn_ext::cpu {
+
+struct BlockKernels {
+  const char* name;
+  // S[m x round_up_cols(n)] = scale * Q K^T, K as consecutive key panels (stride d * 16).
+  void (*scores)(const float* q, int64_t ldq, int64_t m, const float* key_panels, int64_t n,
+                 int64_t d, float scale, float* s, int64_t lds);
+  // O[m x dv] = O * factor[row] + P[m x n] V, V as value panels (factor null: 1).
+  void (*pv)(const float* p, int64_t ldp, int64_t m, const float* value_panels,
+             int64_t panel_stride, int64_t n, int64_t dv, const float* factor, float* o,
+             int64_t ldo);
+  // C[n x dc] += A[m x n]^T B[m x dc], B as value panels.
+  void (*atb)(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
+              int64_t panel_stride, int64_t dc, float* c, int64_t ldc);
+};
+
+// The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2 or
+// avx512 pins the choice (auto or unset: the widest). Read on first use; a value that is
+// unknown or that this CPU cannot run raises then.
+const BlockKernels& block_kernels();
+
+}  // namespace attn_ext::cpu
