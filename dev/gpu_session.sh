@@ -12,6 +12,8 @@
 # bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
 #           bench_decode (steps only) and bench_spatial. Notes and timings of past calls:
 #           dev/gpu_notes.md
+# cpu:      the host CPU's AVX-512 block products (run after build): the bit-for-bit check
+#           against AVX2, then the CPU attention grid at 1 and 16 threads with each set
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -65,6 +67,19 @@ for phase in "$@"; do
       step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --step-repeats 10 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
       step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/spatial_cuda.md"
       cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
+    cpu)
+      grep -o -E "avx512f|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' >> "$SUMMARY"; echo >> "$SUMMARY"
+      step cpu_kernels 120 $PY -m pytest tests/test_cpu_kernels.py -q -p no:cacheprovider -rfE
+      tail -1 "$OUT/cpu_kernels.log" >> "$SUMMARY"
+      for t in 1 16; do
+        for k in avx2 avx512; do
+          ATTN_EXT_CPU_KERNELS=$k step "cpu_t${t}_$k" 100 $PY benchmarks/bench_attention.py --dtypes float32,bfloat16 \
+            --head-dims 64,128 --seqlens 2048 --causal False,True --candidates attn_ext,sdpa --threads $t \
+            --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/cpu_t${t}_$k.md"
+          grep -E "^  (all|fwd|fwd\+bwd) " "$OUT/cpu_t${t}_$k.md" | sed "s/^/t$t $k /" >> "$SUMMARY"
+        done
+      done
+      cat "$OUT"/cpu_t*.md > "$OUT/cpu_grid.md"; rm -f "$OUT"/cpu_t*.md "$OUT"/cpu_t*.csv ;;
     *) echo "unknown phase $phase" >> "$SUMMARY" ;;
   esac
 done

@@ -19,13 +19,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <immintrin.h>
 
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) to check its tiling bit for bit on CPUs without AVX-512.
+#include ATTN_EXT_AVX512_EMULATION
+#else
+#include <immintrin.h>
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
+#endif
 #endif
 
 namespace attn_ext::cpu::avx512 {
@@ -207,10 +213,12 @@ void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_
 
 }  // namespace attn_ext::cpu::avx512
 
+#ifndef ATTN_EXT_AVX512_EMULATION
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC pop_options
+#endif
 #endif
 
 #endif  // ATTN_EXT_AVX512_PRODUCTS
