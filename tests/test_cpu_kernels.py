@@ -1,7 +1,7 @@
-"""The CPU flash kernels' block products come in an AVX2 and an AVX-512 set
-(ATTN_EXT_CPU_KERNELS = avx2 / avx512; auto is AVX2 for now). Both sum every output element
-with the same fused multiply-adds in the same order, so forward and backward must agree bit
-for bit; the rest of the suite checks the AVX2 set against the references."""
+"""The CPU flash kernels' block products are chosen per CPU (AVX-512 where it has it, else
+AVX2; ATTN_EXT_CPU_KERNELS pins the choice). Both sum every output element with the same
+fused multiply-adds in the same order, so forward and backward must agree bit for bit; the
+rest of the suite checks whichever set this CPU picks against the references."""
 
 import os
 import platform

@@ -1,6 +1,7 @@
 #pragma once
-// The packed block products behind the CPU flash kernels, chosen once per process: AVX2
-// (avx2_block_products.h) or AVX-512 (avx512_block_products.cpp, opt-in for now). Both read the same 16-wide panels (packed by avx2::pack_*) and
+// The packed block products behind the CPU flash kernels, chosen once per process for the CPU
+// that runs them: AVX-512 where it has it (avx512_block_products.cpp), else AVX2
+// (avx2_block_products.h). Both read the same 16-wide panels (packed by avx2::pack_*) and
 // form every output element from the same fused multiply-adds in the same order, so they
 // return identical bits; only the speed differs.
 #include <cstdint>
@@ -21,9 +22,9 @@ struct BlockKernels {
               int64_t panel_stride, int64_t dc, float* c, int64_t ldc);
 };
 
-// The kernels named by the environment variable ATTN_EXT_CPU_KERNELS: avx2, avx512, or auto
-// (unset: currently AVX2, see block_kernels.cpp). Read on first use; a value that is unknown
-// or that this CPU cannot run raises then.
+// The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2 or
+// avx512 pins the choice (auto or unset: the widest). Read on first use; a value that is
+// unknown or that this CPU cannot run raises then.
 const BlockKernels& block_kernels();
 
 }  // namespace attn_ext::cpu
