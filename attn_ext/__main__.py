@@ -65,7 +65,8 @@ def print_environment(devices: Sequence[torch.device]) -> None:
             for i in range(torch.cuda.device_count()):
                 print(f"device   cuda:{i}  {torch.cuda.get_device_name(i)}")
         else:
-            print(f"device   cpu  ({torch.get_num_threads()} threads)")
+            print(f"device   cpu  ({torch.get_num_threads()} threads, "
+                  f"{attn_ext._C.cpu_block_kernels()} block products)")
 
 
 def registered_ops() -> List[str]:

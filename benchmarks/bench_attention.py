@@ -437,14 +437,16 @@ def summary_lines(cells: List[Cell], args) -> List[str]:
 
 def environment_lines(args) -> List[str]:
     try:
-        ext_version = getattr(import_attn_ext(), "__version__", "unknown")
+        ext = import_attn_ext()
+        ext_version = getattr(ext, "__version__", "unknown")
+        cpu_kernels = f"{ext._C.cpu_block_kernels()} block products, "
     except Exception as e:
-        ext_version = f"not importable ({e})"
+        ext_version, cpu_kernels = f"not importable ({e})", ""
     device = args.device
     if device.startswith("cuda") and torch.cuda.is_available():
         device += f" ({torch.cuda.get_device_name(torch.device(device))})"
     else:
-        device += (f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        device += (f" ({platform.processor() or platform.machine()}, {cpu_kernels}{torch.get_num_threads()} threads, "
                    f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start)")
     lines = [
         f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",

@@ -212,3 +212,19 @@ def test_emulated_avx512_atb_matches_avx2(emulated):
                     emulated.atb(wide, _ptr(a), _i(n + 2), _i(m), _i(n), _ptr(bp), _i(stride), _i(dc),
                                  _ptr(out[wide]), _i(dc + 1))
                 assert torch.equal(out[0], out[1]), f"atb m={m} n={n} dc={dc}"
+
+
+def test_reports_the_kernels_it_runs():
+    import attn_ext
+
+    wanted = os.environ.get("ATTN_EXT_CPU_KERNELS") or "auto"
+    expected = "avx512" if HAS_AVX512 and wanted != "avx2" else "avx2"
+    assert attn_ext._C.cpu_block_kernels() == expected
+
+
+def test_report_raises_for_an_unknown_choice():
+    code = "import attn_ext\ntry:\n    attn_ext._C.cpu_block_kernels()\nexcept RuntimeError as e:\n    print(e)\n"
+    env = dict(os.environ, ATTN_EXT_CPU_KERNELS="sse")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "ATTN_EXT_CPU_KERNELS: expected auto, avx2 or avx512, got 'sse'" in proc.stdout
