@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <immintrin.h>
 
+#include "row_tiles.h"
 #include "vec_math.h"
 
 namespace attn_ext::cpu::avx2 {
@@ -141,34 +142,6 @@ inline void atb_micro(const float* a, int64_t lda, const float* panel, int64_t m
   for (int i = 0; i < R; ++i) add_to_row(c + i * ldc, nullptr, acc[i][0], acc[i][1], cols);
 }
 
-template <int R>
-using Rows = std::integral_constant<int, R>;
-
-// Calls kernel(Rows<R>{}, r0) for tiles covering rows [0, m): tiles of kRows rows, then the
-// rest. A tile of R rows keeps 2R independent FMA chains, and the two FMA ports need 8 in
-// flight (4-cycle latency) to stay busy; a remainder of 1-3 rows after a full tile is
-// therefore merged with it and split into two tiles of 3-5 rows (m = 128 ends 4 + 4, not
-// 6 + 2: 96.2 vs 95.2 GFLOP/s for a 128 x 256 scores + P V tile pair at D = 64; a block
-// of 7 rows: 87.5 vs 70.4; Zen 3 core).
-template <typename F>
-inline void for_row_tiles(int64_t m, F&& kernel) {
-  const int64_t rest = m % kRows;
-  const int64_t full_end = m - rest - (rest > 0 && rest < 4 && m > kRows ? kRows : 0);
-  int64_t r0 = 0;
-  for (; r0 < full_end; r0 += kRows) kernel(Rows<kRows>{}, r0);
-  switch (m - r0) {
-    case 0: break;
-    case 1: kernel(Rows<1>{}, r0); break;
-    case 2: kernel(Rows<2>{}, r0); break;
-    case 3: kernel(Rows<3>{}, r0); break;
-    case 4: kernel(Rows<4>{}, r0); break;
-    case 5: kernel(Rows<5>{}, r0); break;
-    case 7: kernel(Rows<4>{}, r0), kernel(Rows<3>{}, r0 + 4); break;
-    case 8: kernel(Rows<4>{}, r0), kernel(Rows<4>{}, r0 + 4); break;
-    case 9: kernel(Rows<5>{}, r0), kernel(Rows<4>{}, r0 + 5); break;
-  }
-}
-
 // S[m x round_up_cols(n)] = scale * Q K^T over consecutive key panels (stride d * kCols).
 // Columns past n hold scores of the zero padding keys; callers read only [0, n).
 inline void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels,
@@ -177,7 +150,7 @@ inline void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key
   // One key panel (d x 16) stays in L1 while every row tile of the block passes over it.
   for (int64_t g = 0; g < n; g += kCols) {
     const float* panel = key_panels + g * d;
-    for_row_tiles(m, [&](auto rows, int64_t r0) {
+    for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
       scores_micro<decltype(rows)::value>(q + r0 * ldq, ldq, panel, d, sv, s + r0 * lds + g, lds);
     });
   }
@@ -191,7 +164,7 @@ inline void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_p
   for (int64_t c0 = 0; c0 < dv; c0 += kCols) {
     const float* panel = value_panels + (c0 / kCols) * panel_stride;
     const int64_t cols = std::min<int64_t>(kCols, dv - c0);
-    for_row_tiles(m, [&](auto rows, int64_t r0) {
+    for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
       pv_micro<decltype(rows)::value>(p + r0 * ldp, ldp, panel, n,
                                       factor ? factor + r0 : nullptr, o + r0 * ldo + c0, ldo,
                                       cols);
@@ -205,7 +178,7 @@ inline void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const fl
   for (int64_t c0 = 0; c0 < dc; c0 += kCols) {
     const float* panel = b_panels + (c0 / kCols) * panel_stride;
     const int64_t cols = std::min<int64_t>(kCols, dc - c0);
-    for_row_tiles(n, [&](auto rows, int64_t i0) {
+    for_row_tiles<kRows>(n, [&](auto rows, int64_t i0) {
       atb_micro<decltype(rows)::value>(a + i0, lda, panel, m, c + i0 * ldc + c0, ldc, cols);
     });
   }

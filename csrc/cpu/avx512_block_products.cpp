@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "row_tiles.h"
+
 #ifdef ATTN_EXT_AVX512_EMULATION
 // tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
 // (tests/avx512_emulation.h) to check its tiling bit for bit on CPUs without AVX-512.
@@ -42,9 +44,6 @@ constexpr int kRows = 12;
 // Row and panel loops are unrolled before register allocation, or the accumulators land on
 // the stack (see avx2_block_products.h).
 #define ATTN_EXT_UNROLL _Pragma("GCC unroll 16")
-
-template <int R>
-using Rows = std::integral_constant<int, R>;
 
 inline __mmask16 lane_mask(int64_t cols) {
   return cols >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u);
@@ -83,34 +82,6 @@ inline void add_to_row(float* o, const float* factor, __m512 acc, int64_t cols) 
   const __m512 r =
       factor ? _mm512_fmadd_ps(ov, _mm512_set1_ps(*factor), acc) : _mm512_add_ps(ov, acc);
   _mm512_mask_storeu_ps(o, lanes, r);
-}
-
-// Calls kernel(Rows<R>{}, r0) for tiles covering rows [0, m): tiles of kRows, then the rest.
-// A tile keeps R * P FMA chains and the two FMA ports need 8 in flight, so a remainder of 1-3
-// rows after a full tile is merged with it and split into two tiles of 6-8 rows.
-template <typename F>
-inline void for_row_tiles(int64_t m, F&& kernel) {
-  const int64_t rest = m % kRows;
-  const int64_t full_end = m - rest - (rest > 0 && rest < 4 && m > kRows ? kRows : 0);
-  int64_t r0 = 0;
-  for (; r0 < full_end; r0 += kRows) kernel(Rows<kRows>{}, r0);
-  switch (m - r0) {
-    case 0: break;
-    case 1: kernel(Rows<1>{}, r0); break;
-    case 2: kernel(Rows<2>{}, r0); break;
-    case 3: kernel(Rows<3>{}, r0); break;
-    case 4: kernel(Rows<4>{}, r0); break;
-    case 5: kernel(Rows<5>{}, r0); break;
-    case 6: kernel(Rows<6>{}, r0); break;
-    case 7: kernel(Rows<7>{}, r0); break;
-    case 8: kernel(Rows<8>{}, r0); break;
-    case 9: kernel(Rows<9>{}, r0); break;
-    case 10: kernel(Rows<10>{}, r0); break;
-    case 11: kernel(Rows<11>{}, r0); break;
-    case 13: kernel(Rows<7>{}, r0), kernel(Rows<6>{}, r0 + 7); break;
-    case 14: kernel(Rows<7>{}, r0), kernel(Rows<7>{}, r0 + 7); break;
-    case 15: kernel(Rows<8>{}, r0), kernel(Rows<7>{}, r0 + 8); break;
-  }
 }
 
 // Calls kernel(std::integral_constant<int, P>{}) with P = 2 when more than one panel's worth
@@ -173,7 +144,7 @@ void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels
   for (int64_t g = 0; g < n; g += 2 * kLanes) {
     const float* panel = key_panels + g * d;
     with_panels(n - g, [&](auto panels) {
-      for_row_tiles(m, [&](auto rows, int64_t r0) {
+      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
         scores_micro<decltype(rows)::value, decltype(panels)::value>(
             q + r0 * ldq, ldq, panel, panel_offset, d, sv, s + r0 * lds + g, lds);
       });
@@ -188,7 +159,7 @@ void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_panels,
     const float* panel = value_panels + (c0 / kLanes) * panel_stride;
     const int64_t cols = std::min<int64_t>(2 * kLanes, dv - c0);
     with_panels(cols, [&](auto panels) {
-      for_row_tiles(m, [&](auto rows, int64_t r0) {
+      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
         pv_micro<decltype(rows)::value, decltype(panels)::value>(
             p + r0 * ldp, ldp, panel, panel_stride, n, factor ? factor + r0 : nullptr,
             o + r0 * ldo + c0, ldo, cols);
@@ -203,7 +174,7 @@ void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_
     const float* panel = b_panels + (c0 / kLanes) * panel_stride;
     const int64_t cols = std::min<int64_t>(2 * kLanes, dc - c0);
     with_panels(cols, [&](auto panels) {
-      for_row_tiles(n, [&](auto rows, int64_t i0) {
+      for_row_tiles<kRows>(n, [&](auto rows, int64_t i0) {
         atb_micro<decltype(rows)::value, decltype(panels)::value>(
             a + i0, lda, panel, panel_stride, m, c + i0 * ldc + c0, ldc, cols);
       });
