@@ -93,6 +93,9 @@ extern "C" {
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* dst) {
   avx2::pack_key_panels(k, ld, n, d, dst);
 }
+void pack_keys_bf16(const c10::BFloat16* k, int64_t ld, int64_t n, int64_t d, float* dst) {
+  avx2::pack_key_panels(k, ld, n, d, dst);
+}
 void pack_values(const float* v, int64_t ld, int64_t n, int64_t dv, float* dst, int64_t stride) {
   avx2::pack_value_panels(v, ld, n, dv, dst, stride);
 }
@@ -155,6 +158,24 @@ _COLS = (1, 8, 16, 17, 24, 31, 32, 33, 40, 48, 80, 128)
 
 def _round16(n):
     return (n + 15) // 16 * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_panels_layout(emulated, dtype):
+    """Panel g holds, feature by feature, keys 16g .. 16g + 15, zero past n. Whole panels go
+    through 8 x 8 register transposes, partial panels and features past a multiple of 8
+    element by element: every split between the two is here, with rows wider than d."""
+    pack = emulated.pack_keys if dtype == torch.float32 else emulated.pack_keys_bf16
+    g = torch.Generator().manual_seed(3)
+    for d in (1, 7, 8, 13, 64, 72):
+        for n in (1, 15, 16, 17, 40, 64):
+            k = torch.randn(n, d + 3, generator=g).to(dtype)
+            kp = torch.full((_round16(n) * d,), float("nan"))
+            pack(_ptr(k), _i(d + 3), _i(n), _i(d), _ptr(kp))
+            ref = torch.zeros(_round16(n), d)
+            ref[:n] = k[:, :d].float()
+            ref = ref.view(-1, 16, d).transpose(1, 2).reshape(-1)
+            assert torch.equal(kp, ref), f"n={n} d={d}"
 
 
 @pytest.mark.parametrize("d", [5, 64])

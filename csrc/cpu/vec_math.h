@@ -229,6 +229,7 @@ inline void store_row(const acc_t* src, scalar_t* dst, int64_t n, acc_t a) {
 // bf16): c10's scalar fp16 conversion is bit manipulation that no compiler vectorizes,
 // and converting K/V tiles would otherwise cost a fifth of the forward.
 namespace avx2 {
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
 inline __m256 load8(const c10::Half* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
