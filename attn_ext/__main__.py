@@ -799,8 +799,13 @@ def run_compat_checks(devices: Sequence[torch.device]) -> bool:
 # --------------------------------------------------------------------------- timing
 
 
-def time_median(fn: Callable, device: torch.device, repeats: int) -> float:
-    def once():
+WARMUP_CALLS = 2  # the first call pays one-time costs (kernel load, allocator growth, autotune)
+
+
+def time_interleaved(fns: dict, device: torch.device, repeats: int) -> dict:
+    """Median seconds per candidate, timed in alternating rounds so that a slow phase of a
+    shared machine lands on every candidate alike instead of on whichever ran second."""
+    def once(fn):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -809,8 +814,15 @@ def time_median(fn: Callable, device: torch.device, repeats: int) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    once()  # warmup
-    return statistics.median(once() for _ in range(repeats))
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(WARMUP_CALLS):
+            once(fn)
+    for r in range(repeats):
+        order = list(fns.items()) if r % 2 == 0 else list(reversed(fns.items()))
+        for name, fn in order:
+            times[name].append(once(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_cell(impl, q, k, v, grad, causal, mode):
@@ -832,8 +844,8 @@ def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> Non
         "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
     }
     b, h, d = 1, 16, 64
-    print(f"\ntiming: B={b} H={h} S={seqlen} D={d}, median of {repeats} after 1 warmup "
-          "(ratio = sdpa / attn_ext, > 1 means attn_ext is faster)")
+    print(f"\ntiming: B={b} H={h} S={seqlen} D={d}, median of {repeats} interleaved rounds after "
+          f"{WARMUP_CALLS} warmup calls (ratio = sdpa / attn_ext, > 1 means attn_ext is faster)")
     print(f"{'device':6s} {'dtype':8s} {'causal':6s} {'mode':7s} {'attn_ext ms':>11s} {'sdpa ms':>9s} {'ratio':>6s}")
     for device in devices:
         for dtype in CHECK_DTYPES:
@@ -841,14 +853,12 @@ def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> Non
             q, k, v, grad = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(4))
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
-                    ms = {}
-                    for name, impl in impls.items():
-                        try:
-                            ms[name] = 1e3 * time_median(bench_cell(impl, q, k, v, grad, causal, mode),
-                                                         device, repeats)
-                        except Exception as e:
-                            ms[name] = float("nan")
-                            print(f"  {name} failed: {type(e).__name__}: {e}")
+                    fns = {name: bench_cell(impl, q, k, v, grad, causal, mode) for name, impl in impls.items()}
+                    try:
+                        ms = {name: 1e3 * t for name, t in time_interleaved(fns, device, repeats).items()}
+                    except Exception as e:
+                        ms = dict.fromkeys(fns, float("nan"))
+                        print(f"  timing failed: {type(e).__name__}: {e}")
                     print(f"{device.type:6s} {str(dtype)[6:]:8s} {str(causal):6s} {mode:7s} "
                           f"{ms['attn_ext']:11.2f} {ms['sdpa']:9.2f} {ms['sdpa'] / ms['attn_ext']:5.2f}x")
 
@@ -858,7 +868,7 @@ def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
     x * sigmoid(conv(cat[mean, max])))."""
     n, c, hw = 8, 64, 56
     print(f"\ntiming: CBAM spatial gate, x ({n}, {c}, {hw}, {hw}) channels-last, median of {repeats} "
-          "(ratio = torch / attn_ext)")
+          f"interleaved rounds after {WARMUP_CALLS} warmup calls (ratio = torch / attn_ext)")
     print(f"{'device':6s} {'dtype':8s} {'mode':7s} {'attn_ext ms':>11s} {'torch ms':>9s} {'ratio':>6s}")
     for device in devices:
         for dtype in CHECK_DTYPES:
@@ -872,7 +882,7 @@ def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
                 "torch": lambda t: t * torch.sigmoid(F.conv2d(reference_channel_pool(t), w, padding=3)),
             }
             for mode in ("fwd", "fwd+bwd"):
-                ms = {}
+                fns = {}
                 for name, impl in impls.items():
                     if mode == "fwd":
                         def run(impl=impl):
@@ -883,7 +893,8 @@ def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
 
                         def run(impl=impl, leaf=leaf):
                             torch.autograd.grad(impl(leaf), [leaf, w], grad)
-                    ms[name] = 1e3 * time_median(run, device, repeats)
+                    fns[name] = run
+                ms = {name: 1e3 * t for name, t in time_interleaved(fns, device, repeats).items()}
                 print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {ms['attn_ext']:11.2f} {ms['torch']:9.2f} "
                       f"{ms['torch'] / ms['attn_ext']:5.2f}x")
 
@@ -896,7 +907,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], help="only this device (default: all local)")
     p.add_argument("--no-bench", action="store_true", help="skip the timing table")
     p.add_argument("--bench-seqlen", type=int, default=1024)
-    p.add_argument("--bench-repeats", type=int, default=3)
+    p.add_argument("--bench-repeats", type=int, default=5)
     p.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
     return p.parse_args(argv)
 

@@ -83,16 +83,23 @@ def test_channel_pool_low_precision(device, shape, dtype, layout):
     assert torch.equal(pooled[:, 1], torch.max(x, dim=1).values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_channel_pool_ties_and_nan(device, layout):
-    """Ties go to the first maximal channel and a NaN wins (the first NaN), as torch.max."""
-    x = torch.zeros(1, 20, 2, 3, device=device)
-    x[0, 3, 0, 0] = x[0, 11, 0, 0] = 5.0      # tie: channel 3
-    x[0, 2, 0, 1] = float("nan")               # NaN beats a larger number
+def test_channel_pool_ties_and_nan(device, layout, dtype):
+    """Ties go to the first maximal channel and a NaN wins (the first NaN), as torch.max; with
+    20 channels the CPU kernel's lanes hold channels j, j + 8 and the tail 16..19."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.zeros(1, 20, 3, 3, device=device, dtype=dtype)
+    x[0, 3, 0, 0] = x[0, 11, 0, 0] = 5.0      # tie within one lane: channel 3
+    x[0, 2, 0, 1] = nan                        # NaN beats a larger number
     x[0, 9, 0, 1] = 7.0
-    x[0, 4, 0, 2] = x[0, 17, 0, 2] = float("nan")  # first NaN: channel 4
-    x[0, :, 1, 0] = float("-inf")              # all -inf: channel 0
+    x[0, 4, 0, 2] = x[0, 17, 0, 2] = nan       # first NaN: channel 4
+    x[0, :, 1, 0] = -inf                       # all -inf: channel 0
     x[0, 19, 1, 1] = 1.0                       # max in the last channel (a lane tail)
+    x[0, 6, 2, 0] = x[0, 9, 2, 0] = 5.0        # tie across lanes (6 in lane 6, 9 in lane 1): 6
+    x[0, 18, 2, 1] = nan                       # the only NaN in the tail
+    x[0, :, 2, 2] = -inf
+    x[0, 1, 2, 2], x[0, 12, 2, 2] = inf, nan   # NaN beats +inf in an earlier lane
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     pooled, argmax = attn_ext.channel_pool(x, return_argmax=True)
@@ -100,7 +107,10 @@ def test_channel_pool_ties_and_nan(device, layout):
     assert torch.equal(argmax.long(), expect_idx)
     assert argmax[0, 0, 0, 0] == 3 and argmax[0, 0, 0, 1] == 2 and argmax[0, 0, 0, 2] == 4
     assert argmax[0, 0, 1, 0] == 0 and argmax[0, 0, 1, 1] == 19
-    torch.testing.assert_close(pooled, ref.channel_pool(x), equal_nan=True)
+    assert argmax[0, 0, 2, 0] == 6 and argmax[0, 0, 2, 1] == 18 and argmax[0, 0, 2, 2] == 12
+    eps = eps_of(dtype)  # one rounding of the mean
+    torch.testing.assert_close(pooled.double(), ref.channel_pool(x.double()), equal_nan=True,
+                               rtol=eps, atol=0)
     # the max's gradient reaches only the argmax channel
     xg = x.clone().requires_grad_(True)
     attn_ext.channel_pool(xg)[:, 1].sum().backward()

@@ -9,6 +9,7 @@
 // Accumulation and the sigmoid run in fp32 (fp64 for fp64).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -17,6 +18,7 @@
 
 #include "../common/dispatch.h"
 #include "../cpu/cpu_support.h"
+#include "../cpu/vec_math.h"
 #include "spatial_inputs.h"
 
 namespace attn_ext::spatial {
@@ -62,6 +64,159 @@ void for_each_pixel(const MapLayout& l, Fn&& fn) {
 
 // ------------------------------------------------------------------------- channel pooling
 
+// Sum and (max, argmax) over the C contiguous channels of one channels-last pixel.
+template <typename acc_t>
+struct PixelPool {
+  acc_t sum;
+  MaxArg<acc_t> best;
+};
+
+// Channels from c on, one at a time (the tail after the lanes).
+template <typename scalar_t, typename acc_t>
+PixelPool<acc_t> pool_tail(const scalar_t* row, int64_t c, int64_t C, PixelPool<acc_t> acc) {
+  for (; c < C; ++c) {
+    const acc_t v = static_cast<acc_t>(row[c]);
+    acc.sum += v;
+    acc.best.update(v, static_cast<int32_t>(c));
+  }
+  return acc;
+}
+
+// kLanes lanes, lane j over channels j, j + kLanes, ... (the whole groups of kLanes), merged
+// at the end. Lanes beyond C (C < kLanes) start as a copy of channel 0 with a zero sum, which
+// the merge's tie rule (lowest channel) makes harmless.
+template <typename scalar_t, typename acc_t>
+PixelPool<acc_t> pool_pixel_scalar(const scalar_t* row, int64_t C) {
+  acc_t s[kLanes], m[kLanes];
+  int32_t id[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    const int64_t c = j < C ? j : 0;
+    m[j] = static_cast<acc_t>(row[c]);
+    id[j] = static_cast<int32_t>(c);
+    s[j] = j < C ? m[j] : acc_t(0);
+  }
+  int64_t c = kLanes;
+  for (; c + kLanes <= C; c += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const acc_t v = static_cast<acc_t>(row[c + j]);
+      s[j] += v;
+      const bool take = MaxArg<acc_t>::takes(v, m[j]);
+      m[j] = take ? v : m[j];
+      id[j] = take ? static_cast<int32_t>(c + j) : id[j];
+    }
+  }
+  PixelPool<acc_t> acc{s[0], MaxArg<acc_t>{m[0], id[0]}};
+  for (int j = 1; j < kLanes; ++j) {
+    acc.best.merge(MaxArg<acc_t>{m[j], id[j]});
+    acc.sum += s[j];
+  }
+  return pool_tail(row, c, C, acc);
+}
+
+#ifdef ATTN_EXT_AVX2
+inline int32_t hmin_epi32(__m256i v) {
+  __m128i x = _mm_min_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_min_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm_min_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(x);
+}
+
+// The same lanes as one register each, for float-accumulated types and C >= kLanes.
+// MaxArg::takes becomes compare masks (v > m, or v NaN while m is not) and blends, and the
+// lanes merge in registers (the max, then the lowest channel holding it); NaN lanes, rare,
+// take the scalar merge. Branch-free because with random data a lane's max changes at
+// unpredictable channels: the branchy scalar loop made channels-last pooling 8x slower
+// than NCHW.
+template <typename scalar_t>
+PixelPool<float> pool_pixel_avx2(const scalar_t* row, int64_t C) {
+  static_assert(kLanes == cpu::avx2::kWidth, "one lane per fp32 element of a register");
+  __m256 vs = cpu::avx2::load8(row), vm = vs;
+  __m256i vid = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i vc = vid;
+  const __m256i step = _mm256_set1_epi32(kLanes);
+  int64_t c = kLanes;
+  for (; c + kLanes <= C; c += kLanes) {
+    const __m256 v = cpu::avx2::load8(row + c);
+    vc = _mm256_add_epi32(vc, step);
+    vs = _mm256_add_ps(vs, v);
+    const __m256 v_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    const __m256 m_nan = _mm256_cmp_ps(vm, vm, _CMP_UNORD_Q);
+    const __m256 take =
+        _mm256_or_ps(_mm256_cmp_ps(v, vm, _CMP_GT_OQ), _mm256_andnot_ps(m_nan, v_nan));
+    vm = _mm256_blendv_ps(vm, v, take);
+    vid = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(vid), _mm256_castsi256_ps(vc), take));
+  }
+  PixelPool<float> acc{cpu::avx2::hsum(vs), {}};
+  if (_mm256_movemask_ps(_mm256_cmp_ps(vm, vm, _CMP_UNORD_Q)) != 0) {
+    alignas(32) float m[kLanes];
+    alignas(32) int32_t id[kLanes];
+    _mm256_store_ps(m, vm);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(id), vid);
+    acc.best = MaxArg<float>{m[0], id[0]};
+    for (int j = 1; j < kLanes; ++j) acc.best.merge(MaxArg<float>{m[j], id[j]});
+  } else {
+    const float mx = cpu::avx2::hmax(vm);
+    const __m256 at_max = _mm256_cmp_ps(vm, _mm256_set1_ps(mx), _CMP_EQ_OQ);
+    const __m256i none = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
+    acc.best = MaxArg<float>{mx, hmin_epi32(_mm256_castps_si256(_mm256_blendv_ps(
+                                     _mm256_castsi256_ps(none), _mm256_castsi256_ps(vid), at_max)))};
+  }
+  return pool_tail(row, c, C, acc);
+}
+
+// float64: the kLanes lanes as two registers of four, channel indices held as doubles
+// (exact) so that one blend moves value and index alike; the lanes merge in scalar code.
+inline __m256d takes_pd(__m256d v, __m256d m) {
+  const __m256d v_nan = _mm256_cmp_pd(v, v, _CMP_UNORD_Q);
+  const __m256d m_nan = _mm256_cmp_pd(m, m, _CMP_UNORD_Q);
+  return _mm256_or_pd(_mm256_cmp_pd(v, m, _CMP_GT_OQ), _mm256_andnot_pd(m_nan, v_nan));
+}
+
+inline PixelPool<double> pool_pixel_avx2(const double* row, int64_t C) {
+  constexpr int kHalf = kLanes / 2;
+  __m256d s0 = _mm256_loadu_pd(row), s1 = _mm256_loadu_pd(row + kHalf), m0 = s0, m1 = s1;
+  __m256d c0 = _mm256_setr_pd(0, 1, 2, 3), c1 = _mm256_setr_pd(4, 5, 6, 7), i0 = c0, i1 = c1;
+  const __m256d step = _mm256_set1_pd(kLanes);
+  int64_t c = kLanes;
+  for (; c + kLanes <= C; c += kLanes) {
+    const __m256d v0 = _mm256_loadu_pd(row + c), v1 = _mm256_loadu_pd(row + c + kHalf);
+    c0 = _mm256_add_pd(c0, step);
+    c1 = _mm256_add_pd(c1, step);
+    s0 = _mm256_add_pd(s0, v0);
+    s1 = _mm256_add_pd(s1, v1);
+    const __m256d t0 = takes_pd(v0, m0), t1 = takes_pd(v1, m1);
+    m0 = _mm256_blendv_pd(m0, v0, t0);
+    m1 = _mm256_blendv_pd(m1, v1, t1);
+    i0 = _mm256_blendv_pd(i0, c0, t0);
+    i1 = _mm256_blendv_pd(i1, c1, t1);
+  }
+  double s[kLanes], m[kLanes], id[kLanes];
+  _mm256_storeu_pd(s, s0);
+  _mm256_storeu_pd(s + kHalf, s1);
+  _mm256_storeu_pd(m, m0);
+  _mm256_storeu_pd(m + kHalf, m1);
+  _mm256_storeu_pd(id, i0);
+  _mm256_storeu_pd(id + kHalf, i1);
+  PixelPool<double> acc{s[0], MaxArg<double>{m[0], static_cast<int32_t>(id[0])}};
+  for (int j = 1; j < kLanes; ++j) {
+    acc.best.merge(MaxArg<double>{m[j], static_cast<int32_t>(id[j])});
+    acc.sum += s[j];
+  }
+  return pool_tail(row, c, C, acc);
+}
+#endif
+
+template <typename scalar_t, typename acc_t>
+PixelPool<acc_t> pool_pixel(const scalar_t* row, int64_t C) {
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<acc_t, float> || std::is_same_v<scalar_t, double>) {
+    if (C >= kLanes) return pool_pixel_avx2(row, C);
+  }
+#endif
+  return pool_pixel_scalar<scalar_t, acc_t>(row, C);
+}
+
 template <typename scalar_t>
 void channel_pool_kernel(const ChannelPoolParams& prm) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -99,41 +254,10 @@ void channel_pool_kernel(const ChannelPoolParams& prm) {
     return;
   }
   for_each_pixel(l, [&](int64_t r) {
-    const scalar_t* row = x + r * C;
-    // Lane j scans channels j, j + kLanes, ...; lanes beyond C start as a copy of channel 0,
-    // which the merge's tie rule (lowest channel) makes harmless.
-    acc_t s[kLanes], m[kLanes];
-    int32_t id[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t c = j < C ? j : 0;
-      m[j] = static_cast<acc_t>(row[c]);
-      id[j] = static_cast<int32_t>(c);
-      s[j] = j < C ? m[j] : acc_t(0);
-    }
-    int64_t c = kLanes;
-    for (; c + kLanes <= C; c += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        const acc_t v = static_cast<acc_t>(row[c + j]);
-        s[j] += v;
-        const bool take = MaxArg<acc_t>::takes(v, m[j]);
-        m[j] = take ? v : m[j];
-        id[j] = take ? static_cast<int32_t>(c + j) : id[j];
-      }
-    }
-    MaxArg<acc_t> best{m[0], id[0]};
-    acc_t sum = s[0];
-    for (int j = 1; j < kLanes; ++j) {
-      best.merge(MaxArg<acc_t>{m[j], id[j]});
-      sum += s[j];
-    }
-    for (; c < C; ++c) {
-      const acc_t v = static_cast<acc_t>(row[c]);
-      sum += v;
-      best.update(v, static_cast<int32_t>(c));
-    }
-    pooled[2 * r] = static_cast<scalar_t>(sum / static_cast<acc_t>(C));
-    pooled[2 * r + 1] = static_cast<scalar_t>(best.value);
-    prm.argmax[r] = best.index;
+    const PixelPool<acc_t> acc = pool_pixel<scalar_t, acc_t>(x + r * C, C);
+    pooled[2 * r] = static_cast<scalar_t>(acc.sum / static_cast<acc_t>(C));
+    pooled[2 * r + 1] = static_cast<scalar_t>(acc.best.value);
+    prm.argmax[r] = acc.best.index;
   });
 }
 
@@ -222,6 +346,33 @@ void spatial_gate_kernel(const SpatialGateParams& prm) {
   });
 }
 
+// sum_c a[c] * b[c] over C contiguous channels, in kLanes partial sums so the reduction
+// vectorizes (explicitly for float-accumulated types, whose bf16 / fp16 conversions the
+// compiler left scalar).
+template <typename scalar_t, typename acc_t>
+acc_t channel_dot(const scalar_t* a, const scalar_t* b, int64_t C) {
+  int64_t c = 0;
+  acc_t dot = acc_t(0);
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 part = _mm256_setzero_ps();
+    for (; c + kLanes <= C; c += kLanes) {
+      part = _mm256_fmadd_ps(cpu::avx2::load8(a + c), cpu::avx2::load8(b + c), part);
+    }
+    dot = cpu::avx2::hsum(part);
+  } else
+#endif
+  {
+    acc_t part[kLanes] = {};
+    for (; c + kLanes <= C; c += kLanes) {
+      for (int j = 0; j < kLanes; ++j) part[j] += static_cast<acc_t>(a[c + j]) * static_cast<acc_t>(b[c + j]);
+    }
+    for (int j = 0; j < kLanes; ++j) dot += part[j];
+  }
+  for (; c < C; ++c) dot += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
+  return dot;
+}
+
 template <typename scalar_t, typename gate_t>
 void spatial_gate_backward_kernel(const SpatialGateParams& prm) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -258,23 +409,10 @@ void spatial_gate_backward_kernel(const SpatialGateParams& prm) {
     const scalar_t* xr = x + r * C;
     const scalar_t* gr = go + r * C;
     scalar_t* o = gx + r * C;
-    // kLanes partial dot products so the reduction vectorizes.
-    acc_t part[kLanes] = {};
-    int64_t c = 0;
-    for (; c + kLanes <= C; c += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        const acc_t g = static_cast<acc_t>(gr[c + j]);
-        o[c + j] = static_cast<scalar_t>(g * s);
-        part[j] += g * static_cast<acc_t>(xr[c + j]);
-      }
-    }
-    acc_t dot = acc_t(0);
-    for (int j = 0; j < kLanes; ++j) dot += part[j];
-    for (; c < C; ++c) {
-      const acc_t g = static_cast<acc_t>(gr[c]);
-      o[c] = static_cast<scalar_t>(g * s);
-      dot += g * static_cast<acc_t>(xr[c]);
-    }
+    // Two passes over the pixel's channels (in L1): one fused loop did not vectorize for
+    // bf16 / fp16 (4x slower than the NCHW kernel).
+    for (int64_t c = 0; c < C; ++c) o[c] = static_cast<scalar_t>(static_cast<acc_t>(gr[c]) * s);
+    const acc_t dot = channel_dot<scalar_t, acc_t>(gr, xr, C);
     ga[r] = static_cast<gate_t>(dot * s * (acc_t(1) - s));
   });
 }
