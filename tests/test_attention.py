@@ -154,6 +154,8 @@ MASK_SHAPES = {
     "b1qk": lambda B, H, Sq, Sk: (B, 1, Sq, Sk),
     "1h1k": lambda B, H, Sq, Sk: (1, H, 1, Sk),
     "b11k": lambda B, H, Sq, Sk: (B, 1, 1, Sk),
+    "bhq1": lambda B, H, Sq, Sk: (B, H, Sq, 1),  # broadcast over keys: column stride 0
+    "2d_t": lambda B, H, Sq, Sk: (Sk, Sq),       # built transposed, read as .mT: column stride Sq
 }
 
 
@@ -165,12 +167,20 @@ def test_masks(device, dtype, mask_shape, kind, causal):
     B, H, Sq, Sk = 2, 3, 19, 23
     q, k, v = make_qkv(B, H, H, Sq, Sk, 32, dtype=dtype, device=device)
     shape = MASK_SHAPES[mask_shape](B, H, Sq, Sk)
-    if kind == "bool":
+    if mask_shape == "bhq1":
+        # one entry per row: -inf / False empties the row (zeros), a finite shift is a no-op
+        mask = (random_bool_mask(shape, device, ensure_row=False) if kind == "bool"
+                else random_float_mask(shape, dtype, device, p_neg_inf=0.4, ensure_row=False))
+        assert 0 < (mask if kind == "bool" else mask.isfinite()).sum() < mask.numel()
+    elif kind == "bool":
         mask = random_bool_mask(shape, device)
         mask[..., -1] = True  # keep a key the causal mask keeps too
     else:
         mask = random_float_mask(shape, dtype, device)
         mask[..., -1] = 0.0
+    if mask_shape == "2d_t":
+        mask = mask.mT
+        mask[..., -1] = True if kind == "bool" else 0.0
     check_forward(q, k, v, attn_mask=mask, causal=causal)
 
 

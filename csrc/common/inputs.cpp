@@ -72,8 +72,12 @@ at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor
                 target[1], ", ", target[2], ", ", target[3], "), got shape ", mask.sizes());
   }
   // An additive mask is read in the kernels' accumulation type (fp64 for fp64 inputs, else
-  // fp32). Convert before expanding, so a broadcast mask is never materialized at full size.
-  at::Tensor m = dt == at::kBool ? mask : mask.to(at::toOpMathType(q.scalar_type()));
+  // fp32) or, by the CPU kernels, in q's own element type: converting a full-size bf16 / fp16
+  // (B, H, Sq, Sk) mask on every call cost as much as the attention itself. Convert before
+  // expanding, so a broadcast mask is never materialized at full size.
+  const bool as_is = dt == at::kBool || dt == at::toOpMathType(q.scalar_type()) ||
+                     (q.device().is_cpu() && dt == q.scalar_type());
+  at::Tensor m = as_is ? mask : mask.to(at::toOpMathType(q.scalar_type()));
   return m.expand(target);
 }
 
@@ -128,7 +132,10 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
 
   if (o.attn_mask.has_value() && o.attn_mask->defined()) {
     r.mask = prepare_mask(op, *o.attn_mask, r.q, p.seqlen_k);
-    p.mask_kind = r.mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+    const auto mt = r.mask.scalar_type();
+    p.mask_kind = mt == at::kBool                                ? MaskKind::kBool
+                  : mt == at::toOpMathType(r.q.scalar_type()) ? MaskKind::kAdditive
+                                                                : MaskKind::kAdditiveInput;
     p.mask = r.mask.data_ptr();
     p.mask_batch_stride = r.mask.stride(0);
     p.mask_head_stride = r.mask.stride(1);

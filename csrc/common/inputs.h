@@ -21,7 +21,8 @@ struct AttentionOptions {
 };
 
 // Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
-// the mask expanded (a view) to (B, H, Sq, Sk) and converted to bool or float32.
+// the mask expanded (a view) to (B, H, Sq, Sk): bool, the accumulation type, or (CPU) q's
+// own reduced-precision type.
 struct PreparedInputs {
   at::Tensor q, k, v, mask;
   AttentionParams params;  // shapes, strides, scale, band, mask and dropout; no outputs

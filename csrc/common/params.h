@@ -10,6 +10,7 @@ enum class MaskKind : int {
   kNone = 0,      // no explicit mask
   kBool = 1,      // bool tensor, true = keep
   kAdditive = 2,  // tensor of the accumulation type added to the scores (natural-log units)
+  kAdditiveInput = 3,  // the same in q's reduced-precision element type (CPU kernels only)
 };
 
 struct AttentionParams {

@@ -40,7 +40,7 @@ void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar
       gemm(false, true, m, n, p.head_dim, acc_t(1), q + i0 * p.q_row_stride, p.q_row_stride,
            k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) scale_row(s_buf + r * ld_s, n, s_scale);
-      mask_tile(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
+      mask_tile<scalar_t>(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s_buf + r * ld_s;
         st[r].rescale_to(row_max(sr, n));
@@ -269,7 +269,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
           prod.scores(m, n, s_scale, pt, kN);
           const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
           if (band_partial || p.mask_kind != MaskKind::kNone)
-            mask_tile(p, b, h, i0, m, j0, n, band_partial, pt, kN);
+            mask_tile<scalar_t>(p, b, h, i0, m, j0, n, band_partial, pt, kN);
           for (int64_t r = 0; r < m; ++r) {
             const acc_t l2 = lse_r[i0 + r];
             acc_t* pr = pt + r * kN;

@@ -202,7 +202,7 @@ void flash_fwd(const AttentionParams& p) {
         // Scaled scores (log2 domain), then masks (which expect it), then each row's max.
         const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
         if (band_partial || p.mask_kind != MaskKind::kNone)
-          mask_tile(p, b, h, i0, m, j0, n, band_partial, s, kN);
+          mask_tile<scalar_t>(p, b, h, i0, m, j0, n, band_partial, s, kN);
         if (dropout) dropout_tile(p, b, h, i0, m, j0, n, keep.get());
         for (int64_t r = 0; r < m; ++r) {
           acc_t* sr = s + r * kN;
