@@ -185,6 +185,21 @@ def test_masks(device, dtype, mask_shape, kind, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_broadcast_mask_matches_dense_copy(device, dtype, kind):
+    """A mask read through stride-0 dimensions gives the same bits as its dense copy."""
+    B, H, Sq, Sk = 2, 3, 19, 23
+    q, k, v = make_qkv(B, H, H, Sq, Sk, 32, dtype=dtype, device=device)
+    for shape in [(B, H, Sq, 1), (B, 1, 1, Sk), (Sq, Sk)]:
+        mask = (random_bool_mask(shape, device, ensure_row=False) if kind == "bool"
+                else random_float_mask(shape, dtype, device, p_neg_inf=0.3, ensure_row=False))
+        dense = mask.expand(B, H, Sq, Sk).contiguous()
+        out = attn_ext.attention(q, k, v, attn_mask=mask)
+        assert torch.equal(out, attn_ext.attention(q, k, v, attn_mask=dense)), shape
+        assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,hkv", [(4, 2), (4, 1), (6, 3), (3, 3)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])

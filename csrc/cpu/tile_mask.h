@@ -45,13 +45,15 @@ inline void keep_row(acc_t* row, const bool* mk, int64_t n, int64_t cs) {
   }
 }
 
-// row[c] += mask * log2(e), the mask in the accumulation type or q's reduced-precision type.
+// row[c] += mask * log2(e) as one fma on every path, so a mask broadcast over keys and its
+// materialized copy give the same bits; the mask in the accumulation type or q's
+// reduced-precision type.
 template <typename acc_t, typename mask_t>
 inline void add_row(acc_t* row, const mask_t* mk, int64_t n, int64_t cs) {
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   if (cs == 0) {
-    const acc_t a = static_cast<acc_t>(mk[0]) * log2e;
-    for (int64_t c = 0; c < n; ++c) row[c] += a;
+    const acc_t a = static_cast<acc_t>(mk[0]);
+    for (int64_t c = 0; c < n; ++c) row[c] = std::fma(a, log2e, row[c]);
     return;
   }
   int64_t c = 0;
