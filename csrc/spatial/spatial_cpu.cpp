@@ -82,6 +82,18 @@ PixelPool<acc_t> pool_tail(const scalar_t* row, int64_t c, int64_t C, PixelPool<
   return acc;
 }
 
+// The kLanes partial results of a pixel merged in lane order (index_t: the lanes' channel
+// indices as the scan kept them, exact in either type).
+template <typename acc_t, typename index_t>
+PixelPool<acc_t> merge_lanes(const acc_t* s, const acc_t* m, const index_t* id) {
+  PixelPool<acc_t> acc{s[0], MaxArg<acc_t>{m[0], static_cast<int32_t>(id[0])}};
+  for (int j = 1; j < kLanes; ++j) {
+    acc.best.merge(MaxArg<acc_t>{m[j], static_cast<int32_t>(id[j])});
+    acc.sum += s[j];
+  }
+  return acc;
+}
+
 // kLanes lanes, lane j over channels j, j + kLanes, ... (the whole groups of kLanes), merged
 // at the end. Lanes beyond C (C < kLanes) start as a copy of channel 0 with a zero sum, which
 // the merge's tie rule (lowest channel) makes harmless.
@@ -105,15 +117,22 @@ PixelPool<acc_t> pool_pixel_scalar(const scalar_t* row, int64_t C) {
       id[j] = take ? static_cast<int32_t>(c + j) : id[j];
     }
   }
-  PixelPool<acc_t> acc{s[0], MaxArg<acc_t>{m[0], id[0]}};
-  for (int j = 1; j < kLanes; ++j) {
-    acc.best.merge(MaxArg<acc_t>{m[j], id[j]});
-    acc.sum += s[j];
-  }
-  return pool_tail(row, c, C, acc);
+  return pool_tail(row, c, C, merge_lanes(s, m, id));
 }
 
 #ifdef ATTN_EXT_AVX2
+// MaxArg::takes on lanes: v > m, or v NaN while m is not.
+inline __m256 takes_ps(__m256 v, __m256 m) {
+  const __m256 v_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256 m_nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+  return _mm256_or_ps(_mm256_cmp_ps(v, m, _CMP_GT_OQ), _mm256_andnot_ps(m_nan, v_nan));
+}
+inline __m256d takes_pd(__m256d v, __m256d m) {
+  const __m256d v_nan = _mm256_cmp_pd(v, v, _CMP_UNORD_Q);
+  const __m256d m_nan = _mm256_cmp_pd(m, m, _CMP_UNORD_Q);
+  return _mm256_or_pd(_mm256_cmp_pd(v, m, _CMP_GT_OQ), _mm256_andnot_pd(m_nan, v_nan));
+}
+
 inline int32_t hmin_epi32(__m256i v) {
   __m128i x = _mm_min_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   x = _mm_min_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -139,40 +158,29 @@ PixelPool<float> pool_pixel_avx2(const scalar_t* row, int64_t C) {
     const __m256 v = cpu::avx2::load8(row + c);
     vc = _mm256_add_epi32(vc, step);
     vs = _mm256_add_ps(vs, v);
-    const __m256 v_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    const __m256 m_nan = _mm256_cmp_ps(vm, vm, _CMP_UNORD_Q);
-    const __m256 take =
-        _mm256_or_ps(_mm256_cmp_ps(v, vm, _CMP_GT_OQ), _mm256_andnot_ps(m_nan, v_nan));
+    const __m256 take = takes_ps(v, vm);
     vm = _mm256_blendv_ps(vm, v, take);
     vid = _mm256_castps_si256(
         _mm256_blendv_ps(_mm256_castsi256_ps(vid), _mm256_castsi256_ps(vc), take));
   }
-  PixelPool<float> acc{cpu::avx2::hsum(vs), {}};
   if (_mm256_movemask_ps(_mm256_cmp_ps(vm, vm, _CMP_UNORD_Q)) != 0) {
-    alignas(32) float m[kLanes];
-    alignas(32) int32_t id[kLanes];
-    _mm256_store_ps(m, vm);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(id), vid);
-    acc.best = MaxArg<float>{m[0], id[0]};
-    for (int j = 1; j < kLanes; ++j) acc.best.merge(MaxArg<float>{m[j], id[j]});
-  } else {
-    const float mx = cpu::avx2::hmax(vm);
-    const __m256 at_max = _mm256_cmp_ps(vm, _mm256_set1_ps(mx), _CMP_EQ_OQ);
-    const __m256i none = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
-    acc.best = MaxArg<float>{mx, hmin_epi32(_mm256_castps_si256(_mm256_blendv_ps(
-                                     _mm256_castsi256_ps(none), _mm256_castsi256_ps(vid), at_max)))};
+    float s[kLanes], m[kLanes];
+    int32_t id[kLanes];
+    _mm256_storeu_ps(s, vs);
+    _mm256_storeu_ps(m, vm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(id), vid);
+    return pool_tail(row, c, C, merge_lanes(s, m, id));
   }
-  return pool_tail(row, c, C, acc);
+  const float mx = cpu::avx2::hmax(vm);
+  const __m256 at_max = _mm256_cmp_ps(vm, _mm256_set1_ps(mx), _CMP_EQ_OQ);
+  const __m256i none = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
+  const int32_t first = hmin_epi32(_mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(none), _mm256_castsi256_ps(vid), at_max)));
+  return pool_tail(row, c, C, PixelPool<float>{cpu::avx2::hsum(vs), MaxArg<float>{mx, first}});
 }
 
 // float64: the kLanes lanes as two registers of four, channel indices held as doubles
 // (exact) so that one blend moves value and index alike; the lanes merge in scalar code.
-inline __m256d takes_pd(__m256d v, __m256d m) {
-  const __m256d v_nan = _mm256_cmp_pd(v, v, _CMP_UNORD_Q);
-  const __m256d m_nan = _mm256_cmp_pd(m, m, _CMP_UNORD_Q);
-  return _mm256_or_pd(_mm256_cmp_pd(v, m, _CMP_GT_OQ), _mm256_andnot_pd(m_nan, v_nan));
-}
-
 inline PixelPool<double> pool_pixel_avx2(const double* row, int64_t C) {
   constexpr int kHalf = kLanes / 2;
   __m256d s0 = _mm256_loadu_pd(row), s1 = _mm256_loadu_pd(row + kHalf), m0 = s0, m1 = s1;
@@ -198,12 +206,7 @@ inline PixelPool<double> pool_pixel_avx2(const double* row, int64_t C) {
   _mm256_storeu_pd(m + kHalf, m1);
   _mm256_storeu_pd(id, i0);
   _mm256_storeu_pd(id + kHalf, i1);
-  PixelPool<double> acc{s[0], MaxArg<double>{m[0], static_cast<int32_t>(id[0])}};
-  for (int j = 1; j < kLanes; ++j) {
-    acc.best.merge(MaxArg<double>{m[j], static_cast<int32_t>(id[j])});
-    acc.sum += s[j];
-  }
-  return pool_tail(row, c, C, acc);
+  return pool_tail(row, c, C, merge_lanes(s, m, id));
 }
 #endif
 
