@@ -5,16 +5,8 @@ Every test that touches a tensor takes the ``device`` fixture: it runs on
 passes on a CPU-only machine and means the same on a GPU one.
 """
 
-import os
-import sys
-
 import pytest
 import torch
-
-# `from reference import ...` must work whatever pytest import mode is used.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
 
 CUDA = torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""attn_ext.attention against the references of tests/reference.py.
+"""attn_ext.attention against the references of attn_ext/testing/attention.py.
 
 Numerics rule (design.md): the kernel's max-abs error against a float64
 ground truth (the reference run on float64 copies of the very same inputs) is
@@ -13,13 +13,21 @@ import pytest
 import torch
 
 import attn_ext
-from reference import (
+from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
     grad_slack_ulps,
     assert_lse_close,
-    attention_reference,
     autograd_grads,
+    ground_truth,
+    ground_truth_grads,
+    make_qkv,
+    rand,
+    random_bool_mask,
+    random_float_mask,
+)
+from attn_ext.testing.attention import (
+    attention_reference,
     doc000_causal_attention,
     doc000_gqa_attention,
     doc000_kv_cache_attention,
@@ -30,13 +38,7 @@ from reference import (
     doc003_temperature_attention,
     doc004_grouped_attention_heads,
     expand_kv_heads,
-    ground_truth,
-    ground_truth_grads,
     kv_cache_additive_mask,
-    make_qkv,
-    rand,
-    random_bool_mask,
-    random_float_mask,
     repeat_kv,
     symmetric_window_keep,
     window_keep,

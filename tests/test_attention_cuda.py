@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
-from reference import (
+from attn_ext.testing.numerics import (
     assert_error_rule,
     assert_lse_close,
-    attention_reference,
     autograd_grads,
     grad_slack_ulps,
     ground_truth,
@@ -26,8 +25,8 @@ from reference import (
     make_qkv,
     random_bool_mask,
     random_float_mask,
-    window_keep,
 )
+from attn_ext.testing.attention import attention_reference, window_keep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 

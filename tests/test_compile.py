@@ -8,7 +8,7 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
-from reference import make_qkv, random_bool_mask
+from attn_ext.testing.numerics import make_qkv, random_bool_mask
 
 # Lengths avoid 0 and 1 (dynamo specializes on them by design) and, on the
 # first call, any size equal to another dim of the inputs (duck sizing would

@@ -6,8 +6,14 @@ import torch
 
 import attn_ext
 from attn_ext.compat import torchcode
-from reference import ALL_DTYPES, assert_error_rule, assert_lse_close, ground_truth, rand
-from reference_decoding import (Doc000KVCacheAttention, decode_reference, doc000_apply_rope,
+from attn_ext.testing.numerics import (
+    ALL_DTYPES,
+    assert_error_rule,
+    assert_lse_close,
+    ground_truth,
+    rand,
+)
+from attn_ext.testing.decoding import (Doc000KVCacheAttention, decode_reference, doc000_apply_rope,
                                 rope_reference)
 
 ops = torch.ops.attn_ext

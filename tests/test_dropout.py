@@ -14,18 +14,20 @@ import pytest
 import torch
 
 import attn_ext
-from reference import (
+from attn_ext.testing.numerics import (
     assert_error_rule,
     grad_slack_ulps,
-    attention_reference,
     autograd_grads,
-    doc001_causal_attention,
-    doc003_masked_stable_attention,
     ground_truth,
     ground_truth_grads,
     make_qkv,
     rand,
     random_bool_mask,
+)
+from attn_ext.testing.attention import (
+    attention_reference,
+    doc001_causal_attention,
+    doc003_masked_stable_attention,
 )
 
 

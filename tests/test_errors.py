@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import attn_ext
-from reference import attention_reference, make_qkv
+from attn_ext.testing.attention import attention_reference
+from attn_ext.testing.numerics import make_qkv
 
 ERRORS = (RuntimeError, ValueError)
 

@@ -1,6 +1,6 @@
 """attn_ext.linear_attention (issue 6) against the references of reference_linear.py.
 
-Numerics follow tests/reference.py's rule: the kernel's error against a float64 ground truth
+Numerics follow attn_ext/testing/attention.py's rule: the kernel's error against a float64 ground truth
 is at most 2x the error of the plain reference run at the same dtype (plus one rounding unit of
 the result), and float64 matches the truth to ~1e-10. The "plain reference" is document 000's
 function for non-causal elu+1, the masked quadratic form otherwise; its float16/bfloat16 run
@@ -20,9 +20,16 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
 from attn_ext.compat import torchcode
-from reference import (ALL_DTYPES, assert_error_rule, autograd_grads, grad_slack_ulps, ground_truth,
-                       ground_truth_grads, rand)
-from reference_linear import (doc000_linear_attention, final_state, linear_attention_quadratic,
+from attn_ext.testing.numerics import (
+    ALL_DTYPES,
+    assert_error_rule,
+    autograd_grads,
+    grad_slack_ulps,
+    ground_truth,
+    ground_truth_grads,
+    rand,
+)
+from attn_ext.testing.linear import (doc000_linear_attention, final_state, linear_attention_quadratic,
                               linear_attention_recurrent)
 
 ops = torch.ops.attn_ext

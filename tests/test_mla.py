@@ -9,8 +9,8 @@ import torch
 
 import attn_ext
 from attn_ext.nn import MultiHeadLatentAttention
-from reference import assert_error_rule, grad_slack_ulps
-from reference_mla import mla_reference, paper_weights
+from attn_ext.testing.numerics import assert_error_rule, grad_slack_ulps
+from attn_ext.testing.mla import mla_reference, paper_weights
 
 # Small dims with every width distinct (so a swapped axis cannot pass), and the paper's.
 SMALL = dict(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attn_ext  # noqa: F401  (registers the ops)
-from reference import make_qkv, random_bool_mask, random_float_mask
+from attn_ext.testing.numerics import make_qkv, random_bool_mask, random_float_mask
 
 ops = torch.ops.attn_ext
 

@@ -13,20 +13,18 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
-from reference import (
+from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
     grad_slack_ulps,
     autograd_grads,
-    attention_reference,
     ground_truth,
     make_qkv,
     rand,
     random_bool_mask,
     random_float_mask,
-    sdpa_reference,
-    top_left_causal_keep,
 )
+from attn_ext.testing.attention import attention_reference, sdpa_reference, top_left_causal_keep
 
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 

@@ -1,5 +1,5 @@
 """Spatial attention (CBAM): the fused channel pooling and sigmoid gate against plain-PyTorch
-references (tests/reference_spatial.py), document 004's SpatialAttention (the drop-in) and the
+references (attn_ext/testing/spatial.py), document 004's SpatialAttention (the drop-in) and the
 CBAM paper's modules (attn_ext.nn), in NCHW and channels-last, odd sizes and every dtype.
 
 Tolerances: float64 results agree with the reference to rounding (1e-12: same math, other
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import attn_ext
 import attn_ext.compat.attention_zoo as zoo
-import reference_spatial as ref
+from attn_ext.testing import spatial as ref
 from attn_ext.testing.documents import doc004
 
 ops = torch.ops.attn_ext

@@ -1,6 +1,6 @@
 """Temporal attention: document 004's TemporalAttention (the drop-in) and the canonical
 multi-head attn_ext.nn.TemporalAttention against references that build the time matrix T
-explicitly and materialize the scores (tests/reference_spatial.py, documents.doc004).
+explicitly and materialize the scores (attn_ext/testing/spatial.py, documents.doc004).
 
 Tolerances: float64 agrees to rounding (1e-10: the drop-in forms T^T T as S E^T E and the norm
 as sqrt(S) ||E||, the document sums S copies). float32 is loose (2e-4 relative): the kernel's
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attn_ext
 import attn_ext.compat.attention_zoo as zoo
-import reference_spatial as ref
+from attn_ext.testing import spatial as ref
 from attn_ext.testing.documents import doc004
 
 TOL64 = dict(rtol=1e-10, atol=1e-10)

@@ -9,8 +9,8 @@ import attn_ext
 from attn_ext.compat import attention_zoo
 from attn_ext.nn import TensorProductAttention, TPAFactorCache
 from attn_ext.testing.documents import doc004
-from reference import ALL_DTYPES, assert_error_rule, grad_slack_ulps
-from reference_tpa import tpa_decode_reference, tpa_expand_reference, tpa_reference
+from attn_ext.testing.numerics import ALL_DTYPES, assert_error_rule, grad_slack_ulps
+from attn_ext.testing.tpa import tpa_decode_reference, tpa_expand_reference, tpa_reference
 
 ops = torch.ops.attn_ext
 

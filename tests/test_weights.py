@@ -4,21 +4,19 @@ import pytest
 import torch
 
 import attn_ext
-from reference import (
+from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
     grad_slack_ulps,
-    attention_weights_reference,
     autograd_grads,
-    expand_kv_heads,
     ground_truth,
     ground_truth_grads,
     make_qkv,
     rand,
     random_bool_mask,
     random_float_mask,
-    window_keep,
 )
+from attn_ext.testing.attention import attention_weights_reference, expand_kv_heads, window_keep
 
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 

@@ -513,7 +513,7 @@ class doc004:
         """The document's TensorProductAttention as written: its parameters (what the drop-in
         must load) and its forward, which attends across heads at each position, sums the rank
         terms without 1/R and multiplies B_Q, B_K elementwise by ``rope_pos`` (S, d_k). The
-        paper's definition (the drop-in's) is in tests/reference_tpa.py."""
+        paper's definition (the drop-in's) is in attn_ext/testing/tpa.py."""
 
         def __init__(self, d_model, num_heads, d_k, r_q=6, r_k=2, r_v=2):
             super().__init__()

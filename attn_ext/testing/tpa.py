@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from reference_decoding import rope_reference
+from attn_ext.testing.decoding import rope_reference
 
 
 def factors(m, x: torch.Tensor, dtype=None):

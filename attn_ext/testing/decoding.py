@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from attn_ext.testing.documents import doc000
-from reference import attention_reference, repeat_kv
+from attn_ext.testing.attention import attention_reference, repeat_kv
 
 
 def rope_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from reference_decoding import rope_reference
+from attn_ext.testing.decoding import rope_reference
 
 
 def paper_weights(m) -> dict:
