@@ -6,15 +6,18 @@ Environment switches:
   ATTN_EXT_CUDA      auto (default) | 0 | 1: force the CUDA build off or on
   ATTN_EXT_DEBUG     1: -O0 -g
   ATTN_EXT_CUDA_HEAD_DIMS   e.g. "128" or "64,128": tensor-core forward head dims to compile
-                            (of 64, 128, 256; default all; others run on the generic kernel)
+                            (of csrc/attention/cuda/instantiations.json's, today 64, 128, 256;
+                            default all; others run on the generic kernel)
   ATTN_EXT_CUDA_DTYPES      e.g. "bf16" or "bf16,f32": attention kernel dtypes to compile
-                            (of f32, f64, bf16, f16; default all; others raise on CUDA)
+                            (of the same file's, today f32, f64, bf16, f16; default all; others
+                            raise on CUDA)
   ATTN_EXT_CUDA_BACKWARD    0: no attention backward kernels on CUDA (default 1)
   TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs'; with
                             none visible "8.0+PTX;9.0a")
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
 import glob
+import json
 import os
 import platform
 import re
@@ -24,10 +27,19 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+# The instantiated CUDA attention dtypes and head dims (also read by
+# tools/gen_cuda_instantiations.py, which writes the instantiations and the launcher's header).
+KERNEL_SET = os.path.join(CSRC, "attention", "cuda", "instantiations.json")
+INSTANTIATIONS = os.path.join("csrc", "attention", "cuda", "instantiations")
 
 
 def _sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def _in_folder(path, name):
+    return name in path.split(os.sep)[:-1]
 
 
 def _cuda_enabled():
@@ -37,13 +49,18 @@ def _cuda_enabled():
     have = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if mode == "1" and not have:
         raise RuntimeError("ATTN_EXT_CUDA=1 but torch is not a CUDA build or no CUDA toolkit was found")
-    return have and bool(_sources("csrc/cuda/**/*.cu"))
+    return have and bool(_sources("csrc/**/*.cu"))
 
 
-# Attention instantiations (tools/gen_cuda_instantiations.py writes csrc/cuda/instantiations).
-_INSTANTIATION = re.compile(r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>f32|f64|bf16|f16)(?:_hd(?P<hd>\d+))?\.cu$")
-_CUDA_DTYPES = ("f32", "f64", "bf16", "f16")  # bit order of ATTN_EXT_CUDA_DTYPE_MASK
-_CUDA_HEAD_DIMS = (64, 128, 256)              # bit order of ATTN_EXT_CUDA_HEAD_DIM_MASK
+# Attention instantiations (tools/gen_cuda_instantiations.py writes them).
+_INSTANTIATION = re.compile(r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$")
+
+
+def _kernel_set():
+    """(dtype tags, tensor-core head dims), each in the bit order of its nvcc mask."""
+    with open(KERNEL_SET) as f:
+        ks = json.load(f)
+    return tuple(ks["dtypes"]), tuple(ks["mma_head_dims"])
 
 
 def _env_list(name, allowed, convert=str):
@@ -59,11 +76,12 @@ def _env_list(name, allowed, convert=str):
 
 def _cuda_attention_selection():
     """The instantiation files to compile and the nvcc defines that tell the dispatcher."""
-    dtypes = _env_list("ATTN_EXT_CUDA_DTYPES", _CUDA_DTYPES)
-    head_dims = _env_list("ATTN_EXT_CUDA_HEAD_DIMS", _CUDA_HEAD_DIMS, int)
+    all_dtypes, all_head_dims = _kernel_set()
+    dtypes = _env_list("ATTN_EXT_CUDA_DTYPES", all_dtypes)
+    head_dims = _env_list("ATTN_EXT_CUDA_HEAD_DIMS", all_head_dims, int)
     backward = os.environ.get("ATTN_EXT_CUDA_BACKWARD", "1") != "0"
     keep = []
-    for src in _sources("csrc/cuda/instantiations/*.cu"):
+    for src in _sources(os.path.join(INSTANTIATIONS, "*.cu")):
         m = _INSTANTIATION.match(os.path.basename(src))
         if m is None:
             raise RuntimeError(f"{src}: not an instantiation name tools/gen_cuda_instantiations.py writes")
@@ -72,8 +90,8 @@ def _cuda_attention_selection():
         if m["hd"] is not None and int(m["hd"]) not in head_dims:
             continue
         keep.append(src)
-    dtype_mask = sum(1 << i for i, d in enumerate(_CUDA_DTYPES) if d in dtypes)
-    hd_mask = sum(1 << i for i, d in enumerate(_CUDA_HEAD_DIMS) if d in head_dims)
+    dtype_mask = sum(1 << i for i, d in enumerate(all_dtypes) if d in dtypes)
+    hd_mask = sum(1 << i for i, d in enumerate(all_head_dims) if d in head_dims)
     defines = [f"-DATTN_EXT_CUDA_DTYPE_MASK={dtype_mask}", f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
                f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}"]
     return keep, defines
@@ -106,26 +124,33 @@ def _runtime_link_args():
     return ["-l:libstdc++.so.6"] if platform.system() == "Linux" else []
 
 
-def _extension():
+def _extension(cuda):
+    """One rule for the sources: every csrc/**/*.cpp outside a cuda/ folder is built always;
+    a CUDA build adds every .cu and every .cpp of the cuda/ folders, of the generated attention
+    instantiations only those setup.py keeps (_cuda_attention_selection)."""
     debug = os.environ.get("ATTN_EXT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     cxx = opt + ["-fopenmp", "-fvisibility=hidden"] + _cpu_isa_flags()
-    sources = (_sources("csrc/*.cpp") + _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp")
-               + _sources("csrc/linear/*.cpp") + _sources("csrc/spatial/*.cpp"))
-    kwargs = dict(extra_link_args=["-fopenmp"] + _runtime_link_args())
-    if _cuda_enabled():
+    every_cpp = _sources("csrc/**/*.cpp")
+    sources = [s for s in every_cpp if not _in_folder(s, "cuda")]
+    # Headers and the kernel set: a change to one of them makes setuptools call the compiler;
+    # ninja's dependency files then pick the objects that include it.
+    depends = _sources("csrc/**/*.h") + _sources("csrc/**/*.cuh") + [os.path.relpath(KERNEL_SET, ROOT)]
+    kwargs = dict(include_dirs=[CSRC], depends=depends, extra_link_args=["-fopenmp"] + _runtime_link_args())
+    if cuda:
         cxx.append("-DATTN_EXT_WITH_CUDA")
         arch = _cuda_arch_list() or "the visible GPUs' architectures"
         instantiations, defines = _cuda_attention_selection()
         nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"] + defines
-        hand_written = [s for s in _sources("csrc/cuda/**/*.cu") if "instantiations" not in s.split(os.sep)]
-        sources += hand_written + instantiations + _sources("csrc/cuda/**/*.cpp")
+        hand_written = [s for s in _sources("csrc/**/*.cu") if not _in_folder(s, "instantiations")]
+        sources += hand_written + instantiations + [s for s in every_cpp if _in_folder(s, "cuda")]
         print(f"attn_ext: building CUDA kernels for {arch}")
         return cpp_extension.CUDAExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return cpp_extension.CppExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+if __name__ == "__main__":  # tests import this file for its kernel-set logic
+    setup(
+        ext_modules=[_extension(_cuda_enabled())],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    )

@@ -81,7 +81,9 @@ def print_ops() -> None:
     width = max(len(op) for op in ops)
     print(f"\n{'operator'.ljust(width)}  CPU  CUDA")
     for op in ops:
-        has = [torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for key in ("CPU", "CUDA")]
+        # computed: what the key runs, a CompositeExplicitAutograd kernel included
+        has = [torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, key)
+               for key in ("CPU", "CUDA")]
         print(f"{op.ljust(width)}  " + "  ".join(("yes" if h else "-").ljust(4) for h in has))
 
 

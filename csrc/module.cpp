@@ -6,8 +6,8 @@
 #include <exception>
 #include <c10/util/Exception.h>
 
-#include "cpu/block_kernels.h"
-#include "cpu/vec_math.h"
+#include "attention/cpu/block_kernels.h"
+#include "common/cpu/vec_math.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-"""GPU-only cases of attn_ext.attention (the CUDA kernels of csrc/cuda/flash): the shapes and
-paths the device-parametrized suite does not reach. Skipped without a visible GPU.
+"""GPU-only cases of attn_ext.attention (the CUDA kernels of csrc/attention/cuda/flash): the
+shapes and paths the device-parametrized suite does not reach. Skipped without a visible GPU.
 
 Numerics rule (design.md, with torch's own attention as the reference): the kernel's max-abs
 error against a float64 truth computed from the very same inputs is at most 2x the error of

@@ -86,8 +86,8 @@ def test_avx512_choice_without_avx512_raises(tmp_path):
 # intrinsics themselves; test_avx512_products_match_avx2_bitwise does that on AVX-512 CPUs.
 
 _WRAPPER = r"""
-#include "avx2_block_products.h"
-#include "avx512_block_products.h"
+#include "attention/cpu/avx2_block_products.h"
+#include "attention/cpu/avx512_block_products.h"
 using namespace attn_ext::cpu;
 extern "C" {
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* dst) {
@@ -126,15 +126,16 @@ def emulated(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cpu_dir = os.path.join(root, "csrc", "cpu")
+    csrc = os.path.join(root, "csrc")  # includes are relative to csrc/
     work = tmp_path_factory.mktemp("avx512_emulation")
     (work / "wrapper.cpp").write_text(_WRAPPER)
     lib = work / "libemulated.so"
     shim = os.path.join(root, "tests", "avx512_emulation.h")
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c",
-           "-ffp-contract=off", f'-DATTN_EXT_AVX512_EMULATION="{shim}"', f"-I{cpu_dir}"]
+           "-ffp-contract=off", f'-DATTN_EXT_AVX512_EMULATION="{shim}"', f"-I{csrc}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [os.path.join(cpu_dir, "avx512_block_products.cpp"), str(work / "wrapper.cpp"), "-o", str(lib)]
+    cmd += [os.path.join(csrc, "attention", "cpu", "avx512_block_products.cpp"),
+            str(work / "wrapper.cpp"), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(lib))

@@ -22,8 +22,59 @@ def test_cuda_sources_compile():
 
 
 def test_cuda_instantiations_are_generated():
-    """csrc/cuda/instantiations is exactly what tools/gen_cuda_instantiations.py writes (a kernel
-    template change that needs new instantiations, or a hand edit, fails here)."""
+    """csrc/attention/cuda/instantiations is exactly what tools/gen_cuda_instantiations.py writes
+    from instantiations.json (a kernel template change that needs new instantiations, a new
+    head dim, or a hand edit, fails here)."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_cuda_instantiations.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _setup_module():
+    """setup.py as a module (its setup() call runs only as __main__)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attn_ext_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_kernel_set_has_one_source(monkeypatch):
+    """The instantiated dtypes and head dims come from csrc/attention/cuda/instantiations.json
+    alone: setup.py's selection and nvcc masks, the generated files and the launcher's header
+    agree with it (bit i of each mask is entry i of the file's list)."""
+    import json
+    import re
+
+    kernel_set = json.loads((ROOT / "csrc" / "attention" / "cuda" / "instantiations.json").read_text())
+    dtypes, mma_dtypes, head_dims = (list(kernel_set["dtypes"]), kernel_set["mma_dtypes"],
+                                     kernel_set["mma_head_dims"])
+    header = (ROOT / "csrc" / "attention" / "cuda" / "instantiations" / "kernel_set.h").read_text()
+    dims = re.search(r"kMmaHeadDims\[\] = \{([^}]*)\}", header).group(1)
+    assert [int(d) for d in dims.split(",")] == head_dims
+    bits = dict(re.findall(r"kDtypeBit<(\w+)> = (\d+);", header))
+    assert [int(bits[kernel_set["dtypes"][d]]) for d in dtypes] == list(range(len(dtypes)))
+    launcher = (ROOT / "csrc" / "attention" / "cuda" / "attention_launch.cu").read_text()
+    assert '#include "attention/cuda/instantiations/kernel_set.h"' in launcher
+    assert not re.search(r"kMmaHeadDims\[\]\s*=", launcher), "the launcher lists head dims again"
+
+    setup = _setup_module()
+    keep, defines = setup._cuda_attention_selection()  # no switches: every file, every bit
+    generated = sorted((ROOT / "csrc" / "attention" / "cuda" / "instantiations").glob("*.cu"))
+    assert sorted(ROOT / k for k in keep) == generated
+    assert f"-DATTN_EXT_CUDA_DTYPE_MASK={(1 << len(dtypes)) - 1}" in defines
+    assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={(1 << len(head_dims)) - 1}" in defines
+
+    dtype, hd = mma_dtypes[-1], head_dims[-1]  # one narrowed build: the last of each list
+    monkeypatch.setenv("ATTN_EXT_CUDA_DTYPES", dtype)
+    monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(hd))
+    monkeypatch.setenv("ATTN_EXT_CUDA_BACKWARD", "0")
+    keep, defines = setup._cuda_attention_selection()
+    assert sorted(Path(k).name for k in keep) == sorted([f"fwd_generic_{dtype}.cu",
+                                                         f"fwd_mma_{dtype}_hd{hd}.cu"])
+    assert f"-DATTN_EXT_CUDA_DTYPE_MASK={1 << dtypes.index(dtype)}" in defines
+    assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={1 << head_dims.index(hd)}" in defines
+    monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(head_dims[0] + 1))
+    with pytest.raises(RuntimeError, match="unknown value"):
+        setup._cuda_attention_selection()

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Compiles every CUDA source of attn_ext without a GPU and without a CUDA build of torch.
 
-* every ``csrc/cuda/**/*.cu`` with nvcc for each architecture (default ``sm_80`` and
+* every ``csrc/**/*.cu`` with nvcc for each architecture (default ``sm_80`` and
   ``sm_90a``: A100 and H100), to an object file;
-* every ``csrc/cuda/**/*.cpp`` (the op wrappers), and every other ``csrc`` source with an
-  ``ATTN_EXT_WITH_CUDA`` part, with the host C++ compiler, syntax only, against torch's headers
-  and the CUDA toolkit's. A CPU-only torch ships the c10/ATen CUDA headers but
+* every ``.cpp`` of a ``csrc/<family>/cuda/`` folder (the op wrappers), and every other ``csrc``
+  source with an ``ATTN_EXT_WITH_CUDA`` part, with the host C++ compiler, syntax only, against
+  torch's headers and the CUDA toolkit's. A CPU-only torch ships the c10/ATen CUDA headers but
   not the generated ``c10/cuda/impl/cuda_cmake_macros.h``; a one-line stand-in is supplied.
 
 Exit status 0 when everything compiles, 1 when something does not (its compiler output is
@@ -73,11 +73,11 @@ def main(argv=None) -> int:
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
     nvcc = str(cuda_home / "bin" / "nvcc")
-    cu = sorted((ROOT / "csrc" / "cuda").rglob("*.cu"))
-    cpp = sorted((ROOT / "csrc" / "cuda").rglob("*.cpp"))
-    # shared sources with a CUDA-only part (registrations under ATTN_EXT_WITH_CUDA)
-    cpp += sorted(p for p in (ROOT / "csrc").rglob("*.cpp")
-                  if "cuda" not in p.relative_to(ROOT).parts and "ATTN_EXT_WITH_CUDA" in p.read_text())
+    cu = sorted((ROOT / "csrc").rglob("*.cu"))
+    # setup.py's rule: the .cpp files of the cuda/ folders are the CUDA build's; the others
+    # count when they have a CUDA-only part (under ATTN_EXT_WITH_CUDA)
+    cpp = sorted(p for p in (ROOT / "csrc").rglob("*.cpp")
+                 if "cuda" in p.relative_to(ROOT).parts[:-1] or "ATTN_EXT_WITH_CUDA" in p.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True)
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         # once (about 20% less time than one run per architecture).
         gencodes = [flag for arch in args.arch for flag in gencode(arch)]
         for src in cu:
-            obj = Path(tmp) / f"{src.stem}.o"
+            # named by the path: two families may have kernels of the same file name
+            obj = Path(tmp) / ("_".join(src.relative_to(ROOT).parts) + ".o")
             jobs.append((f"{src.relative_to(ROOT)} [{', '.join(args.arch)}]",
                          [nvcc, "-c", str(src), "-o", str(obj), *gencodes, *NVCC_FLAGS, *includes]))
         cxx = os.environ.get("CXX", "c++")

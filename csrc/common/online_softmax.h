@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <c10/macros/Macros.h>
-#include "constants.h"
+#include "common/constants.h"
 
 namespace attn_ext {
 

@@ -1,18 +1,21 @@
-// linear_attention and its backward written with ATen ops: the CUDA implementation until a
-// fused kernel exists. The math is the CPU kernel's (csrc/linear/linear_attention_cpu.cpp):
+// linear_attention and its backward written with ATen ops: the implementation on every device
+// but CPU (CUDA included) until a fused kernel exists. The math is the CPU kernel's
+// (linear/cpu/linear_attention_cpu.cpp):
 // values get a column of ones (v' = [v, 1], width Dp = Dv + 1), so the state (S, z) is one
 // D x Dp matrix and the denominator is the last column of phi(q) S'. Causal attention runs in
 // chunks of kCausalChunk: the masked C x C product inside a chunk, the exclusive prefix of the
 // chunk states between chunks. Memory is O(S (D + Dp) + (S / C) D Dp), never S x S.
 //
-// It is plain ATen, so it is registered for CUDA in every build: the CPU-only test suite runs
-// this very code on CPU tensors by redispatching to the CUDA key.
+// It is plain ATen, so it is registered once for every device (CompositeExplicitAutograd); the
+// CPU kernel (linear/cpu/linear_attention_cpu.cpp) is a backend registration and wins on CPU.
+// The CUDA key gets this composite in every build, so the CPU-only test suite runs this very
+// code on CPU tensors by redispatching to the CUDA key.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#include "feature_map.h"
-#include "linear_inputs.h"
+#include "linear/feature_map.h"
+#include "linear/linear_inputs.h"
 
 namespace attn_ext::linear {
 namespace {
@@ -173,7 +176,7 @@ linear_attention_backward_composite(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
   m.impl("linear_attention", &linear_attention_composite);
   m.impl("linear_attention_backward", &linear_attention_backward_composite);
 }

@@ -1,4 +1,4 @@
-#include "linear_inputs.h"
+#include "linear/linear_inputs.h"
 
 #include <cmath>
 #include <sstream>
@@ -6,7 +6,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
 
-#include "../common/inputs.h"
+#include "attention/inputs.h"
 
 namespace attn_ext::linear {
 namespace {

@@ -4,7 +4,7 @@
 #include <optional>
 #include <string_view>
 #include <ATen/core/Tensor.h>
-#include "feature_map.h"
+#include "linear/feature_map.h"
 
 namespace attn_ext::linear {
 

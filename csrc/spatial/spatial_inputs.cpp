@@ -1,4 +1,4 @@
-#include "spatial_inputs.h"
+#include "spatial/spatial_inputs.h"
 
 #include <limits>
 #include <ATen/ATen.h>

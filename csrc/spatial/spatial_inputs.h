@@ -7,7 +7,7 @@
 // are copied once to NCHW. Outputs shaped like x (out, grad_x) take x's layout; pooled
 // (N, 2, H, W) is always channels-last.
 #include <ATen/core/Tensor.h>
-#include "spatial_params.h"
+#include "spatial/spatial_params.h"
 
 namespace attn_ext::spatial {
 

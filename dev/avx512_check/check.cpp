@@ -10,8 +10,8 @@
 #include <cstring>
 #include <vector>
 
-#include "avx2_block_products.h"
-#include "avx512_block_products.h"
+#include "attention/cpu/avx2_block_products.h"
+#include "attention/cpu/avx512_block_products.h"
 
 using namespace attn_ext::cpu;
 

@@ -17,8 +17,8 @@ rm -rf initrd iso && mkdir -p initrd/dev iso/isolinux
 
 torch_inc=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")
 # shellcheck disable=SC2086
-g++ -static -O2 -std=c++17 -mavx2 -mfma -mf16c -I"$root/csrc/cpu" $torch_inc \
-  "$here/check.cpp" "$root/csrc/cpu/avx512_block_products.cpp" -o initrd/init
+g++ -static -O2 -std=c++17 -mavx2 -mfma -mf16c -I"$root/csrc" $torch_inc \
+  "$here/check.cpp" "$root/csrc/attention/cpu/avx512_block_products.cpp" -o initrd/init
 mknod initrd/dev/console c 5 1
 (cd initrd && find . | cpio -o -H newc --quiet > ../iso/initrd.img)
 cp "$KERNEL" iso/vmlinuz

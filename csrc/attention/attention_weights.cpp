@@ -1,0 +1,98 @@
+// attention_weights: the probability matrix itself (the one op that materializes
+// Sq x Sk), for diagnostics and modules that must return weights. Written with ATen ops,
+// so one implementation serves every device; the band comes from the shared LocalBand.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include "attention/inputs.h"
+#include "common/mask.h"
+
+namespace attn_ext {
+namespace {
+
+// (B, H, Sq, Sk) scores in acc_t of q @ k^T, GQA by viewing q as (B, Hkv, G, Sq, D).
+at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2);
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  const at::Tensor qg = q.to(acc).reshape({B, Hkv, H / Hkv, Sq, q.size(3)});
+  const at::Tensor kg = k.to(acc).unsqueeze(2).transpose(-1, -2);
+  return at::matmul(qg, kg).mul_(scale).reshape({B, H, Sq, k.size(2)});
+}
+
+at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
+                                  const std::optional<at::Tensor>& attn_mask,
+                                  std::optional<double> scale, bool causal, int64_t window_left,
+                                  int64_t window_right, std::optional<int64_t> key_offset) {
+  constexpr const char* kOp = "attn_ext.attention_weights";
+  // k doubles as v: validation and the band are exactly those of attention.
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  const AttentionParams& p = in.params;
+  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());
+  at::Tensor s = grouped_scores(in.q, in.k, p.scale);
+  const auto neg_inf = -std::numeric_limits<double>::infinity();
+  if (p.window_left >= 0 || p.window_right >= 0) {
+    const LocalBand band{p.key_offset, p.window_left, p.window_right};
+    const auto idx = q.options().dtype(at::kLong);
+    const at::Tensor center = at::arange(Sq, idx).unsqueeze(1) + band.key_offset;
+    const at::Tensor j = at::arange(Sk, idx).unsqueeze(0);
+    at::Tensor allowed = at::ones({Sq, Sk}, q.options().dtype(at::kBool));
+    if (band.has_left()) allowed = allowed.logical_and(j >= center - band.left);
+    if (band.has_right()) allowed = allowed.logical_and(j <= center + band.right);
+    s.masked_fill_(allowed.logical_not(), neg_inf);
+  }
+  if (in.mask.defined()) {
+    if (in.mask.scalar_type() == at::kBool) {
+      s.masked_fill_(in.mask.logical_not(), neg_inf);
+    } else {
+      s.add_(in.mask);
+    }
+  }
+  // ATen's fused softmax (one kernel, no temporaries); rows that a mask or band left without
+  // a key come out of it as NaN and are set to 0. Only masks can empty a row, so unmasked
+  // scores skip the row-max pass, and NaN from the inputs propagates either way.
+  at::Tensor e = at::_softmax(s, -1, false);
+  if (p.window_left >= 0 || p.window_right >= 0 || in.mask.defined()) {
+    e.masked_fill_(std::get<0>(s.max(-1, true)) == neg_inf, 0.0);
+  }
+  return e.to(q.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(
+    const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& q,
+    const at::Tensor& k, std::optional<double> scale) {
+  constexpr const char* kOp = "attn_ext.attention_weights_backward";
+  PreparedInputs in = prepare_attention(kOp, q, k, k, {});
+  const AttentionParams& p = in.params;
+  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int64_t D = p.head_dim;
+  const std::vector<int64_t> w_shape{B, H, Sq, Sk};
+  check_companion(kOp, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
+  check_companion(kOp, "weights", weights, q, w_shape, q.scalar_type());
+  const double sc = scale.has_value() ? *scale : p.scale;
+  if (B * H * Sq * Sk == 0 || Hkv == 0) return {at::zeros_like(q), at::zeros_like(k)};
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  // dS = P * (dP - rowsum(dP * P)) by ATen's fused softmax backward (one Sq x Sk result, no
+  // temporaries; rows emptied by a mask have P = 0 and so dS = 0), then the two products of
+  // the score matmul.
+  const at::Tensor ds = at::_softmax_backward_data(grad_weights.to(acc), weights.to(acc), -1, acc);
+  const int64_t G = H / Hkv;
+  const at::Tensor dsg = ds.reshape({B, Hkv, G, Sq, Sk});
+  const at::Tensor kf = k.to(acc).unsqueeze(2);
+  const at::Tensor dq = at::matmul(dsg, kf).mul_(sc).reshape({B, H, Sq, D});
+  const at::Tensor qg = q.to(acc).reshape({B, Hkv, G, Sq, D});
+  const at::Tensor dk = at::matmul(dsg.transpose(-1, -2), qg).sum(2).mul_(sc);
+  return {dq.to(q.scalar_type()), dk.to(q.scalar_type())};
+}
+
+}  // namespace
+
+// ATen ops only: one registration serves every device (csrc/README.md, "Registering kernels").
+TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
+  m.impl("attention_weights", &attention_weights_impl);
+  m.impl("attention_weights_backward", &attention_weights_backward_impl);
+}
+
+}  // namespace attn_ext

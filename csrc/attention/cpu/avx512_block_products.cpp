@@ -1,0 +1,195 @@
+// The packed block products on AVX-512 (contracts in block_kernels.h).
+//
+// Shapes: the panels are 16 floats wide, one zmm register. A micro-tile is kRows rows x two
+// adjacent panels (32 columns): 12 x 2 accumulators + 2 panel vectors + 1 broadcast use 27 of
+// AVX-512's 32 registers, and each pair of panel loads feeds 24 FMAs, so the loop is bound
+// by the FMA ports rather than by loads. A lone last panel (an odd panel count) runs with
+// one accumulator per row.
+//
+// Exactness: each output element is the same chain of fused multiply-adds over k, in the
+// same order, as in the AVX2 kernels; partial panels use masked loads and stores where the
+// AVX2 kernels use a scalar std::fma loop, which rounds the same way.
+//
+// This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
+// pragma after its includes, so no inline function it shares with the rest of the library
+// is ever emitted with AVX-512 code; block_kernels() calls it only on CPUs with AVX-512F.
+#include "attention/cpu/avx512_block_products.h"
+
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention/cpu/row_tiles.h"
+
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) to check its tiling bit for bit on CPUs without AVX-512.
+#include ATTN_EXT_AVX512_EMULATION
+#else
+#include <immintrin.h>
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+#endif
+#endif
+
+namespace attn_ext::cpu::avx512 {
+namespace {
+
+constexpr int kLanes = 16;  // one zmm holds one row of a 16-wide panel
+constexpr int kRows = 12;
+// Row and panel loops are unrolled before register allocation, or the accumulators land on
+// the stack (see avx2_block_products.h).
+#define ATTN_EXT_UNROLL _Pragma("GCC unroll 16")
+
+inline __mmask16 lane_mask(int64_t cols) {
+  return cols >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u);
+}
+
+// acc[r][c] = sum_k a[r * row_stride + k * k_stride] * panel_c[k][0..16), panel_c at
+// panel + c * panel_offset, for R rows and P (1 or 2) panels.
+template <int R, int P>
+__attribute__((always_inline)) inline void panel_product(const float* a, int64_t row_stride,
+                                                         int64_t k_stride, const float* panel,
+                                                         int64_t panel_offset, int64_t k_len,
+                                                         __m512 (&acc)[R][P]) {
+  ATTN_EXT_UNROLL
+  for (int r = 0; r < R; ++r) {
+    ATTN_EXT_UNROLL
+    for (int c = 0; c < P; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_len; ++k) {
+    __m512 b[P];
+    ATTN_EXT_UNROLL
+    for (int c = 0; c < P; ++c) b[c] = _mm512_loadu_ps(panel + c * panel_offset + k * kLanes);
+    ATTN_EXT_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * row_stride + k * k_stride]);
+      ATTN_EXT_UNROLL
+      for (int c = 0; c < P; ++c) acc[r][c] = _mm512_fmadd_ps(x, b[c], acc[r][c]);
+    }
+  }
+}
+
+// o[0..cols) = o * f + acc (f = 1 when factor is null), cols <= 16; the tile's sum is added
+// once to the running output (see avx2::add_to_row for why).
+inline void add_to_row(float* o, const float* factor, __m512 acc, int64_t cols) {
+  const __mmask16 lanes = lane_mask(cols);
+  const __m512 ov = _mm512_maskz_loadu_ps(lanes, o);
+  const __m512 r =
+      factor ? _mm512_fmadd_ps(ov, _mm512_set1_ps(*factor), acc) : _mm512_add_ps(ov, acc);
+  _mm512_mask_storeu_ps(o, lanes, r);
+}
+
+// Calls kernel(std::integral_constant<int, P>{}) with P = 2 when more than one panel's worth
+// of columns remain, else 1.
+template <typename F>
+inline void with_panels(int64_t cols_left, F&& kernel) {
+  if (cols_left > kLanes)
+    kernel(std::integral_constant<int, 2>{});
+  else
+    kernel(std::integral_constant<int, 1>{});
+}
+
+template <int R, int P>
+inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t panel_offset,
+                         int64_t d, __m512 scale, float* s, int64_t lds) {
+  __m512 acc[R][P];
+  panel_product<R, P>(q, ldq, 1, panel, panel_offset, d, acc);
+  ATTN_EXT_UNROLL
+  for (int r = 0; r < R; ++r) {
+    ATTN_EXT_UNROLL
+    for (int c = 0; c < P; ++c)
+      _mm512_storeu_ps(s + r * lds + c * kLanes, _mm512_mul_ps(acc[r][c], scale));
+  }
+}
+
+template <int R, int P>
+inline void pv_micro(const float* p, int64_t ldp, const float* panel, int64_t panel_stride,
+                     int64_t n, const float* factor, float* o, int64_t ldo, int64_t cols) {
+  __m512 acc[R][P];
+  panel_product<R, P>(p, ldp, 1, panel, panel_stride, n, acc);
+  ATTN_EXT_UNROLL
+  for (int r = 0; r < R; ++r) {
+    ATTN_EXT_UNROLL
+    for (int c = 0; c < P; ++c)
+      add_to_row(o + r * ldo + c * kLanes, factor ? factor + r : nullptr, acc[r][c],
+                 cols - c * kLanes);
+  }
+}
+
+template <int R, int P>
+inline void atb_micro(const float* a, int64_t lda, const float* panel, int64_t panel_stride,
+                      int64_t m, float* c, int64_t ldc, int64_t cols) {
+  __m512 acc[R][P];
+  panel_product<R, P>(a, 1, lda, panel, panel_stride, m, acc);
+  ATTN_EXT_UNROLL
+  for (int i = 0; i < R; ++i) {
+    ATTN_EXT_UNROLL
+    for (int j = 0; j < P; ++j)
+      add_to_row(c + i * ldc + j * kLanes, nullptr, acc[i][j], cols - j * kLanes);
+  }
+}
+
+}  // namespace
+
+void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels, int64_t n,
+                 int64_t d, float scale, float* s, int64_t lds) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t panel_offset = d * kLanes;
+  // Two key panels (2 x d x 16 floats) stay in L1 while every row tile passes over them.
+  for (int64_t g = 0; g < n; g += 2 * kLanes) {
+    const float* panel = key_panels + g * d;
+    with_panels(n - g, [&](auto panels) {
+      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
+        scores_micro<decltype(rows)::value, decltype(panels)::value>(
+            q + r0 * ldq, ldq, panel, panel_offset, d, sv, s + r0 * lds + g, lds);
+      });
+    });
+  }
+}
+
+void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_panels,
+             int64_t panel_stride, int64_t n, int64_t dv, const float* factor, float* o,
+             int64_t ldo) {
+  for (int64_t c0 = 0; c0 < dv; c0 += 2 * kLanes) {
+    const float* panel = value_panels + (c0 / kLanes) * panel_stride;
+    const int64_t cols = std::min<int64_t>(2 * kLanes, dv - c0);
+    with_panels(cols, [&](auto panels) {
+      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
+        pv_micro<decltype(rows)::value, decltype(panels)::value>(
+            p + r0 * ldp, ldp, panel, panel_stride, n, factor ? factor + r0 : nullptr,
+            o + r0 * ldo + c0, ldo, cols);
+      });
+    });
+  }
+}
+
+void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
+              int64_t panel_stride, int64_t dc, float* c, int64_t ldc) {
+  for (int64_t c0 = 0; c0 < dc; c0 += 2 * kLanes) {
+    const float* panel = b_panels + (c0 / kLanes) * panel_stride;
+    const int64_t cols = std::min<int64_t>(2 * kLanes, dc - c0);
+    with_panels(cols, [&](auto panels) {
+      for_row_tiles<kRows>(n, [&](auto rows, int64_t i0) {
+        atb_micro<decltype(rows)::value, decltype(panels)::value>(
+            a + i0, lda, panel, panel_stride, m, c + i0 * ldc + c0, ldc, cols);
+      });
+    });
+  }
+}
+
+}  // namespace attn_ext::cpu::avx512
+
+#ifndef ATTN_EXT_AVX512_EMULATION
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+#endif  // ATTN_EXT_AVX512_PRODUCTS

@@ -1,0 +1,349 @@
+// CPU flash-attention backward: probabilities recomputed from the forward's lse, tile by
+// tile; no Sq x Sk buffer. Parallel over (batch, head); every task owns its rows of dq and
+// its query head's dk/dv, so the result is deterministic.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common/constants.h"
+#include "attention/inputs.h"
+#include "common/mask.h"
+#include "common/online_softmax.h"
+#include "common/cpu/blas.h"
+#include "common/cpu/cpu_support.h"
+#include "common/cpu/kernel_traits.h"
+#include "attention/cpu/tile_mask.h"
+#include "common/cpu/vec_math.h"
+#ifdef ATTN_EXT_AVX2
+#include "attention/cpu/avx2_block_products.h"
+#include "attention/cpu/block_kernels.h"
+#endif
+
+namespace attn_ext::cpu {
+namespace {
+
+// The log-sum-exp rows of one (batch, head) in acc_t, log2 domain. The forward reports lse
+// in float32 (design), which caps fp64 gradients at ~1e-7 relative error; fp64 callers ask
+// for exactness, so for them the backward recomputes it in fp64 (one extra Q K^T pass).
+template <typename scalar_t, typename acc_t>
+void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar_t* q,
+                    const scalar_t* k, acc_t* s_buf, int64_t ld_s, int64_t block_m,
+                    int64_t block_n, acc_t* lse2) {
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += block_m) {
+    const int64_t m = std::min(block_m, p.seqlen_q - i0);
+    std::vector<SoftmaxState<acc_t>> st(m);
+    const int64_t n_end = band.key_end(i0 + m, p.seqlen_k);
+    for (int64_t j0 = band.key_begin(i0, p.seqlen_k); j0 < n_end; j0 += block_n) {
+      const int64_t n = std::min(block_n, n_end - j0);
+      gemm(false, true, m, n, p.head_dim, acc_t(1), q + i0 * p.q_row_stride, p.q_row_stride,
+           k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
+      for (int64_t r = 0; r < m; ++r) scale_row(s_buf + r * ld_s, n, s_scale);
+      mask_tile<scalar_t>(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
+      for (int64_t r = 0; r < m; ++r) {
+        acc_t* sr = s_buf + r * ld_s;
+        st[r].rescale_to(row_max(sr, n));
+        st[r].sum += exp2_shift_sum(sr, n, st[r].shift());
+      }
+    }
+    for (int64_t r = 0; r < m; ++r)
+      lse2[i0 + r] = st[r].empty() && !std::isnan(st[r].sum)
+                         ? -std::numeric_limits<acc_t>::infinity()
+                         : st[r].max + std::log2(st[r].sum);
+  }
+}
+
+// Key blocks of one (batch, head) are split into this many chunks so that few heads still
+// give every thread work; each chunk owns a partial dq, summed in a fixed order afterwards
+// (deterministic). Depends only on shapes, never on the thread count.
+inline int64_t bwd_key_chunks(int64_t batch_heads, int64_t key_blocks, int64_t sq, int64_t d,
+                              int64_t acc_bytes) {
+  constexpr int64_t kTargetTasks = 16;                  // enough for a 16-core machine
+  constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // memory for partial dq's
+  if (batch_heads == 0) return 1;
+  int64_t chunks = std::min(key_blocks, (kTargetTasks + batch_heads - 1) / batch_heads);
+  const int64_t per_chunk = std::max<int64_t>(batch_heads * sq * d * acc_bytes, 1);
+  chunks = std::min(chunks, kMaxPartialBytes / per_chunk);
+  return std::max<int64_t>(chunks, 1);
+}
+
+template <typename scalar_t>
+int64_t flash_bwd_chunks(const AttentionParams& p) {
+  using Traits = FlashTraits<scalar_t>;
+  const int64_t key_blocks = (p.seqlen_k + Traits::kBwdBlockN - 1) / Traits::kBwdBlockN;
+  return bwd_key_chunks(p.batch * p.heads, key_blocks, p.seqlen_q, p.head_dim,
+                        sizeof(typename Traits::acc_t));
+}
+
+// The backward's five block products, one policy per backend, for a key block (K_j, V_j)
+// and a query tile (Q_i, dO_i): S = scale * Q_i K_j^T, dP = dO_i V_j^T, dV_j += P^T dO_i,
+// dQ_i += dS K_j, dK_j += dS^T Q_i (dS arrives already multiplied by the softmax scale).
+
+// BLAS on the inputs as they are, or on fp32 copies of reduced-precision tiles.
+template <typename scalar_t>
+struct BlasBwdProducts {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  int64_t d, dv, ldk = 0, ldv = 0, ldq = 0, ldo = 0;
+  Buffer<acc_t> k_buf, v_buf, q_buf, do_buf;
+  const acc_t *kt = nullptr, *vt = nullptr, *qt = nullptr, *dot = nullptr;
+
+  BlasBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
+      : d(p.head_dim), dv(p.head_dim_v),
+        k_buf(Traits::kConvert ? block_n * d : 0), v_buf(Traits::kConvert ? block_n * dv : 0),
+        q_buf(Traits::kConvert ? block_m * d : 0), do_buf(Traits::kConvert ? block_m * dv : 0) {}
+
+  void load_keys(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t n) {
+    kt = load_tile(k, k_ld, n, d, k_buf.get(), &ldk);
+    vt = load_tile(v, v_ld, n, dv, v_buf.get(), &ldv);
+  }
+  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
+                    int64_t m) {
+    qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
+    dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
+  }
+  void scores(int64_t m, int64_t n, acc_t scale, acc_t* s, int64_t lds) const {
+    gemm(false, true, m, n, d, acc_t(1), qt, ldq, kt, ldk, acc_t(0), s, lds);
+    for (int64_t r = 0; r < m; ++r) scale_row(s + r * lds, n, scale);
+  }
+  void dprobs(int64_t m, int64_t n, acc_t* dp, int64_t lds) const {
+    gemm(false, true, m, n, dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dp, lds);
+  }
+  void add_dv(const acc_t* pm, int64_t lds, int64_t m, int64_t n, acc_t* dv_rows) const {
+    gemm(true, false, n, dv, m, acc_t(1), pm, lds, dot, ldo, acc_t(1), dv_rows, dv);
+  }
+  void add_dq(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dq_rows) const {
+    gemm(false, false, m, d, n, acc_t(1), ds, lds, kt, ldk, acc_t(1), dq_rows, d);
+  }
+  void add_dk(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dk_rows) const {
+    gemm(true, false, n, d, m, acc_t(1), ds, lds, qt, ldq, acc_t(1), dk_rows, d);
+  }
+};
+
+#ifdef ATTN_EXT_AVX2
+// Register-blocked products (block_kernels(): AVX-512 or AVX2; float accumulation): each
+// key block's K and V are packed once for all the query tiles that see it, each query
+// tile's Q and dO once per key block, in the 16-wide panels of avx2_block_products.h (BLAS
+// repacked both on all five calls).
+template <typename scalar_t>
+struct PackedBwdProducts {
+  int64_t d, dv, bm, bn, ldq = 0, ldo = 0;
+  Buffer<float> k_key, v_key, k_val, q_val, do_val, q_buf, do_buf;
+  const float *qt = nullptr, *dot = nullptr;
+  const BlockKernels& kernels = block_kernels();
+
+  PackedBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
+      : d(p.head_dim), dv(p.head_dim_v), bm(block_m), bn(avx2::round_up_cols(block_n)),
+        k_key(bn * d), v_key(bn * dv), k_val(avx2::round_up_cols(d) * bn),
+        q_val(avx2::round_up_cols(d) * block_m), do_val(avx2::round_up_cols(dv) * block_m),
+        q_buf(FlashTraits<scalar_t>::kConvert ? block_m * d : 0),
+        do_buf(FlashTraits<scalar_t>::kConvert ? block_m * dv : 0) {}
+
+  void load_keys(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t n) {
+    avx2::pack_key_panels(k, k_ld, n, d, k_key.get());
+    avx2::pack_key_panels(v, v_ld, n, dv, v_key.get());
+    avx2::pack_value_panels(k, k_ld, n, d, k_val.get(), bn * avx2::kCols);
+  }
+  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
+                    int64_t m) {
+    qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
+    dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
+    avx2::pack_value_panels(qt, ldq, m, d, q_val.get(), bm * avx2::kCols);
+    avx2::pack_value_panels(dot, ldo, m, dv, do_val.get(), bm * avx2::kCols);
+  }
+  void scores(int64_t m, int64_t n, float scale, float* s, int64_t lds) const {
+    kernels.scores(qt, ldq, m, k_key.get(), n, d, scale, s, lds);
+  }
+  void dprobs(int64_t m, int64_t n, float* dp, int64_t lds) const {
+    kernels.scores(dot, ldo, m, v_key.get(), n, dv, 1.f, dp, lds);
+  }
+  void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float* dv_rows) const {
+    kernels.atb(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, dv);
+  }
+  void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows) const {
+    kernels.pv(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, d);
+  }
+  void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows) const {
+    kernels.atb(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, d);
+  }
+};
+#endif
+
+// dq must hold chunks x (B, H, Sq, D) partials (chunk-major).
+template <typename scalar_t, typename Products>
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  constexpr int64_t kM = Traits::kBwdBlockM, kN = Traits::kBwdBlockN;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int64_t BH = p.batch * p.heads;
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t s_scale = scale * static_cast<acc_t>(kLog2e);
+  const bool dropout = p.dropout_p > 0.0;
+  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  auto q_of = [&](int64_t b, int64_t h) {
+    return row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
+                   p.q_row_stride, b, h, 0);
+  };
+  auto k_of = [&](int64_t b, int64_t hk) {
+    return row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                   p.k_row_stride, b, hk, 0);
+  };
+
+  // ---- prologue, per (batch, head): delta_i = rowsum(dO_i * O_i) (minus the lse gradient)
+  // and the log2-domain lse each probability is recomputed from.
+  // lse in the log2 domain as a float pair hi + lo (see exp2_scale_shift2).
+  std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq), lse2_lo(BH * Sq, acc_t(0));
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> s_buf(std::is_same_v<scalar_t, double> ? kM * kN : 0);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.heads, h = bh % p.heads;
+      const auto* o = row_ptr(static_cast<const scalar_t*>(p.out), p.o_batch_stride,
+                              p.o_head_stride, p.o_row_stride, b, h, 0);
+      const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
+                                 p.do_head_stride, p.do_row_stride, b, h, 0);
+      for (int64_t i = 0; i < Sq; ++i) {
+        acc_t d = 0;
+        for (int64_t c = 0; c < Dv; ++c)
+          d += static_cast<acc_t>(dout[i * p.do_row_stride + c]) *
+               static_cast<acc_t>(o[i * p.o_row_stride + c]);
+        // d lse_i / d s_ij = P_ij, so an lse gradient enters as dS_ij += P_ij * glse_i.
+        delta[bh * Sq + i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[bh * Sq + i]) : d;
+      }
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        recompute_lse2(p, b, h, q_of(b, h), k_of(b, h / p.group()), s_buf.get(), kN, kM, kN,
+                       lse2.data() + bh * Sq);
+      } else {
+        for (int64_t i = 0; i < Sq; ++i) {
+          const double l2 = static_cast<double>(p.lse[bh * Sq + i]) * kLog2e;
+          lse2[bh * Sq + i] = static_cast<acc_t>(l2);
+          lse2_lo[bh * Sq + i] = std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
+        }
+      }
+    }
+  });
+
+  const int64_t key_blocks = (Sk + kN - 1) / kN;
+  const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
+  at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
+    Products prod(p, kM, kN);
+    Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
+    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task % chunks, bh = task / chunks;
+      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
+      const auto* q = q_of(b, h);
+      const auto* k = k_of(b, hk);
+      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
+                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
+                                 p.do_head_stride, p.do_row_stride, b, h, 0);
+      const acc_t* lse_r = lse2.data() + bh * Sq;
+      const acc_t* lse_lo_r = lse2_lo.data() + bh * Sq;
+      const acc_t* delta_r = delta.data() + bh * Sq;
+      auto* dq = static_cast<acc_t*>(p.dq) + (chunk * BH + bh) * Sq * D;
+      auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
+      auto* dv = static_cast<acc_t*>(p.dv) + bh * Sk * Dv;
+
+      // ---- main loop: this chunk's key blocks outside, the query rows that see them inside
+      const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
+      for (int64_t j0 = chunk * blocks_per_chunk * kN; j0 < j_end; j0 += kN) {
+        const int64_t n = std::min(kN, Sk - j0);
+        const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
+        if (r_begin >= r_end) continue;
+        prod.load_keys(k + j0 * p.k_row_stride, p.k_row_stride, v + j0 * p.v_row_stride,
+                       p.v_row_stride, n);
+
+        for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
+          const int64_t m = std::min(kM, r_end - i0);
+          prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride,
+                            dout + i0 * p.do_row_stride, p.do_row_stride, m);
+          acc_t* pt = p_buf.get();
+          acc_t* dpt = dp_buf.get();
+
+          // P = exp(scale * Q K^T - lse), masked entries 0; the scores are scaled as the
+          // forward scaled them, so they match its lse to the rounding of the products.
+          prod.scores(m, n, s_scale, pt, kN);
+          const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
+          if (band_partial || p.mask_kind != MaskKind::kNone)
+            mask_tile<scalar_t>(p, b, h, i0, m, j0, n, band_partial, pt, kN);
+          for (int64_t r = 0; r < m; ++r) {
+            const acc_t l2 = lse_r[i0 + r];
+            acc_t* pr = pt + r * kN;
+            if (l2 == -std::numeric_limits<acc_t>::infinity()) {
+              std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
+            } else {
+              exp2_scale_shift2(pr, n, acc_t(1), l2, lse_lo_r[i0 + r]);
+            }
+          }
+
+          // dV += P_dropped^T dO
+          const acc_t* pv = pt;
+          if (dropout) {
+            dropout_tile(p, b, h, i0, m, j0, n, keep.get());
+            for (int64_t r = 0; r < m; ++r) {
+              std::copy(pt + r * kN, pt + r * kN + n, dpt + r * kN);
+              apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+            }
+            pv = dpt;
+          }
+          prod.add_dv(pv, kN, m, n, dv + j0 * Dv);
+
+          // dS = scale * P * (dP - delta), dP = (dO V^T) through the dropout mask
+          prod.dprobs(m, n, dpt, kN);
+          for (int64_t r = 0; r < m; ++r) {
+            if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+            softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
+            scale_row(dpt + r * kN, n, scale);
+          }
+
+          // dQ += dS K,  dK += dS^T Q
+          prod.add_dq(dpt, kN, m, n, dq + i0 * D);
+          prod.add_dk(dpt, kN, m, n, dk + j0 * D);
+        }
+      }
+    }
+  });
+}
+
+// The packed products for float accumulation; BLAS for fp64 and other ISAs.
+template <typename scalar_t>
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
+    return flash_bwd<scalar_t, PackedBwdProducts<scalar_t>>(p, chunks);
+  }
+#endif
+  flash_bwd<scalar_t, BlasBwdProducts<scalar_t>>(p, chunks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    std::optional<int64_t> key_offset, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
+  constexpr const char* kOp = "attn_ext.attention_backward";
+  check_cpu_support(kOp);
+  PreparedBackward in = prepare_attention_backward(
+      kOp, grad_out, q, k, v, out, lse, grad_lse,
+      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  AttentionBwdParams& p = in.params;
+  int64_t chunks = 1;
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
+  auto [dq, dk, dv] = allocate_grads(p, q, chunks);
+  if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
+    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p, chunks); });
+  }
+  return finish_grads(p, dq, dk, dv, q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("attention_backward", &attention_backward_cpu); }
+
+}  // namespace attn_ext::cpu

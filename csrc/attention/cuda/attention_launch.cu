@@ -1,0 +1,134 @@
+// Dispatch of attn_ext.attention / attention_backward to the flash kernels of this build:
+// dtype -> tensor-core head dim or the generic kernel. The instantiated dtypes and head dims
+// are those of instantiations.json (kernel_set.h, generated from it). setup.py may narrow the
+// compiled instantiations and then passes the kept set as bit masks; a request for a kernel
+// that is not built is reported by attention_cuda_unsupported, and no template that is not
+// built is ever referenced (it would not link).
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include "attention/cuda/attention_launch.h"
+#include "attention/cuda/flash/launch_templates.h"
+#include "attention/cuda/instantiations/kernel_set.h"
+#include "common/cuda/elem.cuh"
+
+// Bit i set = kept, in kernel_set.h's orders. Everything when setup.py does not say otherwise.
+#ifndef ATTN_EXT_CUDA_DTYPE_MASK
+#define ATTN_EXT_CUDA_DTYPE_MASK ((1 << kernel_set::kNumDtypes) - 1)
+#endif
+#ifndef ATTN_EXT_CUDA_HEAD_DIM_MASK
+#define ATTN_EXT_CUDA_HEAD_DIM_MASK ((1 << kernel_set::kNumMmaHeadDims) - 1)
+#endif
+#ifndef ATTN_EXT_CUDA_BACKWARD
+#define ATTN_EXT_CUDA_BACKWARD 1
+#endif
+
+namespace attn_ext::cuda {
+namespace {
+
+using kernel_set::kMmaHeadDims;
+using kernel_set::kNumMmaHeadDims;
+
+template <typename T>
+constexpr bool dtype_built() {
+  static_assert(kernel_set::kDtypeBit<T> >= 0, "element type missing from instantiations.json");
+  return (ATTN_EXT_CUDA_DTYPE_MASK >> kernel_set::kDtypeBit<T>) & 1;
+}
+template <typename T>
+constexpr bool mma_built(int idx) {
+  return kernel_set::kHasMma<T> && dtype_built<T>() && ((ATTN_EXT_CUDA_HEAD_DIM_MASK >> idx) & 1);
+}
+constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
+
+// The index into kMmaHeadDims of the tensor-core kernel serving these inputs, or -1 for the
+// generic kernel.
+template <typename T>
+int mma_index(const AttentionParams& p) {
+  const int64_t need = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
+    if (mma_built<T>(idx) && need <= kMmaHeadDims[idx]) return idx;
+  return -1;
+}
+
+// The tensor-core forward of head dim kMmaHeadDims[idx], found by a compile-time walk over the
+// instantiated head dims (only the built ones are referenced).
+template <typename T, int kIdx = 0>
+cudaError_t fwd_mma(int idx, const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kIdx == kNumMmaHeadDims) {
+    return cudaErrorInvalidValue;
+  } else {
+    if constexpr (mma_built<T>(kIdx)) {
+      if (idx == kIdx) return run_fwd_mma<T, kMmaHeadDims[kIdx]>(p, stream);
+    }
+    return fwd_mma<T, kIdx + 1>(idx, p, stream);
+  }
+}
+
+template <typename T>
+cudaError_t fwd(const AttentionParams& p, cudaStream_t stream) {
+  if (const int idx = mma_index<T>(p); idx >= 0) return fwd_mma<T>(idx, p, stream);
+  if constexpr (dtype_built<T>()) {
+    return run_fwd_generic<T>(p, stream);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+}
+
+// Shared memory of the generic kernel, 0 where it is not built.
+template <typename T>
+size_t generic_smem(const AttentionParams& p, bool backward) {
+  if constexpr (dtype_built<T>()) {
+    if (!backward) return fwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
+    if constexpr (kBackwardBuilt) return bwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
+  }
+  return 0;
+}
+
+}  // namespace
+
+const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
+                                       size_t max_smem) {
+  // Grids are 1-D; the finest is the backward's preprocess, 4 rows (one per warp) per block.
+  constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
+  constexpr int64_t kFinestBlock = 4;
+  const int64_t longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
+  if (p.batch * p.heads * ceil_div(longest, kFinestBlock) > kMaxBlocks) {
+    return "B * H * ceil(max(Sq, Sk) / 4) exceeds the 2^31 - 1 blocks of a CUDA grid";
+  }
+  const char* why = nullptr;
+  dispatch_elem(kind, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (!backward && mma_index<T>(p) >= 0) return cudaSuccess;
+    if (!dtype_built<T>() || (backward && !kBackwardBuilt)) {
+      why = backward ? "this build has no CUDA attention backward for this dtype (setup.py: "
+                       "ATTN_EXT_CUDA_DTYPES, ATTN_EXT_CUDA_BACKWARD)"
+                     : "this build has no CUDA attention forward for this dtype (setup.py: "
+                       "ATTN_EXT_CUDA_DTYPES, ATTN_EXT_CUDA_HEAD_DIMS)";
+    } else if (generic_smem<T>(p, backward) > max_smem) {
+      why = "head dims too large for the shared-memory tiles of the generic CUDA kernel";
+    }
+    return cudaSuccess;
+  });
+  return why;
+}
+
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, cudaStream_t stream) {
+  return dispatch_elem(kind, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return fwd<T>(p, stream);
+  });
+}
+
+cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
+                                 cudaStream_t stream) {
+  return dispatch_elem(kind, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (dtype_built<T>() && kBackwardBuilt) {
+      return run_bwd_generic<T>(p, ws, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  });
+}
+
+}  // namespace attn_ext::cuda

@@ -1,0 +1,32 @@
+#pragma once
+// The flash kernel templates' entry points (run_* and their shared-memory sizes), declared
+// only: the explicit instantiations are the generated files of
+// csrc/attention/cuda/instantiations/ (tools/gen_cuda_instantiations.py), the dispatch over them
+// is attention_launch.cu. No ATen here: nvcc alone compiles every user of this file.
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "attention/params.h"
+#include "attention/cuda/attention_launch.h"
+
+namespace attn_ext::cuda {
+
+// Tensor-core forward (bf16 / fp16): head dims up to kHeadDim (q/k zero-padded past D,
+// v past Dv; stores masked to Dv).
+template <typename T, int kHeadDim>
+cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
+
+// Generic (SIMT) forward: any dtype and head dims, exact accumulation in acc_t.
+template <typename T>
+cudaError_t run_fwd_generic(const AttentionParams& p, cudaStream_t stream);
+template <typename T>
+size_t fwd_generic_smem_bytes(int64_t head_dim, int64_t head_dim_v);
+
+// Generic (SIMT) backward, deterministic: a dk/dv pass over key blocks and a dq pass over
+// query blocks (BwdWorkspace: attention_launch.h).
+template <typename T>
+cudaError_t run_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream);
+template <typename T>
+size_t bwd_generic_smem_bytes(int64_t head_dim, int64_t head_dim_v);
+
+}  // namespace attn_ext::cuda

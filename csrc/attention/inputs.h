@@ -1,0 +1,71 @@
+#pragma once
+// Validation at the op boundary and construction of the kernel parameter structs.
+// Shared by the CPU and CUDA implementations so both reject the same inputs with the
+// same messages.
+#include <optional>
+#include <tuple>
+#include <ATen/core/Tensor.h>
+#include "attention/params.h"
+#include "common/tensors.h"
+
+namespace attn_ext {
+
+struct AttentionOptions {
+  std::optional<at::Tensor> attn_mask;
+  std::optional<double> scale;
+  bool causal = false;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  std::optional<int64_t> key_offset;
+  double dropout_p = 0.0;
+  std::optional<at::Tensor> rng_state;
+};
+
+// Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
+// the mask expanded (a view) to (B, H, Sq, Sk): bool, the accumulation type, or (CPU) q's
+// own reduced-precision type.
+struct PreparedInputs {
+  at::Tensor q, k, v, mask;
+  AttentionParams params;  // shapes, strides, scale, band, mask and dropout; no outputs
+};
+
+// The q/k/v checks every attention-like op shares: 4-D, one floating dtype, one device, one
+// batch size, H % Hkv == 0, v's heads and length equal to k's, k's head dim equal to q's.
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const AttentionOptions& opts);
+
+// Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
+// float32, and points the params at them.
+std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q);
+
+// The backward's inputs: q/k/v and the options as prepare_attention takes them, then
+// grad_out / out (B, H, Sq, Dv) in q's dtype, lse (and grad_lse when given) (B, H, Sq)
+// float32, checked and made readable by rows; the params point at all of them.
+struct PreparedBackward {
+  PreparedInputs in;
+  at::Tensor grad_out, out, lse, grad_lse;  // as the kernel reads them (grad_lse may be undefined)
+  AttentionBwdParams params;                 // no gradient pointers yet (allocate_grads)
+};
+PreparedBackward prepare_attention_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts);
+
+// Zeroed gradient accumulators in q's compute type, and the params pointed at them:
+// dq as `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_grads(AttentionBwdParams& p,
+                                                              const at::Tensor& q,
+                                                              int64_t dq_partials = 1);
+// The op's results from the accumulators: dq's partials summed in a fixed order, each GQA
+// group's dk / dv summed in the compute type, all cast to `dtype`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_grads(const AttentionBwdParams& p,
+                                                            at::Tensor dq, at::Tensor dk,
+                                                            at::Tensor dv, at::ScalarType dtype);
+
+// Reads (seed, offset) from an int64 rng_state tensor of shape (2,).
+void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
+                    double dropout_p, AttentionParams& params);
+
+}  // namespace attn_ext

@@ -1,0 +1,143 @@
+// CUDA op wrappers of the decoding family: validation (shared with the CPU ops), the
+// current stream, a checked launch. Nothing here reads device memory on the host, so no op
+// synchronizes: per-sequence lengths are checked and clamped by the kernels instead.
+#include <algorithm>
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "decoding/decode_inputs.h"
+#include "attention/inputs.h"
+#include "common/cuda/elem_kind.h"
+#include "decoding/cuda/decoding_launch.h"
+
+namespace attn_ext::cuda {
+namespace {
+
+at::Tensor rope_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                    int64_t offset, double base, bool interleaved,
+                    std::optional<int64_t> rotary_dim, bool inverse) {
+  c10::cuda::CUDAGuard guard(x.device());
+  PreparedRope r = prepare_rope(op, x, {positions, offset, base, interleaved, rotary_dim});
+  at::Tensor out = at::empty_like(x);
+  r.params.inverse = inverse;
+  set_rope_output(r.params, out);
+  C10_CUDA_CHECK(launch_rope(r.params, elem_kind(op, x.scalar_type()),
+                             c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                     int64_t offset, double base, bool interleaved,
+                     std::optional<int64_t> rotary_dim) {
+  return rope_out("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim, false);
+}
+
+at::Tensor rope_backward_cuda(const at::Tensor& grad_out, const std::optional<at::Tensor>& positions,
+                              int64_t offset, double base, bool interleaved,
+                              std::optional<int64_t> rotary_dim) {
+  return rope_out("attn_ext.rope_backward", grad_out, positions, offset, base, interleaved,
+                  rotary_dim, true);
+}
+
+void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,
+                       double base, bool interleaved, std::optional<int64_t> rotary_dim) {
+  constexpr const char* kOp = "attn_ext.rope_";
+  c10::cuda::CUDAGuard guard(x.device());
+  PreparedRope r = prepare_rope(kOp, x, {positions, offset, base, interleaved, rotary_dim});
+  at::assert_no_internal_overlap(x);
+  set_rope_output(r.params, x);
+  C10_CUDA_CHECK(launch_rope(r.params, elem_kind(kOp, x.scalar_type()),
+                             c10::cuda::getCurrentCUDAStream()));
+}
+
+void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
+                          const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& new_lengths, bool rope,
+                          double rope_base, bool rope_interleaved,
+                          std::optional<int64_t> rotary_dim) {
+  constexpr const char* kOp = "attn_ext.kv_cache_append";
+  c10::cuda::CUDAGuard guard(k_cache.device());
+  PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
+                                       rope, rope_base, rope_interleaved, rotary_dim,
+                                       /*check_values=*/false);
+  TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
+  C10_CUDA_CHECK(launch_kv_append(r.params, elem_kind(kOp, k.scalar_type()),
+                                  cache_seqlens.data_ptr(),
+                                  cache_seqlens.scalar_type() == at::kLong,
+                                  c10::cuda::getCurrentCUDAStream()));
+}
+
+void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
+                              const at::Tensor& k_rope,
+                              const std::optional<at::Tensor>& new_lengths, double rope_base,
+                              bool rope_interleaved) {
+  constexpr const char* kOp = "attn_ext.latent_cache_append";
+  c10::cuda::CUDAGuard guard(cache.device());
+  PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
+                                           rope_base, rope_interleaved, /*check_values=*/false);
+  TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
+  C10_CUDA_CHECK(launch_kv_append(r.params, elem_kind(kOp, cache.scalar_type()),
+                                  cache_seqlens.data_ptr(),
+                                  cache_seqlens.scalar_type() == at::kLong,
+                                  c10::cuda::getCurrentCUDAStream()));
+}
+
+// Split-KV factor: about two blocks per SM, no split shorter than kMinSplitKeys keys of the
+// cache's capacity (the lengths themselves live on the device).
+int64_t auto_splits(int64_t blocks, int64_t capacity) {
+  constexpr int64_t kBlocksPerSM = 2;
+  constexpr int64_t kMinSplitKeys = 512;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                        c10::cuda::current_device()));
+  const int64_t want = (kBlocksPerSM * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal,
+    int64_t window_left, int64_t num_splits) {
+  constexpr const char* kOp = "attn_ext.decode_attention";
+  c10::cuda::CUDAGuard guard(q.device());
+  PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
+                                     window_left, num_splits, /*check_values=*/false);
+  DecodeParams& p = in.params;
+  TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
+              ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
+              " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
+  auto [out, lse] = allocate_outputs(p, q);
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  const int64_t rows = p.group() * p.seqlen_q;
+  const int64_t blocks = p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
+  if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
+  DecodeWorkspace ws;
+  at::Tensor ws_o, ws_stats;
+  if (p.num_splits > 1) {
+    const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const int64_t slots = p.batch * p.kv_heads * rows * p.num_splits;
+    ws_o = at::empty({slots * p.head_dim_v}, q.options().dtype(acc));
+    ws_stats = at::empty({slots * 2}, q.options().dtype(acc));
+    ws = {ws_o.data_ptr(), ws_stats.data_ptr()};
+  }
+  C10_CUDA_CHECK(launch_decode(p, elem_kind(kOp, q.scalar_type()), ws,
+                               c10::cuda::getCurrentCUDAStream()));
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+  m.impl("rope", &rope_cuda);
+  m.impl("rope_", &rope_inplace_cuda);
+  m.impl("rope_backward", &rope_backward_cuda);
+  m.impl("kv_cache_append", &kv_cache_append_cuda);
+  m.impl("latent_cache_append", &latent_cache_append_cuda);
+  m.impl("decode_attention", &decode_attention_cuda);
+}
+
+}  // namespace attn_ext::cuda
