@@ -21,6 +21,8 @@ import json
 import os
 import platform
 import re
+import sys
+import sysconfig
 
 import torch
 from setuptools import setup
@@ -28,6 +30,11 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
+# One persistent object folder for every way of building (setup.py build_ext, pip wheel, pip
+# install -e, which otherwise compiles in a new temporary folder each time): ninja then
+# recompiles only the sources whose text, included headers or compile command changed.
+BUILD_TEMP = os.path.join(ROOT, "build",
+                          f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 # The instantiated CUDA attention dtypes and head dims (also read by
 # tools/gen_cuda_instantiations.py, which writes the instantiations and the launcher's header).
 KERNEL_SET = os.path.join(CSRC, "attention", "cuda", "instantiations.json")
@@ -149,8 +156,35 @@ def _extension(cuda):
     return cpp_extension.CppExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
 
+def _version(cuda):
+    """attn_ext/__init__.py's __version__, with torch's local label for a CUDA build
+    (0.1.0+cu130): a CUDA wheel needs a CUDA torch, which its requirement cannot say (pip sees
+    a PyPI CUDA torch as plain 2.x.y)."""
+    with open(os.path.join(ROOT, "attn_ext", "__init__.py")) as f:
+        base = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+    return f"{base}+cu{torch.version.cuda.replace('.', '')}" if cuda else base
+
+
+def _torch_requirement():
+    """The torch this build compiled against (major.minor.patch): the C++ ABI of an extension
+    holds for that torch only, so a wheel built once installs where the same torch is."""
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
+class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = BUILD_TEMP
+        # Always hand the sources to ninja, which skips what is up to date (seconds) and, unlike
+        # setuptools' timestamp check, also sees changed compile flags (ATTN_EXT_* switches).
+        self.force = True
+
+
 if __name__ == "__main__":  # tests import this file for its kernel-set logic
+    _cuda = _cuda_enabled()
     setup(
-        ext_modules=[_extension(_cuda_enabled())],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+        version=_version(_cuda),
+        install_requires=[_torch_requirement()],
+        ext_modules=[_extension(_cuda)],
+        cmdclass={"build_ext": _BuildExt},
     )

@@ -29,5 +29,7 @@ if [ "${1:-}" = "test" ] && missing transformers; then
     echo "bootstrap: could not install transformers (offline?): tests/test_transformers.py will be skipped"
 fi
 
+# The objects persist in build/ (setup.py's BUILD_TEMP): running this again, or after editing a
+# kernel, recompiles only what changed (ninja), then links.
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .
 "$PY" -c "import attn_ext, torch; print('attn_ext', attn_ext.__version__, 'built against torch', torch.__version__)"
