@@ -41,3 +41,17 @@ def _exact_float32_matmul():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a test that takes more than a second or two")
+
+
+@pytest.fixture(scope="session")
+def setup_py():
+    """The repository's setup.py as a module, for its build logic (setup() itself runs only
+    when the file is __main__)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "setup.py"
+    spec = importlib.util.spec_from_file_location("attn_ext_setup", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -30,17 +30,7 @@ def test_cuda_instantiations_are_generated():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _setup_module():
-    """setup.py as a module (its setup() call runs only as __main__)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("attn_ext_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_cuda_kernel_set_has_one_source(monkeypatch):
+def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
     """The instantiated dtypes and head dims come from csrc/attention/cuda/instantiations.json
     alone: setup.py's selection and nvcc masks, the generated files and the launcher's header
     agree with it (bit i of each mask is entry i of the file's list)."""
@@ -59,8 +49,9 @@ def test_cuda_kernel_set_has_one_source(monkeypatch):
     assert '#include "attention/cuda/instantiations/kernel_set.h"' in launcher
     assert not re.search(r"kMmaHeadDims\[\]\s*=", launcher), "the launcher lists head dims again"
 
-    setup = _setup_module()
-    keep, defines = setup._cuda_attention_selection()  # no switches: every file, every bit
+    for switch in ("ATTN_EXT_CUDA_DTYPES", "ATTN_EXT_CUDA_HEAD_DIMS", "ATTN_EXT_CUDA_BACKWARD"):
+        monkeypatch.delenv(switch, raising=False)
+    keep, defines = setup_py._cuda_attention_selection()  # no switches: every file, every bit
     generated = sorted((ROOT / "csrc" / "attention" / "cuda" / "instantiations").glob("*.cu"))
     assert sorted(ROOT / k for k in keep) == generated
     assert f"-DATTN_EXT_CUDA_DTYPE_MASK={(1 << len(dtypes)) - 1}" in defines
@@ -70,11 +61,11 @@ def test_cuda_kernel_set_has_one_source(monkeypatch):
     monkeypatch.setenv("ATTN_EXT_CUDA_DTYPES", dtype)
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(hd))
     monkeypatch.setenv("ATTN_EXT_CUDA_BACKWARD", "0")
-    keep, defines = setup._cuda_attention_selection()
+    keep, defines = setup_py._cuda_attention_selection()
     assert sorted(Path(k).name for k in keep) == sorted([f"fwd_generic_{dtype}.cu",
                                                          f"fwd_mma_{dtype}_hd{hd}.cu"])
     assert f"-DATTN_EXT_CUDA_DTYPE_MASK={1 << dtypes.index(dtype)}" in defines
     assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={1 << head_dims.index(hd)}" in defines
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(head_dims[0] + 1))
     with pytest.raises(RuntimeError, match="unknown value"):
-        setup._cuda_attention_selection()
+        setup_py._cuda_attention_selection()

@@ -7,7 +7,6 @@ The wheel reuses the persistent object folder (setup.py's BUILD_TEMP, which the 
 of tools/bootstrap.sh and `setup.py build_ext --inplace` fill), so the test only links and
 packages. Without that folder the wheel would compile everything (minutes): skipped then."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,17 +34,9 @@ print(json.dumps({"file": attn_ext.__file__, "requires": md.requires("attn_ext")
 """
 
 
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("attn_ext_setup", ROOT / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)  # definitions only; setup() runs only as __main__
-    return setup
-
-
 @pytest.mark.slow
-def test_wheel_installs_into_fresh_venv(tmp_path):
-    setup = _setup_module()
-    build_temp = Path(setup.BUILD_TEMP)
+def test_wheel_installs_into_fresh_venv(tmp_path, setup_py):
+    build_temp = Path(setup_py.BUILD_TEMP)
     if not (build_temp / "build.ninja").exists():
         pytest.skip(f"no persistent build in {build_temp.relative_to(ROOT)} (run "
                     "tools/bootstrap.sh or setup.py build_ext --inplace first): the wheel would "
@@ -69,7 +60,7 @@ def test_wheel_installs_into_fresh_venv(tmp_path):
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([str(py), "-c", _PROBE], cwd=outside, env=env, capture_output=True,
-                          text=True)
+                          text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -78,5 +69,5 @@ def test_wheel_installs_into_fresh_venv(tmp_path):
     base_torch = torch.__version__.split("+")[0]
     unconditional = [r for r in got["requires"] if ";" not in r]  # not the extras
     assert unconditional == [f"torch=={base_torch}"], got["requires"]
-    assert got["version"] == setup._version(setup._cuda_enabled())  # +cu<ver> for CUDA builds
+    assert got["version"] == setup_py._version(setup_py._cuda_enabled())  # +cu<ver> for CUDA builds
     print(f"wheel {t_wheel:.1f}s, install + import {time.perf_counter() - t0 - t_wheel:.1f}s")
