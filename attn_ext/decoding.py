@@ -13,14 +13,15 @@ __all__ = ["rope", "rope_", "decode_attention", "KVCache", "LatentKVCache"]
 
 
 def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
-         base: float = 10000.0, interleaved: bool = True,
+         base: float = 10000.0, interleaved: bool = False,
          rotary_dim: Optional[int] = None) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, H, S, D) or (B, S, D), out of place.
 
     Pair ``i`` of the first ``rotary_dim`` features (default D) turns by the angle
-    ``pos * base ** (-2i / rotary_dim)`` computed in fp32. ``interleaved=True`` rotates the pairs
-    ``(2i, 2i + 1)`` (document 000, GPT-J); ``False`` rotates the halves ``(i, i + rotary_dim/2)``
-    (LLaMA, GPT-NeoX, HuggingFace ``rotate_half``). Token ``s`` of sequence ``b`` is at
+    ``pos * base ** (-2i / rotary_dim)`` computed in fp32. By default (``interleaved=False``)
+    pair ``i`` is the halves ``(i, i + rotary_dim/2)``, the layout of LLaMA, GPT-NeoX, HuggingFace
+    ``rotate_half``, FlashAttention and FlashInfer; ``interleaved=True`` rotates the pairs
+    ``(2i, 2i + 1)`` (document 000, GPT-J). Token ``s`` of sequence ``b`` is at
     ``pos = positions[b, s]`` (``positions`` int (B, S) or (S,)) or else ``offset + s``.
     Differentiable (the gradient is the inverse rotation); the output keeps ``x``'s strides.
     """
@@ -31,7 +32,7 @@ def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: i
 
 
 def rope_(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
-          base: float = 10000.0, interleaved: bool = True,
+          base: float = 10000.0, interleaved: bool = False,
           rotary_dim: Optional[int] = None) -> torch.Tensor:
     """In-place :func:`rope`; returns ``x``. Not differentiable (use :func:`rope` in training)."""
     if x.requires_grad and torch.is_grad_enabled():
@@ -136,12 +137,13 @@ class KVCache:
         return start[:, None] + steps
 
     def append(self, k: torch.Tensor, v: torch.Tensor, *, new_lengths: Optional[torch.Tensor] = None,
-               rope: bool = False, rope_base: float = 10000.0, rope_interleaved: bool = True,
+               rope: bool = False, rope_base: float = 10000.0, rope_interleaved: bool = False,
                rotary_dim: Optional[int] = None) -> None:
         """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length and
         advances ``lengths``. ``new_lengths`` (B,) int: sequence ``b`` appends only its last
         ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
-        cache positions on the way in."""
+        cache positions on the way in, with the pair layout of :func:`attn_ext.rope` (halves by
+        default, ``rope_interleaved=True`` for the pairs ``(2i, 2i + 1)``)."""
         on_host = self.k.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(k, new_lengths)
         _ops.kv_cache_append(self.k, self.v, self.lengths, k, v, new_lengths, rope=rope,
@@ -226,10 +228,12 @@ class LatentKVCache(KVCache):
 
     def append(self, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
                new_lengths: Optional[torch.Tensor] = None, rope_base: float = 10000.0,
-               rope_interleaved: bool = True) -> None:
+               rope_interleaved: bool = False) -> None:
         """Writes c_kv (B, 1, S_new, kv_lora_rank) and the not yet rotated k_rope
         (B, 1, S_new, rope_dim) at each sequence's length, rotating k_rope by RoPE at its
-        cache position, and advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
+        cache position (halves by default; DeepSeek-V2 checkpoints need
+        ``rope_interleaved=True``, which :class:`attn_ext.nn.MultiHeadLatentAttention` passes), and
+        advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
         on_host = self.kv.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(c_kv, new_lengths)
         _ops.latent_cache_append(self.kv, self.lengths, c_kv, k_rope, new_lengths,

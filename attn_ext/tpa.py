@@ -13,7 +13,7 @@ __all__ = ["tpa_expand", "tpa_decode_attention"]
 
 def tpa_expand(a: torch.Tensor, b: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
                scale: Optional[float] = None, rope: bool = False, rope_base: float = 10000.0,
-               rope_interleaved: bool = True, rotary_dim: Optional[int] = None) -> torch.Tensor:
+               rope_interleaved: bool = False, rotary_dim: Optional[int] = None) -> torch.Tensor:
     """Per-head rows from tensor-product factors, in one pass.
 
     a: (B, S, R, H) head-side factors, b: (B, S, R, D) feature-side factors (any strides).
@@ -21,7 +21,8 @@ def tpa_expand(a: torch.Tensor, b: torch.Tensor, *, positions: Optional[torch.Te
     ``out[b, s, h] = scale * sum_r a[b, s, r, h] * RoPE(b[b, s, r])``; ``scale`` defaults to
     ``1 / R`` (the paper's ``1/R_Q``, ``1/R_K``, ``1/R_V``). ``rope=True`` rotates the b
     factors (the paper's RoPE on B, before the product) at ``positions`` (int (B, S) or (S,),
-    default ``0..S-1``) on their first ``rotary_dim`` features (default D). ``out.transpose(1, 2)``
+    default ``0..S-1``) on their first ``rotary_dim`` features (default D), in the pair layout of
+    :func:`attn_ext.rope` (halves unless ``rope_interleaved=True``). ``out.transpose(1, 2)``
     is a (B, H, S, D) view that :func:`attn_ext.attention` reads in place. Differentiable in
     ``a`` and ``b``.
     """
