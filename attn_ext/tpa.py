@@ -45,7 +45,7 @@ def tpa_decode_attention(q: torch.Tensor, a_k: torch.Tensor, b_k: torch.Tensor, 
     or values.
 
     a_k (B, N, R_K, H), b_k (B, N, R_K, D), a_v (B, N, R_V, H), b_v (B, N, R_V, D): the factors
-    of the first N cached tokens (b_k already rotated by RoPE), as :class:`attn_ext.nn.TPAFactorCache`
+    of the first N cached tokens (b_k already rotated by RoPE), as :class:`attn_ext.TPAFactorCache`
     holds them. Query ``i`` of sequence ``b`` sits at position ``cache_seqlens[b] - S + i`` and
     sees tokens up to it; the key of token ``t`` for head ``h`` is
     ``k_scale * sum_r a_k[t, r, h] b_k[t, r]`` and its value ``v_scale * sum_r a_v[t, r, h] b_v[t, r]``

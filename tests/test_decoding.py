@@ -25,6 +25,24 @@ def _truth_rope(x, **kw):
     return rope_reference(x.detach().double(), compute_dtype=torch.float64, **kw)
 
 
+# ------------------------------------------------------------------------ decoding state classes
+
+
+def test_state_classes_live_in_caches_and_keep_their_old_paths():
+    from attn_ext import caches, decoding
+    from attn_ext.nn import linear_attention, tensor_product_attention
+    for name in ("KVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"):
+        cls = getattr(caches, name)
+        assert cls.__module__ == "attn_ext.caches" and getattr(attn_ext, name) is cls
+    # where users could import them from before they moved
+    assert decoding.KVCache is caches.KVCache and decoding.LatentKVCache is caches.LatentKVCache
+    assert attn_ext.nn.TPAFactorCache is tensor_product_attention.TPAFactorCache is caches.TPAFactorCache
+    assert (attn_ext.nn.LinearAttentionState is linear_attention.LinearAttentionState
+            is caches.LinearAttentionState)
+    with pytest.raises(AttributeError, match="no attribute 'KVCach'"):
+        decoding.KVCach  # noqa: B018
+
+
 # --------------------------------------------------------------------------------------- RoPE
 
 
