@@ -86,18 +86,18 @@ torch.library.register_autograd("attn_ext::attention_weights", _weights_backward
 
 
 @torch.library.register_fake("attn_ext::rope")
-def _rope_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=True, rotary_dim=None):
+def _rope_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None):
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("attn_ext::rope_")
-def _rope_inplace_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=True,
+def _rope_inplace_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=False,
                        rotary_dim=None):
     return None
 
 
 @torch.library.register_fake("attn_ext::rope_backward")
-def _rope_backward_fake(grad_out, positions=None, *, offset=0, base=10000.0, interleaved=True,
+def _rope_backward_fake(grad_out, positions=None, *, offset=0, base=10000.0, interleaved=False,
                         rotary_dim=None):
     return torch.empty_like(grad_out)
 
@@ -118,13 +118,13 @@ torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=
 
 @torch.library.register_fake("attn_ext::kv_cache_append")
 def _kv_cache_append_fake(k_cache, v_cache, cache_seqlens, k, v, new_lengths=None, *, rope=False,
-                          rope_base=10000.0, rope_interleaved=True, rotary_dim=None):
+                          rope_base=10000.0, rope_interleaved=False, rotary_dim=None):
     return None
 
 
 @torch.library.register_fake("attn_ext::latent_cache_append")
 def _latent_cache_append_fake(cache, cache_seqlens, c_kv, k_rope, new_lengths=None, *,
-                              rope_base=10000.0, rope_interleaved=True):
+                              rope_base=10000.0, rope_interleaved=False):
     return None
 
 
@@ -263,14 +263,14 @@ torch.library.register_autograd("attn_ext::spatial_gate", _spatial_gate_backward
 
 @torch.library.register_fake("attn_ext::tpa_expand")
 def _tpa_expand_fake(a, b, positions=None, *, scale=1.0, rope=False, rope_base=10000.0,
-                     rope_interleaved=True, rotary_dim=None):
+                     rope_interleaved=False, rotary_dim=None):
     B, S, _, H = a.shape
     return a.new_empty((B, S, H, b.size(3)))
 
 
 @torch.library.register_fake("attn_ext::tpa_expand_backward")
 def _tpa_expand_backward_fake(grad_out, a, b, positions=None, *, scale=1.0, rope=False,
-                              rope_base=10000.0, rope_interleaved=True, rotary_dim=None):
+                              rope_base=10000.0, rope_interleaved=False, rotary_dim=None):
     return a.new_empty(a.shape), b.new_empty(b.shape)
 
 

@@ -1,5 +1,5 @@
 """KV-cache size per token and layer of the attention variants attn_ext offers: what each
-decoding cache (attn_ext.KVCache, attn_ext.LatentKVCache, the TPA factor cache) stores for
+decoding cache (attn_ext.KVCache, attn_ext.LatentKVCache, attn_ext.TPAFactorCache) stores for
 one token of one layer."""
 from typing import Optional
 

@@ -13,7 +13,7 @@ __all__ = ["tpa_expand", "tpa_decode_attention"]
 
 def tpa_expand(a: torch.Tensor, b: torch.Tensor, *, positions: Optional[torch.Tensor] = None,
                scale: Optional[float] = None, rope: bool = False, rope_base: float = 10000.0,
-               rope_interleaved: bool = True, rotary_dim: Optional[int] = None) -> torch.Tensor:
+               rope_interleaved: bool = False, rotary_dim: Optional[int] = None) -> torch.Tensor:
     """Per-head rows from tensor-product factors, in one pass.
 
     a: (B, S, R, H) head-side factors, b: (B, S, R, D) feature-side factors (any strides).
@@ -21,7 +21,8 @@ def tpa_expand(a: torch.Tensor, b: torch.Tensor, *, positions: Optional[torch.Te
     ``out[b, s, h] = scale * sum_r a[b, s, r, h] * RoPE(b[b, s, r])``; ``scale`` defaults to
     ``1 / R`` (the paper's ``1/R_Q``, ``1/R_K``, ``1/R_V``). ``rope=True`` rotates the b
     factors (the paper's RoPE on B, before the product) at ``positions`` (int (B, S) or (S,),
-    default ``0..S-1``) on their first ``rotary_dim`` features (default D). ``out.transpose(1, 2)``
+    default ``0..S-1``) on their first ``rotary_dim`` features (default D), in the pair layout of
+    :func:`attn_ext.rope` (halves unless ``rope_interleaved=True``). ``out.transpose(1, 2)``
     is a (B, H, S, D) view that :func:`attn_ext.attention` reads in place. Differentiable in
     ``a`` and ``b``.
     """
@@ -44,7 +45,7 @@ def tpa_decode_attention(q: torch.Tensor, a_k: torch.Tensor, b_k: torch.Tensor, 
     or values.
 
     a_k (B, N, R_K, H), b_k (B, N, R_K, D), a_v (B, N, R_V, H), b_v (B, N, R_V, D): the factors
-    of the first N cached tokens (b_k already rotated by RoPE), as :class:`attn_ext.nn.TPAFactorCache`
+    of the first N cached tokens (b_k already rotated by RoPE), as :class:`attn_ext.TPAFactorCache`
     holds them. Query ``i`` of sequence ``b`` sits at position ``cache_seqlens[b] - S + i`` and
     sees tokens up to it; the key of token ``t`` for head ``h`` is
     ``k_scale * sum_r a_k[t, r, h] b_k[t, r]`` and its value ``v_scale * sum_r a_v[t, r, h] b_v[t, r]``

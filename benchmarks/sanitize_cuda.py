@@ -81,7 +81,7 @@ def decoding_cases():
     dev, ok = "cuda", []
     for dtype, d in ((torch.bfloat16, 128), (torch.float32, 64), (torch.float16, 96)):
         x = torch.randn(2, 3, 7, d, device=dev, dtype=dtype, requires_grad=True)
-        y = attn_ext.rope(x, offset=5) + attn_ext.rope(x, interleaved=False, rotary_dim=d // 2)
+        y = attn_ext.rope(x, offset=5) + attn_ext.rope(x, interleaved=True, rotary_dim=d // 2)
         y.float().sum().backward()
         z = x.detach().clone()
         attn_ext.rope_(z, positions=torch.randint(0, 100, (2, 7), device=dev))

@@ -19,9 +19,10 @@
 //   of it, so the backward regenerates it.
 //
 // Decoding:
-//   rope rotates x (B, H, S, D): pair i < rotary_dim / 2 (features (2i, 2i+1) interleaved,
-//   or (i, i + rotary_dim/2) as halves) turns by pos * base^(-2i / rotary_dim), the angle
-//   in fp32; pos = positions[b, s] (positions (B, S) or (S,), int) or offset + s.
+//   rope rotates x (B, H, S, D): pair i < rotary_dim / 2 (features (i, i + rotary_dim/2) as
+//   halves by default, the LLaMA / FlashAttention / FlashInfer layout, or (2i, 2i+1) with
+//   interleaved=True) turns by pos * base^(-2i / rotary_dim), the angle in fp32;
+//   pos = positions[b, s] (positions (B, S) or (S,), int) or offset + s.
 //   rope_backward rotates by the negative angle (the rotation is orthogonal).
 //   KV cache: k_cache (B, Hkv, L, D), v_cache (B, Hkv, L, Dv) with capacity L;
 //   cache_seqlens (B,) int32/int64 counts each sequence's valid rows. kv_cache_append
@@ -89,21 +90,21 @@ TORCH_LIBRARY(attn_ext, m) {
 
   m.def(
       "rope(Tensor x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
-      "bool interleaved=True, SymInt? rotary_dim=None) -> Tensor");
+      "bool interleaved=False, SymInt? rotary_dim=None) -> Tensor");
   m.def(
       "rope_(Tensor(a!) x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
-      "bool interleaved=True, SymInt? rotary_dim=None) -> ()");
+      "bool interleaved=False, SymInt? rotary_dim=None) -> ()");
   m.def(
       "rope_backward(Tensor grad_out, Tensor? positions=None, *, SymInt offset=0, "
-      "float base=10000.0, bool interleaved=True, SymInt? rotary_dim=None) -> Tensor grad_x");
+      "float base=10000.0, bool interleaved=False, SymInt? rotary_dim=None) -> Tensor grad_x");
   m.def(
       "kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) cache_seqlens, "
       "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
-      "float rope_base=10000.0, bool rope_interleaved=True, SymInt? rotary_dim=None) -> ()");
+      "float rope_base=10000.0, bool rope_interleaved=False, SymInt? rotary_dim=None) -> ()");
   m.def(
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
-      "bool rope_interleaved=True) -> ()");
+      "bool rope_interleaved=False) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int num_splits=0) "
@@ -111,11 +112,11 @@ TORCH_LIBRARY(attn_ext, m) {
 
   m.def(
       "tpa_expand(Tensor a, Tensor b, Tensor? positions=None, *, float scale=1.0, "
-      "bool rope=False, float rope_base=10000.0, bool rope_interleaved=True, "
+      "bool rope=False, float rope_base=10000.0, bool rope_interleaved=False, "
       "SymInt? rotary_dim=None) -> Tensor out");
   m.def(
       "tpa_expand_backward(Tensor grad_out, Tensor a, Tensor b, Tensor? positions=None, *, "
-      "float scale=1.0, bool rope=False, float rope_base=10000.0, bool rope_interleaved=True, "
+      "float scale=1.0, bool rope=False, float rope_base=10000.0, bool rope_interleaved=False, "
       "SymInt? rotary_dim=None) -> (Tensor grad_a, Tensor grad_b)");
   m.def(
       "tpa_decode_attention(Tensor q, Tensor a_k, Tensor b_k, Tensor a_v, Tensor b_v, "

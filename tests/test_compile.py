@@ -177,7 +177,7 @@ def test_compile_in_a_module(device):
 
 def test_compile_rope_offsets_and_backward(device):
     def fn(x, pos, offset):
-        return attn_ext.rope(x, positions=pos, interleaved=False) + attn_ext.rope(x, offset=offset)
+        return attn_ext.rope(x, positions=pos, interleaved=True) + attn_ext.rope(x, offset=offset)
 
     cfn, counter = _compile(fn)
     watch = NoRecompile(counter)
@@ -303,7 +303,7 @@ def test_compile_temporal_attention(device):
         watch.step()
 def test_compile_tpa_expand_and_backward(device):
     def fn(a, b, pos):
-        q = attn_ext.tpa_expand(a, b, positions=pos, rope=True, rope_interleaved=False)
+        q = attn_ext.tpa_expand(a, b, positions=pos, rope=True, rope_interleaved=True)
         return attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), causal=True)
 
     cfn, counter = _compile(fn)

@@ -1,6 +1,8 @@
 """Decoding: RoPE, the KV cache and decode attention, against the references in
 reference_decoding.py (documents 000 and 003), plus the incremental == full checks."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -21,6 +23,24 @@ ops = torch.ops.attn_ext
 
 def _truth_rope(x, **kw):
     return rope_reference(x.detach().double(), compute_dtype=torch.float64, **kw)
+
+
+# ------------------------------------------------------------------------ decoding state classes
+
+
+def test_state_classes_live_in_caches_and_keep_their_old_paths():
+    from attn_ext import caches, decoding
+    from attn_ext.nn import linear_attention, tensor_product_attention
+    for name in ("KVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"):
+        cls = getattr(caches, name)
+        assert cls.__module__ == "attn_ext.caches" and getattr(attn_ext, name) is cls
+    # where users could import them from before they moved
+    assert decoding.KVCache is caches.KVCache and decoding.LatentKVCache is caches.LatentKVCache
+    assert attn_ext.nn.TPAFactorCache is tensor_product_attention.TPAFactorCache is caches.TPAFactorCache
+    assert (attn_ext.nn.LinearAttentionState is linear_attention.LinearAttentionState
+            is caches.LinearAttentionState)
+    with pytest.raises(AttributeError, match="no attribute 'KVCach'"):
+        decoding.KVCach  # noqa: B018
 
 
 # --------------------------------------------------------------------------------------- RoPE
@@ -56,7 +76,7 @@ def test_apply_rope_matches_document(device, dtype, D):
     doc_q, doc_k = doc000_apply_rope(q, k)
     our_q, our_k = torchcode.apply_rope(q, k)
     for ours, doc, x in ((our_q, doc_q, q), (our_k, doc_k, k)):
-        truth = _truth_rope(x.unsqueeze(1)).squeeze(1)
+        truth = _truth_rope(x.unsqueeze(1), interleaved=True).squeeze(1)  # the document's pairs
         if dtype == torch.float64:
             # The document's float32 frequency is an ulp off for some exponents: compare to it
             # at the scale that error allows, and to the truth exactly.
@@ -394,3 +414,96 @@ def test_kv_cache_attention_matches_document(device):
         ours(x.double(), cache=torch.zeros(1))
     with pytest.raises(ValueError, match="cache k must be"):
         ours(x.double(), cache=(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16)))
+
+
+# ------------------------------------------------------------------------ default RoPE pair layout
+# Every entry point defaults to the halves (i, i + rotary_dim/2) of LLaMA, FlashAttention and
+# FlashInfer. Exceptions by design: the document-000 drop-in torchcode.apply_rope (the document's
+# pairs, checked in test_apply_rope_matches_document) and MultiHeadLatentAttention (DeepSeek-V2's
+# checkpoints are interleaved).
+
+ROPE_FLAG_OPS = {"rope": "interleaved", "rope_": "interleaved", "rope_backward": "interleaved",
+                 "kv_cache_append": "rope_interleaved", "latent_cache_append": "rope_interleaved",
+                 "tpa_expand": "rope_interleaved", "tpa_expand_backward": "rope_interleaved"}
+
+
+def test_op_schemas_default_to_halves():
+    # Every attn_ext schema with a layout flag, so that a new op with the old default fails too.
+    flags = {s.name.split("::")[1]: (a.name, a.default_value)
+             for s in torch._C._jit_get_all_schemas() if s.name.startswith("attn_ext::")
+             for a in s.arguments if a.name in ("interleaved", "rope_interleaved")}
+    assert set(ROPE_FLAG_OPS) <= set(flags)
+    assert flags == {op: (flag, False) for op, (flag, _) in flags.items()}
+    assert all(flags[op][0] == flag for op, flag in ROPE_FLAG_OPS.items())
+
+
+def _layout_entry_points(device):
+    """name -> (layout flag, fn(**flag) -> tensor): each public way to rotate by RoPE."""
+    x = torch.randn(2, 3, 5, 8, device=device)
+    pos = torch.tensor([4, 9, 1, 0, 30], device=device)
+    a, b = torch.randn(2, 5, 3, 4, device=device), torch.randn(2, 5, 3, 8, device=device)
+    grad = torch.randn(2, 5, 4, 8, device=device)
+    lengths = torch.tensor([0, 2], dtype=torch.int32, device=device)
+
+    def in_place(op):
+        def run(**kw):
+            y = x.clone()
+            op(y, pos, **kw)
+            return y
+        return run
+
+    def cache_append(**kw):
+        c = attn_ext.KVCache(2, 3, 8, 8, device=device)
+        c.append(x, x, rope=True, **kw)
+        return c.k
+
+    def op_cache_append(**kw):
+        kc, vc = x.new_zeros(2, 3, 8, 8), x.new_zeros(2, 3, 8, 8)
+        ops.kv_cache_append(kc, vc, lengths.clone(), x, x, rope=True, **kw)
+        return kc
+
+    def latent_append(**kw):
+        c = attn_ext.LatentKVCache(2, 8, 6, 8, device=device)
+        c.append(x[:, :1, :, :6], x[:, 1:2], **kw)
+        return c.kv
+
+    def op_latent_append(**kw):
+        kv = x.new_zeros(2, 1, 8, 14)
+        ops.latent_cache_append(kv, lengths.clone(), x[:, :1, :, :6], x[:, 1:2], **kw)
+        return kv
+
+    def tpa_backward(**kw):
+        grads = ops.tpa_expand_backward(grad, a, b, rope=True, **kw)
+        return torch.cat([g.flatten() for g in grads])
+
+    return {
+        "attn_ext.rope": ("interleaved", lambda **kw: attn_ext.rope(x, positions=pos, **kw)),
+        "attn_ext.rope_": ("interleaved",
+                           in_place(lambda y, p, **kw: attn_ext.rope_(y, positions=p, **kw))),
+        "ops.rope": ("interleaved", lambda **kw: ops.rope(x, pos, **kw)),
+        "ops.rope_": ("interleaved", in_place(ops.rope_)),
+        "ops.rope_backward": ("interleaved", lambda **kw: ops.rope_backward(x, pos, **kw)),
+        "KVCache.append": ("rope_interleaved", cache_append),
+        "ops.kv_cache_append": ("rope_interleaved", op_cache_append),
+        "LatentKVCache.append": ("rope_interleaved", latent_append),
+        "ops.latent_cache_append": ("rope_interleaved", op_latent_append),
+        "attn_ext.tpa_expand": ("rope_interleaved",
+                                lambda **kw: attn_ext.tpa_expand(a, b, rope=True, **kw)),
+        "ops.tpa_expand": ("rope_interleaved", lambda **kw: ops.tpa_expand(a, b, rope=True, **kw)),
+        "ops.tpa_expand_backward": ("rope_interleaved", tpa_backward),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_layout_entry_points("cpu")))
+def test_default_rope_layout_is_halves(device, entry):
+    flag, fn = _layout_entry_points(device)[entry]
+    halves, pairs = fn(**{flag: False}), fn(**{flag: True})
+    assert not torch.equal(halves, pairs)  # the two layouts differ on these inputs
+    torch.testing.assert_close(fn(), halves, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module, interleaved", [(attn_ext.nn.DecoderAttention, False),
+                                                 (attn_ext.nn.TensorProductAttention, False),
+                                                 (attn_ext.nn.MultiHeadLatentAttention, True)])
+def test_module_rope_layout_defaults(module, interleaved):
+    assert inspect.signature(module).parameters["rope_interleaved"].default is interleaved

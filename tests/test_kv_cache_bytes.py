@@ -13,7 +13,7 @@ def test_bytes_match_the_caches(dtype):
     gqa = attn_ext.KVCache(1, 4, L, 128, dtype=dtype)
     mqa = attn_ext.KVCache(1, 1, L, 128, 96, dtype=dtype)
     mla = attn_ext.LatentKVCache(1, L, 512, 64, dtype=dtype)
-    tpa = attn_ext.nn.TPAFactorCache(1, L, 16, 128, 2, 3, dtype=dtype)
+    tpa = attn_ext.TPAFactorCache(1, L, 16, 128, 2, 3, dtype=dtype)
 
     def per_token(*tensors):
         return sum(t.nbytes for t in tensors) // L

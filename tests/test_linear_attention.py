@@ -392,7 +392,7 @@ def test_nn_linear_attention_recurrent_decoding(dev):
     x = torch.randn(2, 75, 32, dtype=torch.float64, device=dev)
     full, full_state = m(x, return_state=True)
     y, state = m(x[:, :66], return_state=True)
-    assert isinstance(state, attn_ext.nn.LinearAttentionState)
+    assert isinstance(state, attn_ext.LinearAttentionState)
     assert state.kv.shape == (2, 4, 8, 8) and state.k.shape == (2, 4, 8)
     steps = [y]
     for t in range(66, 75):

@@ -147,8 +147,8 @@ def rope_samples(device):
     pos = torch.randint(0, 50, (2, 5), device=device)
     return [
         ("plain", (x,), {}),
-        ("grad_strided_halves", (xs.requires_grad_(True),),
-         dict(interleaved=False, offset=3)),
+        ("grad_strided_interleaved", (xs.requires_grad_(True),),
+         dict(interleaved=True, offset=3)),
         ("positions_partial", (x.double().requires_grad_(True), pos), dict(rotary_dim=4, base=500.0)),
         ("shared_positions_bf16", (x.bfloat16(), pos[0].int()), {}),
     ]
@@ -177,7 +177,7 @@ def test_opcheck_kv_cache_append(device):
     torch.library.opcheck(ops.kv_cache_append.default,
                           (kc.clone(), vc.clone(), torch.zeros(2, dtype=torch.long, device=device), k, v,
                            torch.tensor([3, 1], device=device)),
-                          dict(rope=True, rope_interleaved=False))
+                          dict(rope=True, rope_interleaved=True))
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -240,7 +240,7 @@ def tpa_samples(device):
     return [
         ("plain", (a, b), dict(scale=1 / 3)),
         ("grad_rope_positions", (a.clone().requires_grad_(True), b.clone().requires_grad_(True), pos),
-         dict(scale=0.5, rope=True, rope_interleaved=False)),
+         dict(scale=0.5, rope=True, rope_interleaved=True)),
         ("grad_rope_partial_f64", (a.double().requires_grad_(True), b.double().requires_grad_(True)),
          dict(rope=True, rotary_dim=4, rope_base=500.0)),
         ("shared_positions_bf16", (a.bfloat16(), b.bfloat16(), pos[0].int()), dict(rope=True)),
@@ -303,4 +303,4 @@ def test_opcheck_latent_cache_append(device):
     torch.library.opcheck(ops.latent_cache_append.default,
                           (cache.clone(), torch.zeros(2, dtype=torch.long, device=device), c_kv, k_rope,
                            torch.tensor([3, 1], device=device)),
-                          dict(rope_interleaved=False, rope_base=500.0))
+                          dict(rope_interleaved=True, rope_base=500.0))

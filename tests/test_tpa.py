@@ -7,7 +7,8 @@ import torch
 
 import attn_ext
 from attn_ext.compat import attention_zoo
-from attn_ext.nn import TensorProductAttention, TPAFactorCache
+from attn_ext import TPAFactorCache
+from attn_ext.nn import TensorProductAttention
 from attn_ext.testing.documents import doc004
 from attn_ext.testing.numerics import ALL_DTYPES, assert_error_rule, grad_slack_ulps
 from attn_ext.testing.tpa import tpa_decode_reference, tpa_expand_reference, tpa_reference

@@ -232,7 +232,8 @@ def apply_rope(q, k):
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if q.size(-1) % 2:
         raise ValueError(f"{name}: the feature size D must be even, got {q.size(-1)}")
-    return _decoding.rope(q), _decoding.rope(k)
+    # The document's layout, not attn_ext's default halves.
+    return _decoding.rope(q, interleaved=True), _decoding.rope(k, interleaved=True)
 def linear_attention(Q, K, V):
     """Linear attention with the feature map ``elu(x) + 1``:
     ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + 1e-6)`` (non-causal), in O(S * D * D_v).

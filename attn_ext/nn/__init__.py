@@ -8,7 +8,8 @@
 * :class:`DecoderAttention` -- causal self-attention of a decoder-only model: GQA/MQA, RoPE,
   sliding window, and prefill + decode against a preallocated :class:`attn_ext.KVCache`.
 * :class:`LinearAttention` -- multi-head linear attention (``elu+1`` feature map by default),
-  non-causal or causal, with recurrent decoding through a :class:`LinearAttentionState`.
+  non-causal or causal, with recurrent decoding through an
+  :class:`attn_ext.LinearAttentionState`.
 * :class:`ChannelAttention`, :class:`SpatialAttention`, :class:`CBAM` -- CBAM (Woo et al. 2018)
   on attn_ext's fused channel pooling and sigmoid gate (NCHW or channels-last).
 * :class:`TemporalAttention` -- multi-head temporal attention (document 004, Rosin & Radinsky
@@ -16,16 +17,21 @@
 * :class:`MultiHeadLatentAttention` -- DeepSeek-V2's MLA: a compressed latent KV cache
   (:class:`attn_ext.LatentKVCache`) and weight-absorbed decoding.
 * :class:`TensorProductAttention` -- Tensor Product Attention: Q, K, V as per-token sums of
-  tensor products, RoPE on the feature-side factors, a :class:`TPAFactorCache` for decoding.
+  tensor products, RoPE on the feature-side factors, a :class:`attn_ext.TPAFactorCache` for
+  decoding.
+
+The decoding state classes live in :mod:`attn_ext.caches`; ``TPAFactorCache`` and
+``LinearAttentionState`` stay importable from here, where they were first defined.
 """
-from .linear_attention import LinearAttention, LinearAttentionState
+from ..caches import LinearAttentionState, TPAFactorCache
+from .linear_attention import LinearAttention
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
 from .decoder_attention import DecoderAttention
 from .spatial_attention import CBAM, ChannelAttention, SpatialAttention
 from .temporal_attention import TemporalAttention
 from .latent_attention import MultiHeadLatentAttention
-from .tensor_product_attention import TPAFactorCache, TensorProductAttention
+from .tensor_product_attention import TensorProductAttention
 
 __all__ = ["CBAM", "ChannelAttention", "DecoderAttention", "LinearAttention", "LinearAttentionState",
            "MultiHeadAttention", "MultiheadAttention", "MultiHeadLatentAttention", "SpatialAttention",

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..decoding import KVCache, rope, rope_
+from ..caches import KVCache
+from ..decoding import rope, rope_
 from ..functional import attention
 
 __all__ = ["DecoderAttention"]

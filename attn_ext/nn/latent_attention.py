@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..decoding import LatentKVCache, decode_attention, rope
+from ..caches import LatentKVCache
+from ..decoding import decode_attention, rope
 from ..functional import attention
 
 __all__ = ["MultiHeadLatentAttention"]

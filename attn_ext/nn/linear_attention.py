@@ -5,23 +5,15 @@
 :class:`LinearAttentionState`: a prompt returns the state, and each later call (one token or a
 chunk) continues from it at a cost independent of how much came before.
 """
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
+from ..caches import LinearAttentionState
 from ..linear import FEATURE_MAPS, linear_attention
 
-__all__ = ["LinearAttention", "LinearAttentionState"]
-
-
-class LinearAttentionState(NamedTuple):
-    """What a :class:`LinearAttention` layer has seen so far, per batch element and head:
-    ``kv`` (B, H, D, D) = ``sum phi(k) v^T`` and ``k`` (B, H, D) = ``sum phi(k)``, float32 (float64
-    for a float64 layer). A pair, so it is also :func:`attn_ext.linear_attention`'s
-    ``initial_state``."""
-    kv: torch.Tensor
-    k: torch.Tensor
+__all__ = ["LinearAttention"]
 
 
 class LinearAttention(nn.Module):

@@ -13,7 +13,7 @@ scaled dot-product attention over positions, per head. The factors are formed in
 in one pass by :func:`attn_ext.tpa_expand` (RoPE included), whose (B, S, H, d) output is read by
 :func:`attn_ext.attention` as a (B, H, S, d) view.
 
-Decoding (:class:`TPAFactorCache`) caches ``A_K, B_K, A_V, B_V`` (``B_K`` rotated):
+Decoding (:class:`attn_ext.TPAFactorCache`) caches ``A_K, B_K, A_V, B_V`` (``B_K`` rotated):
 ``R_K (H + d) + R_V (H + d)`` values per token instead of ``2 H d``. A step scores the cached
 keys without forming them: ``q_h · K_t[h] = (1/R_K) Σ_r A_K[t, r, h] (q_h · B_K[t, r])``, and
 contracts the probabilities with ``A_V`` before the one product with ``B_V``.
@@ -24,75 +24,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..decoding import KVCache, rope
+from ..caches import KVCache, TPAFactorCache
+from ..decoding import rope
 from ..functional import attention
 from ..tpa import tpa_decode_attention, tpa_expand
 
-_ops = torch.ops.attn_ext
-
-__all__ = ["TensorProductAttention", "TPAFactorCache"]
-
-
-class TPAFactorCache:
-    """Preallocated factor cache of :class:`TensorProductAttention`: ``a_k`` (B, max_len, R_K, H),
-    ``b_k`` (B, max_len, R_K, d) rotated by RoPE at each row's position, ``a_v``
-    (B, max_len, R_V, H), ``b_v`` (B, max_len, R_V, d), and ``lengths`` (B,) int32. Rows are
-    written at each sequence's length by ``attn_ext::kv_cache_append`` (a (row, rank)
-    factor block is one cache row); nothing is ever moved. The lengths are mirrored on the
-    host, as :class:`attn_ext.KVCache` does, so that appending and decoding on a GPU never
-    wait for the device."""
-
-    def __init__(self, batch_size: int, max_len: int, num_heads: int, head_dim: int, r_k: int,
-                 r_v: int, *, dtype=None, device=None):
-        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("num_heads", num_heads),
-                            ("head_dim", head_dim), ("r_k", r_k), ("r_v", r_v)):
-            if int(value) < 0 or (name.startswith("r_") and int(value) < 1):
-                raise ValueError(f"attn_ext.TPAFactorCache: {name} must be "
-                                 f"{'>= 1' if name.startswith('r_') else '>= 0'}, got {value}")
-        kw = dict(dtype=dtype, device=device)
-        self.a_k = torch.zeros(batch_size, max_len, r_k, num_heads, **kw)
-        self.b_k = torch.zeros(batch_size, max_len, r_k, head_dim, **kw)
-        self.a_v = torch.zeros(batch_size, max_len, r_v, num_heads, **kw)
-        self.b_v = torch.zeros(batch_size, max_len, r_v, head_dim, **kw)
-        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.a_k.device)
-        self._host_lengths = [0] * batch_size
-
-    @property
-    def max_len(self) -> int:
-        return self.a_k.size(1)
-
-    def max_length(self) -> int:
-        """The longest sequence's length (from the host mirror: no device read)."""
-        return max(self._host_lengths, default=0)
-
-    def positions(self, seqlen: int) -> torch.Tensor:
-        """(B, seqlen) int64 positions of the next tokens of each sequence."""
-        return self.lengths.to(torch.int64)[:, None] + torch.arange(seqlen, device=self.lengths.device)
-
-    def append(self, a_k, b_k, a_v, b_v) -> None:
-        """Writes the factors (B, S, R, *) of S new tokens at each sequence's length (b_k
-        already rotated) and advances ``lengths``; raises, writing nothing, on overflow."""
-        S = a_k.size(1)
-        for b, n in enumerate(self._host_lengths):
-            if n + S > self.max_len:
-                raise RuntimeError(f"attn_ext.TPAFactorCache: sequence {b} would overflow the cache: "
-                                   f"length {n} + {S} new tokens > capacity {self.max_len} "
-                                   "(nothing was written)")
-
-        def rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            # (B, S, R, n) -> the op's (B, 1, S, R * n) layout, one row per token
-            return t.to(like.dtype).flatten(2).unsqueeze(1)
-
-        # Both pairs start at the same lengths: the key pair advances a scratch copy, the
-        # value pair the cache's own.
-        _ops.kv_cache_append(rows(self.a_k, self.a_k), rows(self.b_k, self.b_k), self.lengths.clone(),
-                             rows(a_k, self.a_k), rows(b_k, self.b_k))
-        _ops.kv_cache_append(rows(self.a_v, self.a_v), rows(self.b_v, self.b_v), self.lengths,
-                             rows(a_v, self.a_v), rows(b_v, self.b_v))
-        self._host_lengths = [n + S for n in self._host_lengths]
-
-    def nbytes_per_token(self) -> int:
-        return sum(t[0, 0].numel() * t.element_size() for t in (self.a_k, self.b_k, self.a_v, self.b_v))
+__all__ = ["TensorProductAttention"]
 
 
 class TensorProductAttention(nn.Module):
@@ -115,9 +52,9 @@ class TensorProductAttention(nn.Module):
 
     ``forward(x, cache=None, *, positions=None)``: x (B, S, d_model) -> (B, S, d_model). Without
     a cache the tokens sit at ``positions`` (int (B, S) or (S,), default ``0..S-1``). With a
-    :class:`TPAFactorCache` (``new_cache``) they continue each sequence and attend to the cached
-    factors; with an :class:`attn_ext.KVCache` (``new_cache(..., materialize=True)``) the keys and
-    values are formed and cached instead (the conventional decode, for comparison).
+    :class:`attn_ext.TPAFactorCache` (``new_cache``) they continue each sequence and attend to
+    the cached factors; with an :class:`attn_ext.KVCache` (``new_cache(..., materialize=True)``)
+    the keys and values are formed and cached instead (the conventional decode, for comparison).
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, r_q: int = 6, r_k: int = 2,
@@ -148,7 +85,7 @@ class TensorProductAttention(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, *, materialize: bool = False, dtype=None,
                   device=None):
-        """An empty :class:`TPAFactorCache`, or with ``materialize=True`` an
+        """An empty :class:`attn_ext.TPAFactorCache`, or with ``materialize=True`` an
         :class:`attn_ext.KVCache` of formed keys and values (default: the weights' dtype and
         device)."""
         w = self.W_a_k.weight

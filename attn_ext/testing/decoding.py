@@ -54,7 +54,7 @@ def _positions(x: torch.Tensor, positions, offset: int) -> torch.Tensor:
 
 
 def rope_reference(x: torch.Tensor, *, positions=None, offset: int = 0, base: float = 10000.0,
-                   interleaved: bool = True, rotary_dim=None, compute_dtype=None) -> torch.Tensor:
+                   interleaved: bool = False, rotary_dim=None, compute_dtype=None) -> torch.Tensor:
     """RoPE of x (B, H, S, D) with fp32 angles. ``compute_dtype`` None: a plain implementation
     at x's dtype (torch's float32 frequencies, cos/sin cast to x's dtype, as HuggingFace
     does); float64: the ground truth (attn_ext's frequencies, cos/sin and rotation in

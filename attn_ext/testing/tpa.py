@@ -77,7 +77,7 @@ def tpa_reference(m, x: torch.Tensor, *, positions=None, rope: bool = True, caus
 
 
 def tpa_expand_reference(a, b, *, positions=None, scale=None, rope=False, rope_base=10000.0,
-                         rope_interleaved=True, rotary_dim=None, compute_dtype=None):
+                         rope_interleaved=False, rotary_dim=None, compute_dtype=None):
     """What attn_ext.tpa_expand computes: scale * Σ_r a_r ⊗ RoPE(b_r), (B, S, H, D)."""
     dt = compute_dtype or a.dtype
     a, b = a.to(dt), b.to(dt)

@@ -4,8 +4,8 @@
 //
 // Pair i (0 <= i < rotary_dim / 2) rotates features (first(i), second(i)) by the angle
 // pos * inv_freq(i), inv_freq(i) = base^(-2i / rotary_dim):
-//   interleaved (document 000, GPT-J): features (2i, 2i + 1);
-//   halves (LLaMA, GPT-NeoX):          features (i, i + rotary_dim / 2).
+//   halves (LLaMA, GPT-NeoX; the default): features (i, i + rotary_dim / 2);
+//   interleaved (document 000, GPT-J):     features (2i, 2i + 1).
 // Features at and beyond rotary_dim pass through unchanged.
 #include <cmath>
 #include <cstdint>
@@ -16,7 +16,7 @@ namespace attn_ext {
 struct RopePolicy {
   double base = 10000.0;
   int64_t rotary_dim = 0;  // even, <= head dim
-  bool interleaved = true;
+  bool interleaved = false;
 
   C10_HOST_DEVICE int64_t pairs() const { return rotary_dim / 2; }
   C10_HOST_DEVICE int64_t first(int64_t i) const { return interleaved ? 2 * i : i; }

@@ -13,7 +13,7 @@ struct TpaOptions {
   double scale = 1.0;
   bool rope = false;
   double rope_base = 10000.0;
-  bool rope_interleaved = true;
+  bool rope_interleaved = false;
   std::optional<int64_t> rotary_dim;
 };
 

@@ -12,7 +12,7 @@ struct RopeOptions {
   std::optional<at::Tensor> positions;
   int64_t offset = 0;
   double base = 10000.0;
-  bool interleaved = true;
+  bool interleaved = false;
   std::optional<int64_t> rotary_dim;
 };
 
