@@ -46,7 +46,7 @@ PARITY_BAND = 0.05
 # per-round ratios.
 PARAM_COLUMNS = ("case", "dtype", "B", "H", "S", "D", "causal", "mode")
 FIGURE_COLUMNS = ("tflops", "gbps", "peak_mb")
-HISTORY_COLUMNS = (("date", "machine", "commit", "family", "device") + PARAM_COLUMNS
+HISTORY_COLUMNS = (("date", "machine", "threads", "commit", "family", "device") + PARAM_COLUMNS
                    + ("candidate", "ms", "ratio_to", "ratio") + FIGURE_COLUMNS + ("params", "note"))
 HISTORY_FILE = "history.csv"
 # ISA flags of /proc/cpuinfo that decide which CPU kernels can run.
@@ -443,7 +443,7 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
     for r in rows:
         if r["machine"] != machine:
             continue
-        key = tuple(r[c] for c in PARAM_COLUMNS + ("candidate", "ratio_to", "params"))
+        key = tuple(r[c] for c in PARAM_COLUMNS + ("threads", "candidate", "ratio_to", "params"))
         if key not in newest or r["date"] > newest[key]["date"]:
             newest[key] = r
     try:
@@ -453,14 +453,19 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
     except ImportError:
         print(f"matplotlib not installed: no {png.name} (pip install matplotlib)", file=sys.stderr)
         return None
-    panels = sorted({(r["candidate"], r["ratio_to"]) for r in newest.values()})
-    line_cols = [c for c in ("case", "dtype", "B", "H", "D", "causal", "mode", "params")
-                 if len({r[c] for r in newest.values()}) > 1]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (cand, to) in zip(axes[0], panels):
+    by_mode = len({r["mode"] for r in newest.values()}) > 1
+    panels = sorted({(r["candidate"], r["ratio_to"], r["mode"] if by_mode else "") for r in newest.values()})
+    line_cols = [c for c in ("case", "dtype", "B", "H", "D", "causal", "threads", "params")
+                 + (() if by_mode else ("mode",)) if len({r[c] for r in newest.values()}) > 1]
+    cols = min(len(panels), 4)
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 4.5 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (cand, to, mode) in zip(axes.flat, panels):
         lines: Dict[str, List[tuple]] = {}
         for r in newest.values():
-            if (r["candidate"], r["ratio_to"]) == (cand, to):
+            if (r["candidate"], r["ratio_to"], r["mode"] if by_mode else "") == (cand, to, mode):
                 label = " ".join(f"{c}={r[c]}" for c in line_cols) or cand
                 lines.setdefault(label, []).append((_float(r["S"]), _float(r["ratio"])))
         for label, pts in sorted(lines.items()):
@@ -469,12 +474,12 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
         ax.axhspan(1 - PARITY_BAND, 1 + PARITY_BAND, color="0.85", label="parity")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("S")
-        ax.set_ylabel(f"{cand} / {to} time (> 1: {to} faster)")
-        ax.set_title(f"{cand} / {to}")
+        ax.set_ylabel(f"time ratio (> 1: {to} faster)")
+        ax.set_title(f"{cand} / {to}" + (f", {mode}" if mode else ""), fontsize=9)
         ax.legend(fontsize=6)
     dates = sorted(r["date"] for r in newest.values())
     fig.suptitle(f"{family} on {device}: {machine}; {dates[0][:10]}..{dates[-1][:10]}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=90)
     plt.close(fig)
@@ -530,7 +535,7 @@ class Bench:
     def record(self, candidate: str, ms: Optional[float], **fields) -> None:
         """One history row for this run (fields: HISTORY_COLUMNS or extra parameters)."""
         self.rows.append(history_row(date=self.env["date"], machine=self.env["machine"],
-                                     commit=self.env["commit"], family=self.family,
+                                     threads=self.env["threads"], commit=self.env["commit"], family=self.family,
                                      device=self.device.type, candidate=candidate, ms=ms, **fields))
 
     def record_timing(self, timing: Timing, ratio_to, figures: Optional[Dict[str, Dict]] = None,
