@@ -850,7 +850,8 @@ def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
             grad = torch.randn_like(x)
             impls = {"attn_ext": ours, "torch": lambda t: cbam_spatial(t, w)}
             for mode in ("fwd", "fwd+bwd"):
-                fns = {name: harness.make_step(impl, mode, (x,), grad, [w]) for name, impl in impls.items()}
+                fns = {name: harness.make_step(impl, mode, (x,), grad, [w])
+                       for name, impl in impls.items()}
                 t = time_interleaved(fns, device, repeats)
                 print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {t.ms('attn_ext'):11.2f} "
                       f"{t.ms('torch'):9.2f} {t.ratio('torch', 'attn_ext'):5.2f}x")

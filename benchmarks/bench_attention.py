@@ -57,29 +57,48 @@ def candidate_fn(name: str, causal: bool):
 def sweep(bench: harness.Bench, args) -> list:
     """Times every cell; returns (params, Timing, tflops per candidate, max diff) per cell."""
     cuda = bench.device.type == "cuda"
-    grid = [(dt, d, s, c, m) for dt in args.dtypes for d in args.head_dims for s in args.seqlens
-            for c in args.causal for m in args.modes]
+    grid = [
+        (dt, d, s, c, m)
+        for dt in args.dtypes
+        for d in args.head_dims
+        for s in args.seqlens
+        for c in args.causal
+        for m in args.modes
+    ]
     bar = harness.progress(len(grid), "attention")
     cells = []
     for dt, d, s, causal, mode in grid:
         torch.manual_seed(args.seed)  # drawn on the CPU so every device sees the same inputs
-        q, k, v, grad = (torch.randn(args.batch, args.heads, s, d).to(bench.device, DTYPES[dt])
-                         for _ in range(4))
+        q, k, v, grad = (
+            torch.randn(args.batch, args.heads, s, d).to(bench.device, DTYPES[dt]) for _ in range(4)
+        )
         notes = {"doc": "skip"} if "doc" in args.candidates and s > args.doc_max_s else {}
-        runs = {n: harness.make_step(candidate_fn(n, causal), mode, (q, k, v), grad)
-                for n in args.candidates if n not in notes}
+        runs = {
+            n: harness.make_step(candidate_fn(n, causal), mode, (q, k, v), grad)
+            for n in args.candidates
+            if n not in notes
+        }
         timing = bench.time(runs, close_margin=args.close_margin, close_rounds=args.close_repeats)
         flops = harness.attention_flops(args.batch, args.heads, s, s, d, causal, mode)
-        figures = {n: {"tflops": flops / timing.median_s(n) / 1e12} for n in timing.results
-                   if cuda and timing.median_s(n)}
+        figures = {
+            n: {"tflops": flops / timing.median_s(n) / 1e12}
+            for n in timing.results
+            if cuda and timing.median_s(n)
+        }
         res = timing.results
-        diff = harness.max_abs_diff(res["attn_ext"], res["sdpa"]) if {"attn_ext", "sdpa"} <= set(res) else None
+        diff = (
+            harness.max_abs_diff(res["attn_ext"], res["sdpa"])
+            if {"attn_ext", "sdpa"} <= set(res)
+            else None
+        )
         params = dict(dtype=dt, B=args.batch, H=args.heads, S=s, D=d, causal=causal, mode=mode)
         bench.record_timing(timing, "attn_ext", figures, notes, **params)
         cells.append((params, timing, figures, notes, diff))
-        bar.write(f"{dt:8s} D={d:<3d} S={s:<5d} causal={causal!s:5s} {mode:7s} | "
-                  + "  ".join(f"{n} {harness.fmt(timing.ms(n))}" for n in runs)
-                  + f" | sdpa/attn_ext {harness.fmt(timing.ratio('sdpa', 'attn_ext'))}")
+        bar.write(
+            f"{dt:8s} D={d:<3d} S={s:<5d} causal={causal!s:5s} {mode:7s} | "
+            + "  ".join(f"{n} {harness.fmt(timing.ms(n))}" for n in runs)
+            + f" | sdpa/attn_ext {harness.fmt(timing.ratio('sdpa', 'attn_ext'))}"
+        )
         bar.update(1)
         timing.results.clear()  # the outputs and grads of big cells: free them now
     bar.close()
@@ -93,9 +112,12 @@ def ms_cell(timing, notes, name):
 
 
 def table(cells, cuda: bool) -> str:
-    head = ["dtype", "D", "S", "causal", "mode"] + [f"ms {n}" for n in CANDIDATES] + \
-        ["sdpa/attn_ext", "doc/attn_ext", "max abs diff vs sdpa"] + \
-        ([f"TFLOP/s {n}" for n in CANDIDATES] if cuda else [])
+    head = (
+        ["dtype", "D", "S", "causal", "mode"]
+        + [f"ms {n}" for n in CANDIDATES]
+        + ["sdpa/attn_ext", "doc/attn_ext", "max abs diff vs sdpa"]
+        + ([f"TFLOP/s {n}" for n in CANDIDATES] if cuda else [])
+    )
     rows = []
     for p, t, fig, notes, diff in cells:
         row = [p["dtype"], p["D"], p["S"], p["causal"], p["mode"]]
@@ -111,14 +133,18 @@ def table(cells, cuda: bool) -> str:
 def ratio_stats(ratios) -> str:
     if not ratios:
         return "n/a"
-    return f"min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x over {len(ratios)} cells"
+    return (
+        f"min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x over {len(ratios)} cells"
+    )
 
 
 def summary(cells, args) -> list:
     subsets = [("all", cells)] + [(m, [c for c in cells if c[0]["mode"] == m]) for m in args.modes]
     lines = ["speedup vs torch SDPA (sdpa/attn_ext, >1 = attn_ext faster):"]
     for label, sub in subsets:
-        lines.append(f"  {label:8s} {ratio_stats([r for c in sub if (r := c[1].ratio('sdpa', 'attn_ext'))])}")
+        lines.append(
+            f"  {label:8s} {ratio_stats([r for c in sub if (r := c[1].ratio('sdpa', 'attn_ext'))])}"
+        )
     doc_s = [c[0]["S"] for c in cells if c[1].ratio("doc", "attn_ext")]
     if doc_s:
         s_ref = DOC_SUMMARY_S if DOC_SUMMARY_S in doc_s else max(doc_s)
@@ -130,8 +156,10 @@ def summary(cells, args) -> list:
     if diffs:
         lines.append(f"max |attn_ext - sdpa| over all cells: {max(diffs):.2e}")
     for p, t, _, _, _ in cells:
-        lines += [f"ERROR {n} {p['dtype']} D={p['D']} S={p['S']} causal={p['causal']} {p['mode']}: {e}"
-                  for n, e in t.errors.items()]
+        lines += [
+            f"ERROR {n} {p['dtype']} D={p['D']} S={p['S']} causal={p['causal']} {p['mode']}: {e}"
+            for n, e in t.errors.items()
+        ]
     return lines
 
 
@@ -164,8 +192,21 @@ def memory_mode(args) -> int:
     rows, failed = [], False
     for name in args.memory_candidates:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        argv = [__file__, "--memory-child", name, "--device", args.device, "--seed", args.seed,
-                "--memory-seqlen", s, "--memory-head-dim", d, "--threads", args.threads]
+        argv = [
+            __file__,
+            "--memory-child",
+            name,
+            "--device",
+            args.device,
+            "--seed",
+            args.seed,
+            "--memory-seqlen",
+            s,
+            "--memory-head-dim",
+            d,
+            "--threads",
+            args.threads,
+        ]
         try:
             info = harness.run_child(argv + (["--memory-causal"] if args.memory_causal else []))
         except RuntimeError as e:
@@ -176,18 +217,56 @@ def memory_mode(args) -> int:
         if name == "attn_ext":
             ok = max(info["fwd_mb"], info["fwd_bwd_mb"]) < args.memory_target_mb
             verdict, failed = ("PASS" if ok else "FAIL"), failed or not ok
-        rows.append([name, f"{info['fwd_mb']:.1f}", f"{info['fwd_bwd_mb']:.1f}", f"{info['fwd_s']:.2f}",
-                     f"{info['bwd_s']:.2f}", verdict])
-        for mode, mb, secs in (("fwd", info["fwd_mb"], info["fwd_s"]),
-                               ("fwd+bwd", info["fwd_bwd_mb"], info["fwd_s"] + info["bwd_s"])):
-            bench.record(name, 1e3 * secs, peak_mb=mb, dtype="float32", B=1, H=1, S=s, D=d,
-                         causal=args.memory_causal, mode=mode, note=verdict if verdict != "-" else "")
+        rows.append(
+            [
+                name,
+                f"{info['fwd_mb']:.1f}",
+                f"{info['fwd_bwd_mb']:.1f}",
+                f"{info['fwd_s']:.2f}",
+                f"{info['bwd_s']:.2f}",
+                verdict,
+            ]
+        )
+        for mode, mb, secs in (
+            ("fwd", info["fwd_mb"], info["fwd_s"]),
+            ("fwd+bwd", info["fwd_bwd_mb"], info["fwd_s"] + info["bwd_s"]),
+        ):
+            bench.record(
+                name,
+                1e3 * secs,
+                peak_mb=mb,
+                dtype="float32",
+                B=1,
+                H=1,
+                S=s,
+                D=d,
+                causal=args.memory_causal,
+                mode=mode,
+                note=verdict if verdict != "-" else "",
+            )
     what = "VmHWM growth" if bench.device.type == "cpu" else "max_memory_allocated growth"
-    head = (f"B=1 H=1 S={s} D={d} float32 causal={args.memory_causal}; peak extra MB ({what}) above "
-            f"the inputs, each candidate in a fresh process; one S x S float32 score matrix would be "
-            f"{s * s * 4 / 2**20:.0f} MB; target for attn_ext < {args.memory_target_mb:.0f} MB")
-    bench.finish("attention peak memory", [head, harness.markdown_table(
-        ["candidate", "fwd peak extra MB", "fwd+bwd peak extra MB", "fwd s", "bwd s", "target"], rows)])
+    head = (
+        f"B=1 H=1 S={s} D={d} float32 causal={args.memory_causal}; peak extra MB ({what}) above "
+        f"the inputs, each candidate in a fresh process; one S x S float32 score matrix would be "
+        f"{s * s * 4 / 2**20:.0f} MB; target for attn_ext < {args.memory_target_mb:.0f} MB"
+    )
+    bench.finish(
+        "attention peak memory",
+        [
+            head,
+            harness.markdown_table(
+                [
+                    "candidate",
+                    "fwd peak extra MB",
+                    "fwd+bwd peak extra MB",
+                    "fwd s",
+                    "bwd s",
+                    "target",
+                ],
+                rows,
+            ),
+        ],
+    )
     return 1 if failed else 0
 
 
@@ -207,8 +286,9 @@ def parse_bool(s: str) -> bool:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(p, min_repeats=2, max_repeats=50, target_time=1.5)
     g = p.add_argument_group("grid")
     g.add_argument("--dtypes", type=csv_list(str), default=["float32", "bfloat16"])
@@ -219,12 +299,24 @@ def parse_args(argv=None):
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--heads", type=int, default=16)
     g.add_argument("--candidates", type=csv_list(str), default=list(CANDIDATES))
-    g.add_argument("--doc-max-s", type=int, default=2048,
-                   help="run the document reference (which materializes Sq x Sk scores) only up to this S")
-    g.add_argument("--close-margin", type=float, default=0.15,
-                   help="the first two candidates' medians within this fraction are a close call")
-    g.add_argument("--close-repeats", type=int, default=7,
-                   help="rounds the two candidates of a close call run at least (0: none extra)")
+    g.add_argument(
+        "--doc-max-s",
+        type=int,
+        default=2048,
+        help="run the document reference (which materializes Sq x Sk scores) only up to this S",
+    )
+    g.add_argument(
+        "--close-margin",
+        type=float,
+        default=0.15,
+        help="the first two candidates' medians within this fraction are a close call",
+    )
+    g.add_argument(
+        "--close-repeats",
+        type=int,
+        default=7,
+        help="rounds the two candidates of a close call run at least (0: none extra)",
+    )
     g.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("memory mode")
     m.add_argument("--memory", action="store_true", help="peak memory of one long sequence instead")
@@ -254,20 +346,25 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.memory_child:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        harness.print_child_result(memory_child(args))
-        return 0
+        return harness.child_main(args, lambda: memory_child(args))
     if args.memory:
         return memory_mode(args)
     bench = harness.Bench("attention", args, __file__)
     cells = sweep(bench, args)
-    grid = (f"B={args.batch} H={args.heads}, Sq=Sk; doc reference up to S={args.doc_max_s}; median of "
-            f">= {args.min_repeats} interleaved rounds after {args.warmup} warm-up (>= "
-            f"{args.close_repeats} when the first two candidates are within {args.close_margin:.0%}); "
-            "ratios = candidate time / attn_ext time (> 1: attn_ext faster)")
-    bench.finish("attention benchmark", [grid, table(cells, bench.device.type == "cuda"),
-                                         "```\n" + "\n".join(summary(cells, args)) + "\n```"])
+    grid = (
+        f"B={args.batch} H={args.heads}, Sq=Sk; doc reference up to S={args.doc_max_s}; median of "
+        f">= {args.min_repeats} interleaved rounds after {args.warmup} warm-up (>= "
+        f"{args.close_repeats} when the first two candidates are within {args.close_margin:.0%}); "
+        "ratios = candidate time / attn_ext time (> 1: attn_ext faster)"
+    )
+    bench.finish(
+        "attention benchmark",
+        [
+            grid,
+            table(cells, bench.device.type == "cuda"),
+            "```\n" + "\n".join(summary(cells, args)) + "\n```",
+        ],
+    )
     return 0
 
 

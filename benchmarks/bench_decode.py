@@ -33,7 +33,6 @@ bandwidth. Timing and output: ``attn_ext.testing.harness`` (``decode_<device>.md
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +57,9 @@ class DocCache:
         self.k = torch.cat([self.k, k_new], dim=2)
         self.v = torch.cat([self.v, v_new], dim=2)
         n_rep = q.size(1) // self.k.size(1)
-        return doc000.scaled_dot_product_attention(q, doc003.repeat_kv(self.k, n_rep),
-                                                   doc003.repeat_kv(self.v, n_rep))
+        return doc000.scaled_dot_product_attention(
+            q, doc003.repeat_kv(self.k, n_rep), doc003.repeat_kv(self.v, n_rep)
+        )
 
 
 class SdpaCache:
@@ -75,11 +75,12 @@ class SdpaCache:
 
     def step(self, q, k_new, v_new):
         L = self.length
-        self.k[:, :, L:L + 1].copy_(k_new)
-        self.v[:, :, L:L + 1].copy_(v_new)
+        self.k[:, :, L : L + 1].copy_(k_new)
+        self.v[:, :, L : L + 1].copy_(v_new)
         self.length = L + 1
-        return F.scaled_dot_product_attention(q, self.k[:, :, :L + 1], self.v[:, :, :L + 1],
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, self.k[:, :, : L + 1], self.v[:, :, : L + 1], enable_gqa=True
+        )
 
 
 class AttnExtCache:
@@ -104,6 +105,7 @@ def stepper(cache, new):
         j = i[0] % NEW_TOKEN_POOL
         i[0] += 1
         return cache.step(new[0][j], new[1][j], new[2][j])
+
     return step
 
 
@@ -112,22 +114,35 @@ def generation(name, prompt, new, n_new, max_len):
         step = stepper(MAKERS[name](*prompt, max_len), new)
         for _ in range(n_new):
             step()
+
     return run
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=1.0)
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="default float32 on CPU, bfloat16 on CUDA",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument(
+        "--prompts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768]
+    )
     ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--gen-max-context", type=int, default=32768,
-                    help="whole generations only for prompts up to this length")
+    ap.add_argument(
+        "--gen-max-context",
+        type=int,
+        default=32768,
+        help="whole generations only for prompts up to this length",
+    )
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     args = ap.parse_args(argv)
     if args.quick:
@@ -149,7 +164,9 @@ def main(argv=None):
         gen = torch.Generator(device="cpu").manual_seed(0)
 
         def rnd(*shape):
-            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(
+                device=device, dtype=dtype
+            )
 
         prompt = (rnd(B, Hkv, P, D), rnd(B, Hkv, P, D))
         new = tuple([rnd(B, h, 1, D) for _ in range(NEW_TOKEN_POOL)] for h in (H, Hkv, Hkv))
@@ -160,17 +177,35 @@ def main(argv=None):
         gbps = {}
         if bw and step.median_s("attn_ext"):
             # bytes of K and V read per step at context P (+ the new token)
-            gbps = {"attn_ext": {"gbps": B * Hkv * (P + 1) * 2 * D * elt / step.median_s("attn_ext") / 1e9}}
-        bench.record_timing(step, "attn_ext" if "attn_ext" in names else None, gbps, mode="step", **params)
+            gbps = {
+                "attn_ext": {
+                    "gbps": B * Hkv * (P + 1) * 2 * D * elt / step.median_s("attn_ext") / 1e9
+                }
+            }
+        bench.record_timing(
+            step, "attn_ext" if "attn_ext" in names else None, gbps, mode="step", **params
+        )
         res = step.results
-        diff = (harness.max_abs_diff([res["attn_ext"]], [res["sdpa" if "sdpa" in res else "doc"]])
-                if "attn_ext" in res and len(res) > 1 else None)
+        diff = (
+            harness.max_abs_diff([res["attn_ext"]], [res["sdpa" if "sdpa" in res else "doc"]])
+            if "attn_ext" in res and len(res) > 1
+            else None
+        )
         whole = None
         if P <= args.gen_max_context:
-            whole = bench.time({n: generation(n, prompt, new, args.new_tokens, max_len) for n in names},
-                               warmup=0, min_rounds=1, max_rounds=1)
-            bench.record_timing(whole, "attn_ext" if "attn_ext" in names else None, mode="gen",
-                                new_tokens=args.new_tokens, **params)
+            whole = bench.time(
+                {n: generation(n, prompt, new, args.new_tokens, max_len) for n in names},
+                warmup=0,
+                min_rounds=1,
+                max_rounds=1,
+            )
+            bench.record_timing(
+                whole,
+                "attn_ext" if "attn_ext" in names else None,
+                mode="gen",
+                new_tokens=args.new_tokens,
+                **params,
+            )
         row = [B, P]
         for t in (step, whole):
             row += [harness.fmt(t.ms(n) if t else None, ".2f", "skip") for n in names]
@@ -187,10 +222,17 @@ def main(argv=None):
         cols += [f"{c} {kind} (ms)" for c in names] + [f"{c}/attn_ext {kind}" for c in others]
     if bw:
         cols += ["attn_ext GB/s", "% of copy bw"]
-    head = (f"H={H}, Hkv={Hkv}, D={D}, {params['dtype']}; one new token per step. `step` = median ms "
-            f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} new tokens "
-            "after the prompt. Ratios > 1: attn_ext faster." + (f" Copy bandwidth {bw:.0f} GB/s." if bw else ""))
-    bench.finish(f"Decode benchmark ({device.type})", [head, harness.markdown_table(cols + ["max abs diff"], rows)])
+    head = (
+        f"H={H}, Hkv={Hkv}, D={D}, {params['dtype']}; one new token per step. `step` = median ms "
+        f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} "
+        "new tokens "
+        "after the prompt. Ratios > 1: attn_ext faster."
+        + (f" Copy bandwidth {bw:.0f} GB/s." if bw else "")
+    )
+    bench.finish(
+        f"Decode benchmark ({device.type})",
+        [head, harness.markdown_table(cols + ["max abs diff"], rows)],
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ steps at context P are timed in interleaved rounds. Ratios: ``mla_naive / mla``,
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -56,8 +55,15 @@ def build_layer(name, args, device, dtype):
         return attn_ext.nn.DecoderAttention(d, H, args.kv_heads, **kw)
     if name.startswith("mla"):
         return attn_ext.nn.MultiHeadLatentAttention(d, H, q_lora_rank=args.q_lora_rank, **kw)
-    return attn_ext.nn.TensorProductAttention(d, H, args.tpa_head_dim, r_q=args.tpa_ranks[0],
-                                              r_k=args.tpa_ranks[1], r_v=args.tpa_ranks[2], **kw)
+    return attn_ext.nn.TensorProductAttention(
+        d,
+        H,
+        args.tpa_head_dim,
+        r_q=args.tpa_ranks[0],
+        r_k=args.tpa_ranks[1],
+        r_v=args.tpa_ranks[2],
+        **kw,
+    )
 
 
 def cache_bytes(name, args, dtype):
@@ -66,21 +72,33 @@ def cache_bytes(name, args, dtype):
     if name == "mha":
         return attn_ext.kv_cache_bytes("mha", num_heads=H, head_dim=hd, dtype=dtype)
     if name == "gqa":
-        return attn_ext.kv_cache_bytes("gqa", num_heads=H, num_kv_heads=args.kv_heads, head_dim=hd,
-                                       dtype=dtype)
+        return attn_ext.kv_cache_bytes(
+            "gqa", num_heads=H, num_kv_heads=args.kv_heads, head_dim=hd, dtype=dtype
+        )
     if name.startswith("mla"):
         return attn_ext.kv_cache_bytes("mla", kv_lora_rank=512, qk_rope_head_dim=64, dtype=dtype)
     if name == "tpa_kv":
         return attn_ext.kv_cache_bytes("mha", num_heads=H, head_dim=args.tpa_head_dim, dtype=dtype)
-    return attn_ext.kv_cache_bytes("tpa", num_heads=H, head_dim=args.tpa_head_dim,
-                                   r_k=args.tpa_ranks[1], r_v=args.tpa_ranks[2], dtype=dtype)
+    return attn_ext.kv_cache_bytes(
+        "tpa",
+        num_heads=H,
+        head_dim=args.tpa_head_dim,
+        r_k=args.tpa_ranks[1],
+        r_v=args.tpa_ranks[2],
+        dtype=dtype,
+    )
 
 
 def filled_cache(name, layer, B, P, max_len, gen):
     """A cache of ``layer`` holding P random rows per sequence."""
     cache = layer.new_cache(B, max_len, **({"materialize": True} if name == "tpa_kv" else {}))
-    tensors = ([cache.a_k, cache.b_k, cache.a_v, cache.b_v] if name == "tpa"
-               else [cache.kv] if name.startswith("mla") else [cache.k, cache.v])
+    tensors = (
+        [cache.a_k, cache.b_k, cache.a_v, cache.b_v]
+        if name == "tpa"
+        else [cache.kv]
+        if name.startswith("mla")
+        else [cache.k, cache.v]
+    )
     for t in tensors:
         rows = t[:, :P] if name == "tpa" else t[:, :, :P]
         rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
@@ -99,29 +117,43 @@ def make_step(name, layer, cache, xs):
     def x():
         i[0] += 1
         return xs[i[0] % len(xs)]
+
     if name == "mla_naive":
         return lambda: layer(x(), cache, absorb=False)
     if name == "mla_kernel":
         H, D = layer.num_heads, layer.kv_lora_rank + layer.qk_rope_head_dim
         q = torch.randn(cache.kv.size(0), H, 1, D, dtype=cache.kv.dtype, device=cache.kv.device)
-        return lambda: attn_ext.decode_attention(q, cache.k, cache.v, cache.lengths,
-                                                 scale=layer.softmax_scale)
+        return lambda: attn_ext.decode_attention(
+            q, cache.k, cache.v, cache.lengths, scale=layer.softmax_scale
+        )
     return lambda: layer(x(), cache)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=4.0)
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="default float32 on CPU, bfloat16 on CUDA",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4, help="GQA's key/value heads")
-    ap.add_argument("--q-lora-rank", type=int, default=None, help="MLA's query compression (None: full)")
+    ap.add_argument(
+        "--q-lora-rank", type=int, default=None, help="MLA's query compression (None: full)"
+    )
     ap.add_argument("--tpa-head-dim", type=int, default=128)
-    ap.add_argument("--tpa-ranks", type=int, nargs=3, default=[6, 2, 2], metavar=("R_Q", "R_K", "R_V"))
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument(
+        "--tpa-ranks", type=int, nargs=3, default=[6, 2, 2], metavar=("R_Q", "R_K", "R_V")
+    )
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
+    )
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     args = ap.parse_args(argv)
     if args.quick:
@@ -143,8 +175,10 @@ def main(argv=None):
     with torch.no_grad():
         for B, P in cells:
             gen = torch.Generator().manual_seed(P)
-            xs = [torch.randn(B, 1, args.d_model, generator=gen).to(device=device, dtype=dtype)
-                  for _ in range(INPUT_POOL)]
+            xs = [
+                torch.randn(B, 1, args.d_model, generator=gen).to(device=device, dtype=dtype)
+                for _ in range(INPUT_POOL)
+            ]
             max_len = P + args.warmup + 2 * args.max_repeats + 2
             caches = {n: filled_cache(n, layers[n], B, P, max_len, gen) for n in names}
             timing = bench.time({n: make_step(n, layers[n], caches[n], xs) for n in names})
@@ -157,9 +191,15 @@ def main(argv=None):
             params = dict(dtype=dt_name, B=B, H=args.heads, S=P, mode="step", d_model=args.d_model)
             for n in names:  # each slower form against its compressed one (RATIO_PAIRS)
                 to = dict(pairs).get(n)
-                bench.record(n, timing.ms(n), ratio_to=to, ratio=to and timing.ratio(n, to),
-                             gbps=gbps if n == "mla_kernel" else None,
-                             note=timing.errors.get(n, ""), **params)
+                bench.record(
+                    n,
+                    timing.ms(n),
+                    ratio_to=to,
+                    ratio=to and timing.ratio(n, to),
+                    gbps=gbps if n == "mla_kernel" else None,
+                    note=timing.errors.get(n, ""),
+                    **params,
+                )
             row = [B, P] + [harness.fmt(timing.ms(n)) for n in names]
             row += [harness.fmt_ratio(timing.ratio(a, b)) for a, b in pairs]
             if bw and gbps:
@@ -169,21 +209,40 @@ def main(argv=None):
     bar.close()
 
     mha_bytes = cache_bytes("mha", args, dtype)
-    sizes = [[n, cache_bytes(n, args, dtype), cache_bytes(n, args, torch.bfloat16),
-              f"{mha_bytes / cache_bytes(n, args, dtype):.1f}x smaller"] for n in names if n != "mla_kernel"]
+    sizes = [
+        [
+            n,
+            cache_bytes(n, args, dtype),
+            cache_bytes(n, args, torch.bfloat16),
+            f"{mha_bytes / cache_bytes(n, args, dtype):.1f}x smaller",
+        ]
+        for n in names
+        if n != "mla_kernel"
+    ]
     cols = ["B", "context"] + names + [f"{a}/{b}" for a, b in pairs]
     if bw and all(len(r) == len(cols) + 2 for r in rows):
         cols += ["mla_kernel GB/s", "% of copy bw"]
-    dims = (f"d_model={args.d_model}, H={args.heads}, {dt_name}; GQA Hkv={args.kv_heads}; MLA kv_lora_rank=512, "
-            f"qk_nope=128, qk_rope=64, v=128, q_lora_rank={args.q_lora_rank}; TPA head_dim={args.tpa_head_dim}, "
-            f"ranks (R_Q, R_K, R_V)={tuple(args.tpa_ranks)}.")
-    bench.finish(f"KV-cache compression benchmark ({device.type})", [
-        dims, "## KV cache per token per layer",
-        harness.markdown_table(["candidate", f"bytes/token/layer ({dt_name})", "bf16", "vs MHA"], sizes),
-        "## Decode step time (ms, median; one new token per sequence, whole layer)",
-        "`mla_naive/mla` and `tpa_kv/tpa` > 1: the compressed cache decodes faster."
-        + (f" Copy bandwidth {bw:.0f} GB/s." if bw else ""),
-        harness.markdown_table(cols, rows)])
+    dims = (
+        f"d_model={args.d_model}, H={args.heads}, {dt_name}; GQA Hkv={args.kv_heads}; MLA "
+        "kv_lora_rank=512, "
+        f"qk_nope=128, qk_rope=64, v=128, q_lora_rank={args.q_lora_rank}; TPA "
+        f"head_dim={args.tpa_head_dim}, "
+        f"ranks (R_Q, R_K, R_V)={tuple(args.tpa_ranks)}."
+    )
+    bench.finish(
+        f"KV-cache compression benchmark ({device.type})",
+        [
+            dims,
+            "## KV cache per token per layer",
+            harness.markdown_table(
+                ["candidate", f"bytes/token/layer ({dt_name})", "bf16", "vs MHA"], sizes
+            ),
+            "## Decode step time (ms, median; one new token per sequence, whole layer)",
+            "`mla_naive/mla` and `tpa_kv/tpa` > 1: the compressed cache decodes faster."
+            + (f" Copy bandwidth {bw:.0f} GB/s." if bw else ""),
+            harness.markdown_table(cols, rows),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ NONCAUSAL_FASTER_FROM_S = 4096
 def candidate_fn(name: str):
     return {
         "linear": lambda q, k, v: attn_ext.linear_attention(q, k, v),
-        "doc": lambda q, k, v: doc000.linear_attention(q.flatten(0, 1), k.flatten(0, 1),
-                                                       v.flatten(0, 1)).unflatten(0, q.shape[:2]),
+        "doc": lambda q, k, v: doc000.linear_attention(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        ).unflatten(0, q.shape[:2]),
         "linear_causal": lambda q, k, v: attn_ext.linear_attention(q, k, v, causal=True),
         "quadratic_causal": lambda q, k, v: linear_attention_quadratic(q, k, v, causal=True),
         "softmax_causal": lambda q, k, v: attn_ext.attention(q, k, v, causal=True),
@@ -88,22 +89,42 @@ def sweep(bench, seqlens: List[int], candidates, args, desc: str) -> List[dict]:
     cells = []
     for s in seqlens:
         torch.manual_seed(args.seed)
-        q, k, v, grad = (torch.randn(args.batch, args.heads, s, args.head_dim).to(DTYPES[args.dtype])
-                         for _ in range(4))
+        q, k, v, grad = (
+            torch.randn(args.batch, args.heads, s, args.head_dim).to(DTYPES[args.dtype])
+            for _ in range(4)
+        )
         for mode in args.modes:
             notes = {n: r for n in candidates if (r := skip_reason(n, s, mode, args))}
-            timing = bench.time({n: harness.make_step(candidate_fn(n), mode, (q, k, v), grad)
-                                 for n in candidates if n not in notes})
+            timing = bench.time(
+                {
+                    n: harness.make_step(candidate_fn(n), mode, (q, k, v), grad)
+                    for n in candidates
+                    if n not in notes
+                }
+            )
             res = timing.results
-            diff = {ours: harness.max_abs_diff(res[ours], res[ref])
-                    for ours, ref in (("linear", "doc"), ("linear_causal", "quadratic_causal"))
-                    if ours in res and ref in res}
+            diff = {
+                ours: harness.max_abs_diff(res[ours], res[ref])
+                for ours, ref in (("linear", "doc"), ("linear_causal", "quadratic_causal"))
+                if ours in res and ref in res
+            }
             res.clear()
-            bench.record_timing(timing, RATIO_TO, notes=notes, dtype=args.dtype, B=args.batch,
-                                H=args.heads, S=s, D=args.head_dim, mode=mode)
+            bench.record_timing(
+                timing,
+                RATIO_TO,
+                notes=notes,
+                dtype=args.dtype,
+                B=args.batch,
+                H=args.heads,
+                S=s,
+                D=args.head_dim,
+                mode=mode,
+            )
             cell = dict(s=s, mode=mode, timing=timing, notes={**notes, **timing.errors}, diff=diff)
             cells.append(cell)
-            bar.write(f"S={s:<6d} {mode:7s} | " + "  ".join(f"{n} {ms_text(cell, n)}" for n in candidates))
+            bar.write(
+                f"S={s:<6d} {mode:7s} | " + "  ".join(f"{n} {ms_text(cell, n)}" for n in candidates)
+            )
             bar.update(1)
         del q, k, v, grad
     bar.close()
@@ -137,7 +158,9 @@ COLUMNS = [
 
 
 def render(cells, columns=COLUMNS) -> str:
-    return harness.markdown_table([h for h, _ in columns], [[f(c) for _, f in columns] for c in cells])
+    return harness.markdown_table(
+        [h for h, _ in columns], [[f(c) for _, f in columns] for c in cells]
+    )
 
 
 def crossover(cells, mode: str) -> str:
@@ -165,8 +188,12 @@ def summary_lines(cells, cross_cells, args) -> List[str]:
         c8 = [c for c in cells if c["mode"] == mode and c["s"] == CAUSAL_SPEEDUP_S]
         r = ratio(c8[0], "quadratic_causal") if c8 else None
         verdict = "n/a" if r is None else ("PASS" if r >= CAUSAL_SPEEDUP_TARGET else "FAIL")
-        lines.append(f"causal {mode} at S={CAUSAL_SPEEDUP_S}: quadratic/linear_causal {harness.fmt_ratio(r)} "
-                     f"(target >= {CAUSAL_SPEEDUP_TARGET:.0f}x on fwd+bwd) {verdict if mode == 'fwd+bwd' else ''}")
+        lines.append(
+            f"causal {mode} at S={CAUSAL_SPEEDUP_S}: quadratic/linear_causal "
+            f"{harness.fmt_ratio(r)} "
+            f"(target >= {CAUSAL_SPEEDUP_TARGET:.0f}x on fwd+bwd) "
+            f"{verdict if mode == 'fwd+bwd' else ''}"
+        )
     for mode in args.modes:
         pts = [(c["s"], ratio(c, "doc")) for c in cells if c["mode"] == mode and ratio(c, "doc")]
         if not pts:
@@ -174,13 +201,23 @@ def summary_lines(cells, cross_cells, args) -> List[str]:
         worst = min(pts, key=lambda p: p[1])
         long = [r for s, r in pts if s >= NONCAUSAL_FASTER_FROM_S]
         ok = worst[1] >= 1.0 and all(r > 1.0 for r in long)
-        lines.append(f"non-causal {mode}: doc/linear min {worst[1]:.2f}x (S={worst[0]}), "
-                     f"min at S >= {NONCAUSAL_FASTER_FROM_S}: {harness.fmt_ratio(min(long) if long else None)} "
-                     f"(target >= 1x everywhere, > 1x from S={NONCAUSAL_FASTER_FROM_S}) {'PASS' if ok else 'FAIL'}")
+        lines.append(
+            f"non-causal {mode}: doc/linear min {worst[1]:.2f}x (S={worst[0]}), "
+            f"min at S >= {NONCAUSAL_FASTER_FROM_S}: "
+            f"{harness.fmt_ratio(min(long) if long else None)} "
+            f"(target >= 1x everywhere, > 1x from S={NONCAUSAL_FASTER_FROM_S}) "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
     for mode in args.modes:
-        lines.append(f"crossover causal linear vs softmax ({mode}): {crossover(cells + cross_cells, mode)}")
-    lines += [f"ERROR {n} S={c['s']} {c['mode']}: {msg}" for c in cells + cross_cells
-              for n, msg in c["notes"].items() if not msg.startswith("skip")]
+        lines.append(
+            f"crossover causal linear vs softmax ({mode}): {crossover(cells + cross_cells, mode)}"
+        )
+    lines += [
+        f"ERROR {n} S={c['s']} {c['mode']}: {msg}"
+        for c in cells + cross_cells
+        for n, msg in c["notes"].items()
+        if not msg.startswith("skip")
+    ]
     return lines
 
 
@@ -209,25 +246,58 @@ def memory_mode(args) -> int:
     for name in ("linear_causal", "quadratic_causal"):
         for s in args.memory_seqlens:
             # B = H = 1 here: the quadratic reference's peak is QUADRATIC_TENSORS scores of S x S
-            if name == "quadratic_causal" and QUADRATIC_TENSORS["fwd+bwd"] * s * s * 4 / 2**30 > args.quadratic_max_gb:
+            if (
+                name == "quadratic_causal"
+                and QUADRATIC_TENSORS["fwd+bwd"] * s * s * 4 / 2**30 > args.quadratic_max_gb
+            ):
                 rows.append([name, s, "skip", "-", "-"])
                 continue
             print(f"running {name} S={s} ...", file=sys.stderr, flush=True)
             try:
-                info = harness.run_child([__file__, "--memory-child", name, "--memory-child-s", s,
-                                          "--head-dim", args.head_dim, "--seed", args.seed])
+                info = harness.run_child(
+                    [
+                        __file__,
+                        "--memory-child",
+                        name,
+                        "--memory-child-s",
+                        s,
+                        "--head-dim",
+                        args.head_dim,
+                        "--seed",
+                        args.seed,
+                    ]
+                )
             except RuntimeError as e:
                 rows.append([name, s, "error", str(e), "-"])
                 continue
             mb = info["peak_extra_mb"]
             rows.append([name, s, f"{mb:.1f}", f"{mb / s * 1024:.2f}", f"{info['s']:.2f}"])
-            bench.record(name, 1e3 * info["s"], peak_mb=mb, dtype="float32", B=1, H=1, S=s,
-                         D=args.head_dim, causal=True, mode="fwd+bwd")
-    head = (f"causal forward+backward, B=H=1, D={args.head_dim}, float32; peak extra MB (VmHWM growth) "
-            f"above the inputs, one fresh process per cell; the inputs q, k, v, grad take "
-            f"4 x S x {args.head_dim} x 4 bytes")
-    bench.finish("linear attention peak memory", [head, harness.markdown_table(
-        ["candidate", "S", "peak extra MB", "MB per 1k positions", "s"], rows)])
+            bench.record(
+                name,
+                1e3 * info["s"],
+                peak_mb=mb,
+                dtype="float32",
+                B=1,
+                H=1,
+                S=s,
+                D=args.head_dim,
+                causal=True,
+                mode="fwd+bwd",
+            )
+    head = (
+        f"causal forward+backward, B=H=1, D={args.head_dim}, float32; peak extra MB (VmHWM growth) "
+        f"above the inputs, one fresh process per cell; the inputs q, k, v, grad take "
+        f"4 x S x {args.head_dim} x 4 bytes"
+    )
+    bench.finish(
+        "linear attention peak memory",
+        [
+            head,
+            harness.markdown_table(
+                ["candidate", "S", "peak extra MB", "MB per 1k positions", "s"], rows
+            ),
+        ],
+    )
     return 0
 
 
@@ -239,11 +309,19 @@ def csv_list(kind):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(p, min_repeats=2, max_repeats=20, target_time=1.0)
-    p.add_argument("--seqlens", type=csv_list(int), default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
-    p.add_argument("--crossover-seqlens", type=csv_list(int), default=[128, 256, 512],
-                   help="extra short lengths for the linear vs softmax crossover (causal only)")
+    p.add_argument(
+        "--seqlens", type=csv_list(int), default=[1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    )
+    p.add_argument(
+        "--crossover-seqlens",
+        type=csv_list(int),
+        default=[128, 256, 512],
+        help="extra short lengths for the linear vs softmax crossover (causal only)",
+    )
     p.add_argument("--modes", type=csv_list(str), default=list(MODES))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
@@ -252,8 +330,12 @@ def parse_args(argv=None):
     p.add_argument("--quadratic-max-gb", type=float, default=8.0)
     p.add_argument("--softmax-max-s", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--memory", action="store_true", help="peak memory of causal fwd+bwd over S instead")
-    p.add_argument("--memory-seqlens", type=csv_list(int), default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument(
+        "--memory", action="store_true", help="peak memory of causal fwd+bwd over S instead"
+    )
+    p.add_argument(
+        "--memory-seqlens", type=csv_list(int), default=[4096, 8192, 16384, 32768, 65536]
+    )
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-child-s", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -272,22 +354,35 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.memory_child:
-        harness.print_child_result(memory_child(args))
-        return 0
+        return harness.child_main(args, lambda: memory_child(args))
     if args.memory:
         return memory_mode(args)
     bench = harness.Bench("linear", args, __file__)
     cells = sweep(bench, args.seqlens, CANDIDATES, args, "linear")
-    cross = sweep(bench, args.crossover_seqlens, ("linear_causal", "softmax_causal"), args, "crossover")
-    cross_cols = [c for c in COLUMNS if c[0] in ("S", "mode", "ms linear_causal", "ms softmax_causal",
-                                                  "softmax/linear_causal")]
-    grid = (f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; median of >= {args.min_repeats} "
-            f"interleaved rounds after {args.warmup} warm-up; quadratic reference where its peak is <= "
-            f"{args.quadratic_max_gb:g} GB, softmax up to S={args.softmax_max_s}")
-    bench.finish("linear attention benchmark (CPU)", [
-        grid, render(cells), "## crossover: causal linear vs causal softmax attention",
-        render(sorted(cross + cells, key=lambda c: (c["mode"], c["s"])), cross_cols),
-        "```\n" + "\n".join(summary_lines(cells, cross, args)) + "\n```"])
+    cross = sweep(
+        bench, args.crossover_seqlens, ("linear_causal", "softmax_causal"), args, "crossover"
+    )
+    cross_cols = [
+        c
+        for c in COLUMNS
+        if c[0] in ("S", "mode", "ms linear_causal", "ms softmax_causal", "softmax/linear_causal")
+    ]
+    grid = (
+        f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}; median of >= "
+        f"{args.min_repeats} "
+        f"interleaved rounds after {args.warmup} warm-up; quadratic reference where its peak is <= "
+        f"{args.quadratic_max_gb:g} GB, softmax up to S={args.softmax_max_s}"
+    )
+    bench.finish(
+        "linear attention benchmark (CPU)",
+        [
+            grid,
+            render(cells),
+            "## crossover: causal linear vs causal softmax attention",
+            render(sorted(cross + cells, key=lambda c: (c["mode"], c["s"])), cross_cols),
+            "```\n" + "\n".join(summary_lines(cells, cross, args)) + "\n```",
+        ],
+    )
     return 0
 
 

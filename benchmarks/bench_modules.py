@@ -88,14 +88,17 @@ class Candidate:
 
 # --------------------------------------------------------------------------- rows
 
+
 def _x(shape: Shape, device, dtype, seq=None):
     return [torch.randn(shape.batch, seq or shape.seq, shape.embed, device=device, dtype=dtype)]
 
 
 def _qkv(shape: Shape, device, dtype, seq=None):
     d = shape.embed // shape.heads
-    return [torch.randn(shape.batch, shape.heads, seq or shape.seq, d, device=device, dtype=dtype)
-            for _ in range(3)]
+    return [
+        torch.randn(shape.batch, shape.heads, seq or shape.seq, d, device=device, dtype=dtype)
+        for _ in range(3)
+    ]
 
 
 def _module_pair(doc, ours_cls, args, call, device, dtype, inputs):
@@ -106,35 +109,60 @@ def _module_pair(doc, ours_cls, args, call, device, dtype, inputs):
     ours = ours_cls(*args).to(device=device, dtype=dtype)
     ours.load_state_dict(plain_state_dict(doc) if plain else doc.state_dict(), strict=True)
     doc_params = list(plain_state_dict(doc).values()) if plain else list(doc.parameters())
-    return (Candidate(lambda *xs: call(doc, *xs), inputs, doc_params, None if plain else doc),
-            Candidate(lambda *xs: call(ours, *xs), inputs, list(ours.parameters()), ours))
+    return (
+        Candidate(lambda *xs: call(doc, *xs), inputs, doc_params, None if plain else doc),
+        Candidate(lambda *xs: call(ours, *xs), inputs, list(ours.parameters()), ours),
+    )
 
 
 def row_llms_from_scratch(shape, device, dtype, seq):
     e, h = shape.embed, shape.heads
     args = (e, e, shape.seq, 0.0, h)  # context_length = the benchmark's sequence length
-    return _module_pair(doc001.MultiHeadAttention(*args), llms_from_scratch.MultiHeadAttention, args,
-                        lambda m, x: m.forward(x), device, dtype, _x(shape, device, dtype, seq))
+    return _module_pair(
+        doc001.MultiHeadAttention(*args),
+        llms_from_scratch.MultiHeadAttention,
+        args,
+        lambda m, x: m.forward(x),
+        device,
+        dtype,
+        _x(shape, device, dtype, seq),
+    )
 
 
 def row_torchcode(shape, device, dtype, seq):
     args = (shape.embed, shape.heads)
-    return _module_pair(doc000.MultiHeadAttention(*args), torchcode.MultiHeadAttention, args,
-                        lambda m, x: m.forward(x, x, x), device, dtype, _x(shape, device, dtype, seq))
+    return _module_pair(
+        doc000.MultiHeadAttention(*args),
+        torchcode.MultiHeadAttention,
+        args,
+        lambda m, x: m.forward(x, x, x),
+        device,
+        dtype,
+        _x(shape, device, dtype, seq),
+    )
 
 
 def row_attention_zoo(shape, device, dtype, seq):
     args = (shape.embed, shape.heads, shape.embed)
-    return _module_pair(doc004.MultiHeadAttention(*args), attention_zoo.MultiHeadAttention, args,
-                        lambda m, x: m.forward(x), device, dtype, _x(shape, device, dtype, seq))
+    return _module_pair(
+        doc004.MultiHeadAttention(*args),
+        attention_zoo.MultiHeadAttention,
+        args,
+        lambda m, x: m.forward(x),
+        device,
+        dtype,
+        _x(shape, device, dtype, seq),
+    )
 
 
 def _textbook(shape, device, dtype, seq, causal):
     s = seq or shape.seq
     mask = torch.ones(s, s, dtype=torch.bool, device=device).tril() if causal else None
     inputs = _qkv(shape, device, dtype, seq)
-    return tuple(Candidate(lambda q, k, v, fn=fn: fn(q, k, v, mask), inputs, [], None)
-                 for fn in (doc003.attention, textbook.attention))
+    return tuple(
+        Candidate(lambda q, k, v, fn=fn: fn(q, k, v, mask), inputs, [], None)
+        for fn in (doc003.attention, textbook.attention)
+    )
 
 
 def row_textbook(shape, device, dtype, seq):
@@ -148,14 +176,30 @@ def row_textbook_causal(shape, device, dtype, seq):
 def row_nn_multihead(shape, device, dtype, seq):
     """torch's layer, the drop-in (loaded from torch's state dict) and the canonical layer (its
     own parameter layout and weights; self attention from one input)."""
-    theirs = torch.nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype)
-    dropin = attn_ext.nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype)
+    theirs = torch.nn.MultiheadAttention(
+        shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype
+    )
+    dropin = attn_ext.nn.MultiheadAttention(
+        shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype
+    )
     dropin.load_state_dict(theirs.state_dict(), strict=True)
     canonical = attn_ext.nn.MultiHeadAttention(shape.embed, shape.heads, device=device, dtype=dtype)
     inputs = _x(shape, device, dtype, seq)
-    return (Candidate(lambda x: theirs(x, x, x, need_weights=False)[0], inputs, list(theirs.parameters()), theirs),
-            Candidate(lambda x: dropin(x, x, x, need_weights=False)[0], inputs, list(dropin.parameters()), dropin),
-            Candidate(canonical, inputs, list(canonical.parameters()), canonical))
+    return (
+        Candidate(
+            lambda x: theirs(x, x, x, need_weights=False)[0],
+            inputs,
+            list(theirs.parameters()),
+            theirs,
+        ),
+        Candidate(
+            lambda x: dropin(x, x, x, need_weights=False)[0],
+            inputs,
+            list(dropin.parameters()),
+            dropin,
+        ),
+        Candidate(canonical, inputs, list(canonical.parameters()), canonical),
+    )
 
 
 @dataclass
@@ -170,24 +214,57 @@ class Row:
     against_document: bool
 
 
-ROWS = {r.key: r for r in [
-    Row("llms_from_scratch.MultiHeadAttention", row_llms_from_scratch,
-        lambda s: f"001 MultiHeadAttention({s.embed}, {s.embed}, {s.seq}, 0.0, {s.heads})",
-        ("compat.llms_from_scratch.MultiHeadAttention",), True),
-    Row("torchcode.MultiHeadAttention", row_torchcode,
-        lambda s: f"000 MultiHeadAttention({s.embed}, {s.heads})", ("compat.torchcode.MultiHeadAttention",), True),
-    Row("attention_zoo.MultiHeadAttention", row_attention_zoo,
-        lambda s: f"004 MultiHeadAttention({s.embed}, {s.heads}, {s.embed})",
-        ("compat.attention_zoo.MultiHeadAttention",), True),
-    Row("textbook.attention", row_textbook, lambda s: "003 attention(q, k, v)", ("compat.textbook.attention",), True),
-    Row("textbook.attention.causal_mask", row_textbook_causal, lambda s: "003 attention(q, k, v, causal mask)",
-        ("compat.textbook.attention",), True),
-    Row("nn.MultiheadAttention", row_nn_multihead, lambda s: "torch nn.MultiheadAttention",
-        ("nn.MultiheadAttention", "nn.MultiHeadAttention (canonical)"), False),
-]}
+ROWS = {
+    r.key: r
+    for r in [
+        Row(
+            "llms_from_scratch.MultiHeadAttention",
+            row_llms_from_scratch,
+            lambda s: f"001 MultiHeadAttention({s.embed}, {s.embed}, {s.seq}, 0.0, {s.heads})",
+            ("compat.llms_from_scratch.MultiHeadAttention",),
+            True,
+        ),
+        Row(
+            "torchcode.MultiHeadAttention",
+            row_torchcode,
+            lambda s: f"000 MultiHeadAttention({s.embed}, {s.heads})",
+            ("compat.torchcode.MultiHeadAttention",),
+            True,
+        ),
+        Row(
+            "attention_zoo.MultiHeadAttention",
+            row_attention_zoo,
+            lambda s: f"004 MultiHeadAttention({s.embed}, {s.heads}, {s.embed})",
+            ("compat.attention_zoo.MultiHeadAttention",),
+            True,
+        ),
+        Row(
+            "textbook.attention",
+            row_textbook,
+            lambda s: "003 attention(q, k, v)",
+            ("compat.textbook.attention",),
+            True,
+        ),
+        Row(
+            "textbook.attention.causal_mask",
+            row_textbook_causal,
+            lambda s: "003 attention(q, k, v, causal mask)",
+            ("compat.textbook.attention",),
+            True,
+        ),
+        Row(
+            "nn.MultiheadAttention",
+            row_nn_multihead,
+            lambda s: "torch nn.MultiheadAttention",
+            ("nn.MultiheadAttention", "nn.MultiHeadAttention (canonical)"),
+            False,
+        ),
+    ]
+}
 
 
 # --------------------------------------------------------------------------- one call
+
 
 def step_fn(cand: Candidate, mode: str) -> Callable[[], tuple]:
     """One call in ``mode``; sets the module's train/eval state (fwd+bwd: gradients to the inputs
@@ -219,16 +296,36 @@ def memory_child(args) -> dict:
 def measure_memory(row: str, side: int, mode: str, dtype_name: str, args) -> Optional[float]:
     """Peak extra MB of candidate ``side`` of ``row`` (0 = the reference), in a fresh process."""
     try:
-        return harness.run_child([__file__, "--memory-child", row, side, mode, "--memory-dtype", dtype_name,
-                                  "--device", args.device, "--embed", args.embed, "--heads", args.heads,
-                                  "--batch", args.batch, "--seq", args.seq, "--threads", args.threads]
-                                 )["peak_extra_mb"]
+        return harness.run_child(
+            [
+                __file__,
+                "--memory-child",
+                row,
+                side,
+                mode,
+                "--memory-dtype",
+                dtype_name,
+                "--device",
+                args.device,
+                "--embed",
+                args.embed,
+                "--heads",
+                args.heads,
+                "--batch",
+                args.batch,
+                "--seq",
+                args.seq,
+                "--threads",
+                args.threads,
+            ]
+        )["peak_extra_mb"]
     except RuntimeError as e:
         print(f"  memory {row} {side} {mode}: {e}", file=sys.stderr)
         return None
 
 
 # --------------------------------------------------------------------------- table
+
 
 def run_cell(bench, row: Row, shape: Shape, dtype_name: str, mode: str, args) -> List[dict]:
     """Times the reference and ours in turns, measures each one's peak memory; one result per
@@ -237,11 +334,22 @@ def run_cell(bench, row: Row, shape: Shape, dtype_name: str, mode: str, args) ->
     cands = row.build(shape, args.device, DTYPES[dtype_name], None)
     timing = bench.time({i: step_fn(c, mode) for i, c in enumerate(cands)})
     timing.results.clear()
-    mb = [None if args.no_memory else measure_memory(row.key, i, mode, dtype_name, args) for i in range(len(cands))]
+    mb = [
+        None if args.no_memory else measure_memory(row.key, i, mode, dtype_name, args)
+        for i in range(len(cands))
+    ]
     outs = [step_fn(c, "fwd")()[0].float() for c in cands]
-    return [{"ref_ms": timing.ms(0), "ref_mb": mb[0], "ours_ms": timing.ms(i), "ours_mb": mb[i],
-             "ratio": timing.ratio(0, i), "diff": (outs[i] - outs[0]).abs().max().item()}
-            for i in range(1, len(cands))]
+    return [
+        {
+            "ref_ms": timing.ms(0),
+            "ref_mb": mb[0],
+            "ours_ms": timing.ms(i),
+            "ours_mb": mb[i],
+            "ratio": timing.ratio(0, i),
+            "diff": (outs[i] - outs[0]).abs().max().item(),
+        }
+        for i in range(1, len(cands))
+    ]
 
 
 def verdict(row: Row, shape: Shape, res: dict, memory_measured: bool) -> str:
@@ -256,67 +364,132 @@ def verdict(row: Row, shape: Shape, res: dict, memory_measured: bool) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(ap, min_repeats=3, max_repeats=50, target_time=2.0)
     ap.add_argument("--embed", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the torch nn.MultiheadAttention rows")
+    ap.add_argument(
+        "--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS)
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="dtypes of the torch nn.MultiheadAttention rows",
+    )
     ap.add_argument("--doc-dtypes", default="float32", help="dtypes of the document rows")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    ap.add_argument("--memory-child", nargs=3, metavar=("ROW", "SIDE", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--memory-child", nargs=3, metavar=("ROW", "SIDE", "MODE"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--memory-dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        harness.print_child_result(memory_child(args))
-        return 0
+        return harness.child_main(args, lambda: memory_child(args))
     if args.quick:
         args.batch, args.seq, args.min_repeats, args.target_time = 2, 128, 1, 0.0
     bench = harness.Bench("modules", args, __file__)
     shape = Shape(args.embed, args.heads, args.batch, args.seq)
     rows = [ROWS[r] for r in args.rows.split(",") if r]
     modes = [m for m in args.modes.split(",") if m]
-    header = ["reference", "attn_ext", "dtype", "mode", "ref ms", "attn_ext ms", "ref / attn_ext",
-              "ref peak MB", "attn_ext peak MB", "attn_ext / ref memory", "max abs diff", "verdict"]
-    cells = [(row, dt, mode) for row in rows
-             for dt in (args.doc_dtypes if row.against_document else args.dtypes).split(",") if dt
-             for mode in modes]
+    header = [
+        "reference",
+        "attn_ext",
+        "dtype",
+        "mode",
+        "ref ms",
+        "attn_ext ms",
+        "ref / attn_ext",
+        "ref peak MB",
+        "attn_ext peak MB",
+        "attn_ext / ref memory",
+        "max abs diff",
+        "verdict",
+    ]
+    cells = [
+        (row, dt, mode)
+        for row in rows
+        for dt in (args.doc_dtypes if row.against_document else args.dtypes).split(",")
+        if dt
+        for mode in modes
+    ]
     bar = harness.progress(len(cells), "modules")
     lines, failed = [], False
     for row, dt, mode in cells:
         for ours, res in zip(row.ours, run_cell(bench, row, shape, dt, mode, args)):
             v = verdict(row, shape, res, not args.no_memory)
             failed |= v != "PASS"
-            mem_ratio = (None if res["ref_mb"] is None or res["ours_mb"] is None or res["ref_mb"] <= 0
-                         else res["ours_mb"] / res["ref_mb"])
+            mem_ratio = (
+                None
+                if res["ref_mb"] is None or res["ours_mb"] is None or res["ref_mb"] <= 0
+                else res["ours_mb"] / res["ref_mb"]
+            )
             ref = row.reference(shape)
-            lines.append([ref, ours, dt, mode, harness.fmt(res["ref_ms"]), harness.fmt(res["ours_ms"]),
-                          harness.fmt_ratio(res["ratio"]), harness.fmt(res["ref_mb"], ".1f"),
-                          harness.fmt(res["ours_mb"], ".1f"), harness.fmt(mem_ratio), f"{res['diff']:.1e}", v])
-            params = dict(case=row.key, dtype=dt, B=shape.batch, H=shape.heads, S=shape.seq, mode=mode,
-                          embed=shape.embed)
-            bench.record(ref, res["ref_ms"], ratio_to=ours, ratio=res["ratio"], peak_mb=res["ref_mb"], **params)
+            lines.append(
+                [
+                    ref,
+                    ours,
+                    dt,
+                    mode,
+                    harness.fmt(res["ref_ms"]),
+                    harness.fmt(res["ours_ms"]),
+                    harness.fmt_ratio(res["ratio"]),
+                    harness.fmt(res["ref_mb"], ".1f"),
+                    harness.fmt(res["ours_mb"], ".1f"),
+                    harness.fmt(mem_ratio),
+                    f"{res['diff']:.1e}",
+                    v,
+                ]
+            )
+            params = dict(
+                case=row.key,
+                dtype=dt,
+                B=shape.batch,
+                H=shape.heads,
+                S=shape.seq,
+                mode=mode,
+                embed=shape.embed,
+            )
+            bench.record(
+                ref,
+                res["ref_ms"],
+                ratio_to=ours,
+                ratio=res["ratio"],
+                peak_mb=res["ref_mb"],
+                **params,
+            )
             bench.record(ours, res["ours_ms"], peak_mb=res["ours_mb"], note=v, **params)
             bar.write(" | ".join(str(c) for c in lines[-1]))
         bar.update(1)
     bar.close()
     what = "VmHWM growth" if bench.device.type == "cpu" else "max_memory_allocated growth"
-    meta = (f"Embed {shape.embed}, heads {shape.heads}, batch {shape.batch}, seq {shape.seq}; the documents' "
-            f"classes are attn_ext.testing.documents; ours loads the reference's state dict (the canonical layer "
-            f"has its own weights). `fwd` = eval + no_grad (torch may use its fused inference fast path); "
-            f"`fwd+bwd` = train mode, backward to the inputs and all parameters. Median times of interleaved "
-            f"rounds; ratios (median of per-round ratios) > 1 mean attn_ext is faster. Peak MB = peak memory of "
-            f"one call above the baseline after building the module and inputs, each candidate and mode in a "
-            f"fresh process ({what}). Max abs diff = outputs in eval mode. Verdict: against a document, faster "
-            f"and (at >= {MEMORY_TARGET_MIN_SEQ} tokens) at most {MEMORY_TARGET_RATIO:g}x its peak memory; "
-            f"against torch, not slower.")
-    bench.finish("Module benchmark: attn_ext modules vs the documents' classes and torch",
-                 [meta, harness.markdown_table(header, lines)])
+    meta = (
+        f"Embed {shape.embed}, heads {shape.heads}, batch {shape.batch}, seq {shape.seq}; "
+        "the documents' "
+        "classes are attn_ext.testing.documents; ours loads the reference's state dict "
+        "(the canonical layer "
+        "has its own weights). `fwd` = eval + no_grad (torch may use its fused inference "
+        "fast path); "
+        "`fwd+bwd` = train mode, backward to the inputs and all parameters. Median times "
+        "of interleaved "
+        "rounds; ratios (median of per-round ratios) > 1 mean attn_ext is faster. Peak MB "
+        "= peak memory of "
+        "one call above the baseline after building the module and inputs, each candidate "
+        "and mode in a "
+        f"fresh process ({what}). Max abs diff = outputs in eval mode. Verdict: against a "
+        "document, faster "
+        f"and (at >= {MEMORY_TARGET_MIN_SEQ} tokens) at most {MEMORY_TARGET_RATIO:g}x its "
+        "peak memory; "
+        f"against torch, not slower."
+    )
+    bench.finish(
+        "Module benchmark: attn_ext modules vs the documents' classes and torch",
+        [meta, harness.markdown_table(header, lines)],
+    )
     return 1 if failed else 0
 
 

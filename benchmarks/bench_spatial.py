@@ -32,6 +32,7 @@ the document's in every cell; temporal attention faster than the document's at e
 Timing and output: ``attn_ext.testing.harness``; two families, ``spatial_<device>.md`` (the gate)
 and ``temporal_<device>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,9 @@ def spatial_candidates(dtype, device):
 
 def spatial_sweep(bench, args) -> List[list]:
     shapes = QUICK_SPATIAL_SHAPES if args.quick else SPATIAL_SHAPES
-    cells = [(s, lay, dt, m) for s in shapes for lay in LAYOUTS for dt in args.dtypes for m in MODES]
+    cells = [
+        (s, lay, dt, m) for s in shapes for lay in LAYOUTS for dt in args.dtypes for m in MODES
+    ]
     rows = []
     bar = harness.progress(len(cells), "spatial")
     for shape, layout, dtname, mode in cells:
@@ -84,16 +87,35 @@ def spatial_sweep(bench, args) -> List[list]:
         if layout == "channels_last":
             x = x.contiguous(memory_format=torch.channels_last)
         grad = torch.randn_like(x)
-        timing = bench.time({n: harness.make_step(fn, mode, (x,), grad, [w])
-                             for n, (fn, w) in spatial_candidates(x.dtype, bench.device).items()})
+        timing = bench.time(
+            {
+                n: harness.make_step(fn, mode, (x,), grad, [w])
+                for n, (fn, w) in spatial_candidates(x.dtype, bench.device).items()
+            }
+        )
         timing.results.clear()
         gbytes = SPATIAL_TRAFFIC[mode] * x.numel() * x.element_size() / 1e9
         gbps = gbytes / timing.median_s("ours") if timing.median_s("ours") else None
         label = f"{'x'.join(map(str, shape))} {layout} {dtname}"
-        bench.record_timing(timing, "ours", {"ours": {"gbps": gbps}}, case=f"{'x'.join(map(str, shape))} {layout}",
-                            dtype=dtname, B=shape[0], mode=mode)
-        rows.append([label, mode, harness.fmt(timing.ms("ours")), harness.fmt(timing.ms("doc")),
-                     harness.fmt_ratio(timing.ratio("doc", "ours")), harness.fmt(gbps, ".1f")])
+        bench.record_timing(
+            timing,
+            "ours",
+            {"ours": {"gbps": gbps}},
+            case=f"{'x'.join(map(str, shape))} {layout}",
+            dtype=dtname,
+            B=shape[0],
+            mode=mode,
+        )
+        rows.append(
+            [
+                label,
+                mode,
+                harness.fmt(timing.ms("ours")),
+                harness.fmt(timing.ms("doc")),
+                harness.fmt_ratio(timing.ratio("doc", "ours")),
+                harness.fmt(gbps, ".1f"),
+            ]
+        )
         bar.write("  ".join(rows[-1]))
         bar.update(1)
         del x, grad
@@ -135,21 +157,46 @@ def temporal_sweep(bench, args) -> List[list]:
     bar = harness.progress(len(cells), "temporal")
     for s, mode in cells:
         x, tp, grad = temporal_inputs(s, bench.device)
-        timing = bench.time({n: temporal_step(fn, mode, x, tp, grad)
-                             for n, fn in temporal_candidates(bench.device).items()})
+        timing = bench.time(
+            {
+                n: temporal_step(fn, mode, x, tp, grad)
+                for n, fn in temporal_candidates(bench.device).items()
+            }
+        )
         timing.results.clear()
         mb = {}
         if mode == "fwd+bwd" and not args.no_memory:
             mb = {n: memory_in_child(n, s, args) for n in TEMPORAL_CANDIDATES}
-        bench.record_timing(timing, {"doc": "ours"}, {n: {"peak_mb": v} for n, v in mb.items()},
-                            dtype="float32", B=TEMPORAL_BATCH, S=s, mode=mode)
+        bench.record_timing(
+            timing,
+            {"doc": "ours"},
+            {n: {"peak_mb": v} for n, v in mb.items()},
+            dtype="float32",
+            B=TEMPORAL_BATCH,
+            S=s,
+            mode=mode,
+        )
         # the table's second ratio: the document against the no-weights path
-        bench.record("doc", timing.ms("doc"), ratio_to="ours_no_weights",
-                     ratio=timing.ratio("doc", "ours_no_weights"), dtype="float32", B=TEMPORAL_BATCH,
-                     S=s, mode=mode)
-        rows.append([f"B={TEMPORAL_BATCH} S={s}", mode] + [harness.fmt(timing.ms(n)) for n in TEMPORAL_CANDIDATES]
-                    + [harness.fmt_ratio(timing.ratio("doc", n)) for n in ("ours", "ours_no_weights")]
-                    + ([harness.fmt(mb.get(n), ".0f") for n in TEMPORAL_CANDIDATES] if not args.no_memory else []))
+        bench.record(
+            "doc",
+            timing.ms("doc"),
+            ratio_to="ours_no_weights",
+            ratio=timing.ratio("doc", "ours_no_weights"),
+            dtype="float32",
+            B=TEMPORAL_BATCH,
+            S=s,
+            mode=mode,
+        )
+        rows.append(
+            [f"B={TEMPORAL_BATCH} S={s}", mode]
+            + [harness.fmt(timing.ms(n)) for n in TEMPORAL_CANDIDATES]
+            + [harness.fmt_ratio(timing.ratio("doc", n)) for n in ("ours", "ours_no_weights")]
+            + (
+                [harness.fmt(mb.get(n), ".0f") for n in TEMPORAL_CANDIDATES]
+                if not args.no_memory
+                else []
+            )
+        )
         bar.write("  ".join(rows[-1]))
         bar.update(1)
     bar.close()
@@ -161,7 +208,8 @@ def memory_child(name: str, s: int, device: str) -> dict:
     dev = torch.device(device)
     x, tp, grad = temporal_inputs(s, dev)
     step = temporal_step(temporal_candidates(dev)[name], "fwd+bwd", x, tp, grad)
-    step()  # one untimed call first: library workspaces and thread pools are not the candidate's memory
+    # one untimed call first: library workspaces and thread pools are not the candidate's memory
+    step()
     meter = harness.PeakMeter(dev)
     meter.reset()
     step()
@@ -170,7 +218,9 @@ def memory_child(name: str, s: int, device: str) -> dict:
 
 def memory_in_child(name: str, s: int, args) -> float:
     try:
-        return harness.run_child([__file__, "--memory-child", name, s, "--device", args.device])["peak_mb"]
+        return harness.run_child([__file__, "--memory-child", name, s, "--device", args.device])[
+            "peak_mb"
+        ]
     except RuntimeError as e:
         print(f"  memory {name} S={s}: {e}", file=sys.stderr)
         return float("nan")
@@ -180,36 +230,54 @@ def memory_in_child(name: str, s: int, args) -> float:
 
 
 def ratio_column(rows, col: int, mode=None) -> List[float]:
-    return [float(r[col].rstrip("x")) for r in rows if r[col] != "-" and (mode is None or r[1] == mode)]
+    return [
+        float(r[col].rstrip("x")) for r in rows if r[col] != "-" and (mode is None or r[1] == mode)
+    ]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=2.0)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: spatial,temporal")
-    ap.add_argument("--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses")
+    ap.add_argument(
+        "--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses"
+    )
     ap.add_argument("--memory-child", nargs=2, metavar=("CANDIDATE", "S"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if args.memory_child:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        harness.print_child_result(memory_child(args.memory_child[0], int(args.memory_child[1]), args.device))
-        return 0
+        return harness.child_main(
+            args, lambda: memory_child(args.memory_child[0], int(args.memory_child[1]), args.device)
+        )
     skip = set(args.skip.split(","))
     if "spatial" not in skip:
         bench = harness.Bench("spatial", args, __file__)
         rows = spatial_sweep(bench, args)
         fb = ratio_column(rows, 4, "fwd+bwd")
-        verdict = (f"spatial gate fwd+bwd doc/ours: min {min(fb):.2f}x, max {max(fb):.2f}x -> "
-                   f"{'PASS' if all(r >= SPATIAL_FWD_BWD_TARGET for r in fb) else 'FAIL'} "
-                   f"(target >= {SPATIAL_FWD_BWD_TARGET}x in every cell)") if fb else "no fwd+bwd cell"
-        bench.finish("CBAM spatial gate: attn_ext.nn.SpatialAttention vs document 004 (x * attn_map)", [
-            "Ratios = doc time / ours time (> 1: attn_ext faster); GB/s = ours over the bytes a fused gate "
-            "must move (3|x| forward, 6|x| forward+backward).",
-            harness.markdown_table(["case", "mode", "ours ms", "doc ms", "doc/ours", "GB/s"], rows),
-            f"- {verdict}"])
+        verdict = (
+            (
+                f"spatial gate fwd+bwd doc/ours: min {min(fb):.2f}x, max {max(fb):.2f}x -> "
+                f"{'PASS' if all(r >= SPATIAL_FWD_BWD_TARGET for r in fb) else 'FAIL'} "
+                f"(target >= {SPATIAL_FWD_BWD_TARGET}x in every cell)"
+            )
+            if fb
+            else "no fwd+bwd cell"
+        )
+        bench.finish(
+            "CBAM spatial gate: attn_ext.nn.SpatialAttention vs document 004 (x * attn_map)",
+            [
+                "Ratios = doc time / ours time (> 1: attn_ext faster); GB/s = ours over the "
+                "bytes a fused gate "
+                "must move (3|x| forward, 6|x| forward+backward).",
+                harness.markdown_table(
+                    ["case", "mode", "ours ms", "doc ms", "doc/ours", "GB/s"], rows
+                ),
+                f"- {verdict}",
+            ],
+        )
     if "temporal" not in skip:
         bench = harness.Bench("temporal", args, __file__)
         rows = temporal_sweep(bench, args)
@@ -218,14 +286,27 @@ def main(argv=None) -> int:
         for col, cand in ((5, "ours"), (6, "ours_no_weights")):
             rs = ratio_column(rows, col)
             if rs:
-                lines.append(f"- temporal doc/{cand}: min {min(rs):.2f}x -> "
-                             f"{'PASS' if all(r > 1.0 for r in rs) else 'FAIL'} (target > 1 at every S and mode)")
-        bench.finish("Temporal attention: attention_zoo.TemporalAttention vs document 004", [
-            "Ratios = doc time / candidate time (> 1: attn_ext faster); MB = peak memory of one fwd+bwd "
-            "above the inputs, each candidate in a fresh process.",
-            harness.markdown_table(["case", "mode"] + [f"{n} ms" for n in TEMPORAL_CANDIDATES]
-                                   + ["doc/ours", "doc/ours_no_weights"] + mem, rows),
-            "\n".join(lines)])
+                lines.append(
+                    f"- temporal doc/{cand}: min {min(rs):.2f}x -> "
+                    f"{'PASS' if all(r > 1.0 for r in rs) else 'FAIL'} (target > 1 at every "
+                    "S and mode)"
+                )
+        bench.finish(
+            "Temporal attention: attention_zoo.TemporalAttention vs document 004",
+            [
+                "Ratios = doc time / candidate time (> 1: attn_ext faster); MB = peak "
+                "memory of one fwd+bwd "
+                "above the inputs, each candidate in a fresh process.",
+                harness.markdown_table(
+                    ["case", "mode"]
+                    + [f"{n} ms" for n in TEMPORAL_CANDIDATES]
+                    + ["doc/ours", "doc/ours_no_weights"]
+                    + mem,
+                    rows,
+                ),
+                "\n".join(lines),
+            ],
+        )
     return 0
 
 

@@ -46,8 +46,13 @@ PARITY_BAND = 0.05
 # per-round ratios.
 PARAM_COLUMNS = ("case", "dtype", "B", "H", "S", "D", "causal", "mode")
 FIGURE_COLUMNS = ("tflops", "gbps", "peak_mb")
-HISTORY_COLUMNS = (("date", "machine", "threads", "commit", "family", "device") + PARAM_COLUMNS
-                   + ("candidate", "ms", "ratio_to", "ratio") + FIGURE_COLUMNS + ("params", "note"))
+HISTORY_COLUMNS = (
+    ("date", "machine", "threads", "commit", "family", "device")
+    + PARAM_COLUMNS
+    + ("candidate", "ms", "ratio_to", "ratio")
+    + FIGURE_COLUMNS
+    + ("params", "note")
+)
 HISTORY_FILE = "history.csv"
 # ISA flags of /proc/cpuinfo that decide which CPU kernels can run.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -106,10 +111,18 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"
 
 
-def time_interleaved(candidates: Dict[str, Callable[[], object]], device, *, warmup: int = 1,
-                     min_rounds: int = 3, max_rounds: int = 50, target_s: float = 1.0,
-                     close_margin: float = 0.0, close_rounds: int = 0,
-                     clock: Callable[[], float] = time.perf_counter) -> Timing:
+def time_interleaved(
+    candidates: Dict[str, Callable[[], object]],
+    device,
+    *,
+    warmup: int = 1,
+    min_rounds: int = 3,
+    max_rounds: int = 50,
+    target_s: float = 1.0,
+    close_margin: float = 0.0,
+    close_rounds: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
     """Times zero-argument callables in interleaved rounds (see the module docstring).
 
     Each candidate first runs ``warmup`` calls (its first result is kept for sanity checks; an
@@ -121,8 +134,10 @@ def time_interleaved(candidates: Dict[str, Callable[[], object]], device, *, war
     ``close_rounds``: two samples should not decide which of two close candidates is faster.
     """
     if min_rounds < 1 or max_rounds < min_rounds or warmup < 0:
-        raise ValueError(f"need 1 <= min_rounds <= max_rounds and warmup >= 0, got "
-                         f"{min_rounds}, {max_rounds}, {warmup}")
+        raise ValueError(
+            f"need 1 <= min_rounds <= max_rounds and warmup >= 0, got "
+            f"{min_rounds}, {max_rounds}, {warmup}"
+        )
     timing = Timing()
     counts: Dict[str, int] = {}
     for name, fn in candidates.items():
@@ -136,8 +151,11 @@ def time_interleaved(candidates: Dict[str, Callable[[], object]], device, *, war
         except Exception as e:  # a candidate that cannot run this cell: reported, not fatal
             timing.errors[name] = _error_text(e)
             continue
-        counts[name] = min_rounds if t is None else max(
-            min_rounds, min(max_rounds, int(target_s / max(t, 1e-9))))
+        counts[name] = (
+            min_rounds
+            if t is None
+            else max(min_rounds, min(max_rounds, int(target_s / max(t, 1e-9))))
+        )
 
     def one_round(names: Sequence[str]) -> None:
         order = list(names) if len(timing.rounds) % 2 == 0 else list(reversed(names))
@@ -153,9 +171,13 @@ def time_interleaved(candidates: Dict[str, Callable[[], object]], device, *, war
     for r in range(max(counts.values(), default=0)):
         one_round([n for n in candidates if counts.get(n, 0) > r])
     pair = [n for n in candidates if n in counts][:2]
-    while (close_rounds and len(pair) == 2 and all(n in counts for n in pair)
-           and min(len(timing.times(n)) for n in pair) < close_rounds
-           and abs(timing.median_s(pair[0]) / timing.median_s(pair[1]) - 1.0) < close_margin):
+    while (
+        close_rounds
+        and len(pair) == 2
+        and all(n in counts for n in pair)
+        and min(len(timing.times(n)) for n in pair) < close_rounds
+        and abs(timing.median_s(pair[0]) / timing.median_s(pair[1]) - 1.0) < close_margin
+    ):
         one_round(pair)
     return timing
 
@@ -170,17 +192,24 @@ def copy_bandwidth_gbs(device, nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def make_step(fn: Callable[..., torch.Tensor], mode: str, inputs: Sequence[torch.Tensor],
-              grad: Optional[torch.Tensor] = None, params: Sequence[torch.Tensor] = ()):
+def make_step(
+    fn: Callable[..., torch.Tensor],
+    mode: str,
+    inputs: Sequence[torch.Tensor],
+    grad: Optional[torch.Tensor] = None,
+    params: Sequence[torch.Tensor] = (),
+):
     """A zero-argument call of ``fn(*inputs)`` in ``mode``: ``fwd`` under ``no_grad``, returning
     ``(out,)``; ``fwd+bwd`` on leaf copies of the inputs, returning ``(out, *grads)``, the
     gradients of ``(out * grad).sum()`` to the inputs and ``params``. Without ``grad`` a fixed
     random one of the output's shape is drawn at the first call (its own seeded generator, so
     every candidate gets the same)."""
     if mode == "fwd":
+
         def fwd():
             with torch.no_grad():
                 return (fn(*inputs),)
+
         return fwd
     if mode != "fwd+bwd":
         raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {mode!r}")
@@ -195,6 +224,7 @@ def make_step(fn: Callable[..., torch.Tensor], mode: str, inputs: Sequence[torch
         # allow_unused: a parameter a candidate never reads (e.g. a bias it folds) has no grad
         grads = torch.autograd.grad(out, [*leaves, *params], upstream[0], allow_unused=True)
         return (out.detach(), *grads)
+
     return fwd_bwd
 
 
@@ -257,9 +287,13 @@ def run_child(argv: Sequence[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def print_child_result(info: dict) -> None:
-    """The child's side of ``run_child``."""
-    print(json.dumps(info), flush=True)
+def child_main(args: argparse.Namespace, measure: Callable[[], dict]) -> int:
+    """The child's side of ``run_child``: ``--threads`` applied, ``measure()``'s dict printed as
+    the last stdout line."""
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    print(json.dumps(measure()), flush=True)
+    return 0
 
 
 # --------------------------------------------------------------------------- environment
@@ -279,21 +313,25 @@ def _cpu_model() -> str:
 def _isa_flags() -> List[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
     except OSError:
         return []
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 
+def _git(where: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=10)
+
+
 def _git_commit(where: Path) -> str:
     """Short commit of the checkout holding ``where`` ("+" when it has local changes), or ""."""
     try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=where, capture_output=True, text=True,  # noqa: E731
-                                        timeout=10)
-        head = run("rev-parse", "--short", "HEAD")
+        head = _git(where, "rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return ""
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        dirty = _git(where, "status", "--porcelain", "--untracked-files=no").stdout.strip()
         return head.stdout.strip() + ("+" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -304,6 +342,7 @@ def environment(device, where: Optional[Path] = None) -> Dict[str, str]:
     device = torch.device(device)
     try:
         import attn_ext
+
         ext = getattr(attn_ext, "__version__", "unknown")
         kernels = attn_ext._C.cpu_block_kernels()
     except Exception as e:  # the header still says what went wrong
@@ -316,9 +355,11 @@ def environment(device, where: Optional[Path] = None) -> Dict[str, str]:
         "commit": _git_commit(where or Path.cwd()),
         "device": device.type,
         "isa": " ".join(_isa_flags()) or "-",
-        "versions": (f"attn_ext {ext}, torch {torch.__version__}"
-                     + (f" (CUDA {torch.version.cuda})" if gpu else "")
-                     + f", python {platform.python_version()}"),
+        "versions": (
+            f"attn_ext {ext}, torch {torch.__version__}"
+            + (f" (CUDA {torch.version.cuda})" if gpu else "")
+            + f", python {platform.python_version()}"
+        ),
         "threads": str(torch.get_num_threads()),
         "cpu_kernels": kernels,
         "load": f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "-",
@@ -385,8 +426,10 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
         raise ValueError("every row needs one cell per header column")
     widths = [max([3, len(h)] + [len(row[i]) for row in body]) for i, h in enumerate(header)]
     line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(list(header)), line(["-" * (w - 1) + ":" for w in widths])]
-                     + [line(row) for row in body])
+    return "\n".join(
+        [line(list(header)), line(["-" * (w - 1) + ":" for w in widths])]
+        + [line(row) for row in body]
+    )
 
 
 def history_row(**fields) -> Dict[str, str]:
@@ -434,8 +477,14 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
     """Ratio vs S of one family on one device: the newest measurement of each cell on the machine
     of the newest row, one panel per (candidate, ratio_to) pair, one line per remaining cell
     parameters. Returns the PNG's path, or None (nothing to plot, or matplotlib missing)."""
-    rows = [r for r in read_history(history) if r["family"] == family and r["device"] == device
-            and _float(r["ratio"]) is not None and _float(r["S"]) is not None]
+    rows = [
+        r
+        for r in read_history(history)
+        if r["family"] == family
+        and r["device"] == device
+        and _float(r["ratio"]) is not None
+        and _float(r["S"]) is not None
+    ]
     if not rows:
         return None
     machine = max(rows, key=lambda r: r["date"])["machine"]
@@ -448,19 +497,26 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
             newest[key] = r
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib not installed: no {png.name} (pip install matplotlib)", file=sys.stderr)
         return None
     by_mode = len({r["mode"] for r in newest.values()}) > 1
-    panels = sorted({(r["candidate"], r["ratio_to"], r["mode"] if by_mode else "") for r in newest.values()})
-    line_cols = [c for c in ("case", "dtype", "B", "H", "D", "causal", "threads", "params")
-                 + (() if by_mode else ("mode",)) if len({r[c] for r in newest.values()}) > 1]
+    panels = sorted(
+        {(r["candidate"], r["ratio_to"], r["mode"] if by_mode else "") for r in newest.values()}
+    )
+    line_cols = [
+        c
+        for c in ("case", "dtype", "B", "H", "D", "causal", "threads", "params")
+        + (() if by_mode else ("mode",))
+        if len({r[c] for r in newest.values()}) > 1
+    ]
     cols = min(len(panels), 4)
     rows_n = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 4.5 * rows_n), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (cand, to, mode) in zip(axes.flat, panels):
         lines: Dict[str, List[tuple]] = {}
@@ -489,21 +545,42 @@ def plot_history(history: Path, family: str, device: str, png: Path) -> Optional
 # --------------------------------------------------------------------------- a driver's run
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, warmup: int = 1, min_repeats: int = 2,
-                    max_repeats: int = 50, target_time: float = 1.0) -> None:
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    warmup: int = 1,
+    min_repeats: int = 2,
+    max_repeats: int = 50,
+    target_time: float = 1.0,
+) -> None:
     """The options every driver has; the defaults are the driver's."""
     g = parser.add_argument_group("harness")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--quick", action="store_true",
-                   help="tiny grid (smoke test); writes to a temporary folder unless --out")
-    g.add_argument("--out", type=Path, default=None,
-                   help="results folder (default benchmarks/results; --quick: a temporary one)")
-    g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    g.add_argument("--warmup", type=int, default=warmup, help="untimed calls per candidate and cell")
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny grid (smoke test); writes to a temporary folder unless --out",
+    )
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default benchmarks/results; --quick: a temporary one)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)"
+    )
+    g.add_argument(
+        "--warmup", type=int, default=warmup, help="untimed calls per candidate and cell"
+    )
     g.add_argument("--min-repeats", type=int, default=min_repeats, help="timed rounds at least")
     g.add_argument("--max-repeats", type=int, default=max_repeats, help="timed rounds at most")
-    g.add_argument("--target-time", type=float, default=target_time,
-                   help="seconds of timed rounds per candidate and cell (within the bounds above)")
+    g.add_argument(
+        "--target-time",
+        type=float,
+        default=target_time,
+        help="seconds of timed rounds per candidate and cell (within the bounds above)",
+    )
 
 
 class Bench:
@@ -527,52 +604,97 @@ class Bench:
 
     def time(self, candidates: Dict[str, Callable[[], object]], **overrides) -> Timing:
         a = self.args
-        kw = dict(warmup=a.warmup, min_rounds=a.min_repeats, max_rounds=max(a.min_repeats, a.max_repeats),
-                  target_s=a.target_time)
+        kw = dict(
+            warmup=a.warmup,
+            min_rounds=a.min_repeats,
+            max_rounds=max(a.min_repeats, a.max_repeats),
+            target_s=a.target_time,
+        )
         kw.update(overrides)
         return time_interleaved(candidates, self.device, **kw)
 
     def record(self, candidate: str, ms: Optional[float], **fields) -> None:
         """One history row for this run (fields: HISTORY_COLUMNS or extra parameters)."""
-        self.rows.append(history_row(date=self.env["date"], machine=self.env["machine"],
-                                     threads=self.env["threads"], commit=self.env["commit"], family=self.family,
-                                     device=self.device.type, candidate=candidate, ms=ms, **fields))
+        self.rows.append(
+            history_row(
+                date=self.env["date"],
+                machine=self.env["machine"],
+                threads=self.env["threads"],
+                commit=self.env["commit"],
+                family=self.family,
+                device=self.device.type,
+                candidate=candidate,
+                ms=ms,
+                **fields,
+            )
+        )
 
-    def record_timing(self, timing: Timing, ratio_to, figures: Optional[Dict[str, Dict]] = None,
-                      notes: Optional[Dict[str, str]] = None, **params) -> None:
+    def record_timing(
+        self,
+        timing: Timing,
+        ratio_to,
+        figures: Optional[Dict[str, Dict]] = None,
+        notes: Optional[Dict[str, str]] = None,
+        **params,
+    ) -> None:
         """One row per candidate of a cell: its median ms, its ratio to ``ratio_to`` (one
         candidate's name, or a dict giving each candidate's), its figures (e.g.
         ``{"attn_ext": {"tflops": 310.0}}``) and a note (skip reason, error)."""
-        names = dict.fromkeys([*timing.results, *(n for r in timing.rounds for n in r),
-                               *timing.errors, *(notes or {})])
+        names = dict.fromkeys(
+            [
+                *timing.results,
+                *(n for r in timing.rounds for n in r),
+                *timing.errors,
+                *(notes or {}),
+            ]
+        )
         for name in names:
             to = ratio_to.get(name) if isinstance(ratio_to, dict) else ratio_to
             ratio = timing.ratio(name, to) if to and name != to else None
             note = (notes or {}).get(name) or timing.errors.get(name, "")
-            self.record(name, timing.ms(name), ratio_to=to if ratio is not None else "",
-                        ratio=ratio, note=note, **(figures or {}).get(name, {}), **params)
+            self.record(
+                name,
+                timing.ms(name),
+                ratio_to=to if ratio is not None else "",
+                ratio=ratio,
+                note=note,
+                **(figures or {}).get(name, {}),
+                **params,
+            )
 
     def finish(self, title: str, sections: Sequence[str]) -> Path:
         """Prints the Markdown and writes it as the current table, appends the history rows and
         redraws the family's PNG."""
-        text = "\n".join([f"# {title}", ""] + [f"- {line}" for line in environment_lines(self.env)]
-                         + [""] + [s.rstrip() + "\n" for s in sections])
+        text = "\n".join(
+            [f"# {title}", ""]
+            + [f"- {line}" for line in environment_lines(self.env)]
+            + [""]
+            + [s.rstrip() + "\n" for s in sections]
+        )
         print("\n" + text)
         md = self.out / f"{self.family}_{self.device.type}.md"
         md.parent.mkdir(parents=True, exist_ok=True)
         md.write_text(text)
         history = self.out / HISTORY_FILE
         append_history(self.rows, history)
-        png = plot_history(history, self.family, self.device.type,
-                           self.out / f"{self.family}_{self.device.type}.png")
-        print(f"wrote {md}, {len(self.rows)} rows to {history}" + (f", {png}" if png else ""),
-              file=sys.stderr)
+        png = plot_history(
+            history,
+            self.family,
+            self.device.type,
+            self.out / f"{self.family}_{self.device.type}.png",
+        )
+        print(
+            f"wrote {md}, {len(self.rows)} rows to {history}" + (f", {png}" if png else ""),
+            file=sys.stderr,
+        )
         return md
 
 
 def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attn_ext.testing.harness",
-                                description="Redraws the PNG of every family and device in a history.")
+    p = argparse.ArgumentParser(
+        prog="python -m attn_ext.testing.harness",
+        description="Redraws the PNG of every family and device in a history.",
+    )
     p.add_argument("command", choices=["plot"])
     p.add_argument("--history", type=Path, default=Path("benchmarks/results") / HISTORY_FILE)
     p.add_argument("--out", type=Path, default=None, help="PNG folder (default: the history's)")
