@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -36,7 +34,9 @@ import torch.nn.functional as F
 
 import attn_ext
 from attn_ext.compat import attention_zoo, llms_from_scratch, textbook, torchcode
+from attn_ext.testing import harness
 from attn_ext.testing.documents import doc000, doc001, doc003, doc004, plain_state_dict, plain_to
+from attn_ext.testing.spatial import cbam_spatial
 
 NEG_INF = float("-inf")
 CHECK_DTYPES = (torch.float32, torch.bfloat16)
@@ -804,46 +804,16 @@ def run_compat_checks(devices: Sequence[torch.device]) -> bool:
 WARMUP_CALLS = 2  # the first call pays one-time costs (kernel load, allocator growth, autotune)
 
 
-def time_interleaved(fns: dict, device: torch.device, repeats: int) -> dict:
-    """Median seconds per candidate, timed in alternating rounds so that a slow phase of a
-    shared machine lands on every candidate alike instead of on whichever ran second."""
-    def once(fn):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(WARMUP_CALLS):
-            once(fn)
-    for r in range(repeats):
-        order = list(fns.items()) if r % 2 == 0 else list(reversed(fns.items()))
-        for name, fn in order:
-            times[name].append(once(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def bench_cell(impl, q, k, v, grad, causal, mode):
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                impl(q, k, v, causal)
-        return run
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-
-    def run():
-        torch.autograd.grad((impl(*leaves, causal) * grad).sum(), leaves)
-    return run
+def time_interleaved(fns: dict, device: torch.device, repeats: int) -> harness.Timing:
+    """``repeats`` interleaved rounds after the warm-up calls (attn_ext.testing.harness)."""
+    return harness.time_interleaved(fns, device, warmup=WARMUP_CALLS, min_rounds=repeats,
+                                    max_rounds=repeats)
 
 
 def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> None:
     impls = {
-        "attn_ext": lambda q, k, v, c: attn_ext.attention(q, k, v, causal=c),
-        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+        "attn_ext": lambda c: lambda q, k, v: attn_ext.attention(q, k, v, causal=c),
+        "sdpa": lambda c: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=c),
     }
     b, h, d = 1, 16, 64
     print(f"\ntiming: B={b} H={h} S={seqlen} D={d}, median of {repeats} interleaved rounds after "
@@ -855,14 +825,15 @@ def run_bench(devices: Sequence[torch.device], seqlen: int, repeats: int) -> Non
             q, k, v, grad = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(4))
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
-                    fns = {name: bench_cell(impl, q, k, v, grad, causal, mode) for name, impl in impls.items()}
-                    try:
-                        ms = {name: 1e3 * t for name, t in time_interleaved(fns, device, repeats).items()}
-                    except Exception as e:
-                        ms = dict.fromkeys(fns, float("nan"))
-                        print(f"  timing failed: {type(e).__name__}: {e}")
+                    fns = {name: harness.make_step(impl(causal), mode, (q, k, v), grad)
+                           for name, impl in impls.items()}
+                    t = time_interleaved(fns, device, repeats)
+                    for name, err in t.errors.items():
+                        print(f"  timing failed: {name}: {err}")
                     print(f"{device.type:6s} {str(dtype)[6:]:8s} {str(causal):6s} {mode:7s} "
-                          f"{ms['attn_ext']:11.2f} {ms['sdpa']:9.2f} {ms['sdpa'] / ms['attn_ext']:5.2f}x")
+                          f"{harness.fmt(t.ms('attn_ext'), '11.2f', 'nan'):>11s} "
+                          f"{harness.fmt(t.ms('sdpa'), '9.2f', 'nan'):>9s} "
+                          f"{harness.fmt(t.ratio('sdpa', 'attn_ext'), '5.2f', 'nan')}x")
 
 
 def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
@@ -879,26 +850,13 @@ def run_spatial_bench(devices: Sequence[torch.device], repeats: int) -> None:
             w = ours.conv.weight
             x = torch.randn(n, c, hw, hw, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
             grad = torch.randn_like(x)
-            impls = {
-                "attn_ext": ours,
-                "torch": lambda t: t * torch.sigmoid(F.conv2d(reference_channel_pool(t), w, padding=3)),
-            }
+            impls = {"attn_ext": ours, "torch": lambda t: cbam_spatial(t, w)}
             for mode in ("fwd", "fwd+bwd"):
-                fns = {}
-                for name, impl in impls.items():
-                    if mode == "fwd":
-                        def run(impl=impl):
-                            with torch.no_grad():
-                                impl(x)
-                    else:
-                        leaf = x.detach().requires_grad_()
-
-                        def run(impl=impl, leaf=leaf):
-                            torch.autograd.grad(impl(leaf), [leaf, w], grad)
-                    fns[name] = run
-                ms = {name: 1e3 * t for name, t in time_interleaved(fns, device, repeats).items()}
-                print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {ms['attn_ext']:11.2f} {ms['torch']:9.2f} "
-                      f"{ms['torch'] / ms['attn_ext']:5.2f}x")
+                fns = {name: harness.make_step(impl, mode, (x,), grad, [w])
+                       for name, impl in impls.items()}
+                t = time_interleaved(fns, device, repeats)
+                print(f"{device.type:6s} {str(dtype)[6:]:8s} {mode:7s} {t.ms('attn_ext'):11.2f} "
+                      f"{t.ms('torch'):9.2f} {t.ratio('torch', 'attn_ext'):5.2f}x")
 
 
 # --------------------------------------------------------------------------- main

@@ -10,19 +10,20 @@ same everywhere):
 * ``sdpa``     -- a preallocated cache written with ``copy_`` and
   ``F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``;
 * ``doc``      -- document 000's ``KVCacheAttention`` cache (``torch.cat`` of the past and the new
-  keys/values every step) with document 003's ``repeat_kv`` for the grouped heads and plain
-  ``softmax(q k^T / sqrt(D)) v``.
+  keys/values every step) with document 003's ``repeat_kv`` for the grouped heads and document
+  000's ``scaled_dot_product_attention`` (``attn_ext.testing.documents``).
 
-For each prompt length P the cache is filled with P random tokens (the prefill is not
-timed), then:
+For each prompt length P the cache is filled with P random tokens (the prefill is not timed),
+then:
 
-* ``step``: the median time of one step at context P (``--step-repeats`` steps);
-* ``gen``: the time of a whole generation of ``--new-tokens`` (512) steps after the prompt
-  (up to ``--gen-max-context``; above it the cell says "skip").
+* ``step``: one step at context P (+ the steps already taken), timed in interleaved rounds;
+* ``gen``: a whole generation of ``--new-tokens`` (512) steps after the prompt, once per
+  candidate (a fresh cache each, its construction included: one copy of the prompt against
+  ``--new-tokens`` reads of it), up to ``--gen-max-context`` (above: "skip").
 
 Ratios ``doc / attn_ext`` and ``sdpa / attn_ext`` (> 1: attn_ext faster). On CUDA also the
 achieved bandwidth of a step (bytes of K and V read / time) against the device's measured copy
-bandwidth. Writes stdout and ``benchmarks/results/decode_<device>.md``.
+bandwidth. Timing and output: ``attn_ext.testing.harness`` (``decode_<device>.md``).
 
     python benchmarks/bench_decode.py --quick
     python benchmarks/bench_decode.py                      # CPU: prompts 512..32k
@@ -32,54 +33,33 @@ bandwidth. Writes stdout and ``benchmarks/results/decode_<device>.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import math
-import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+import attn_ext
+from attn_ext.testing import harness
+from attn_ext.testing.documents import doc000, doc003
+
 CANDIDATES = ("attn_ext", "sdpa", "doc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-try:
-    import attn_ext
-except ImportError:
-    sys.path.insert(0, str(REPO_ROOT))
-    import attn_ext
-
-try:
-    from tqdm import tqdm
-except ImportError:
-    tqdm = None
-
-
-def repeat_kv(x, n_rep):
-    """Document 003: each KV head repeated for the query heads that share it."""
-    if n_rep == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+# Distinct new tokens cycled through by the steps (enough that no step reuses its predecessor's).
+NEW_TOKEN_POOL = 8
 
 
 class DocCache:
     """Document 000's tuple cache, grown by torch.cat every step."""
 
-    def __init__(self, k, v):
+    def __init__(self, k, v, max_len):
         self.k, self.v = k, v
 
     def step(self, q, k_new, v_new):
         self.k = torch.cat([self.k, k_new], dim=2)
         self.v = torch.cat([self.v, v_new], dim=2)
         n_rep = q.size(1) // self.k.size(1)
-        k, v = repeat_kv(self.k, n_rep), repeat_kv(self.v, n_rep)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        return doc000.scaled_dot_product_attention(
+            q, doc003.repeat_kv(self.k, n_rep), doc003.repeat_kv(self.v, n_rep)
+        )
 
 
 class SdpaCache:
@@ -95,11 +75,12 @@ class SdpaCache:
 
     def step(self, q, k_new, v_new):
         L = self.length
-        self.k[:, :, L:L + 1].copy_(k_new)
-        self.v[:, :, L:L + 1].copy_(v_new)
+        self.k[:, :, L : L + 1].copy_(k_new)
+        self.v[:, :, L : L + 1].copy_(v_new)
         self.length = L + 1
-        return F.scaled_dot_product_attention(q, self.k[:, :, :L + 1], self.v[:, :, :L + 1],
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, self.k[:, :, : L + 1], self.v[:, :, : L + 1], enable_gqa=True
+        )
 
 
 class AttnExtCache:
@@ -113,165 +94,145 @@ class AttnExtCache:
         return self.cache.attend(q)
 
 
-MAKERS = {"attn_ext": lambda k, v, L: AttnExtCache(k, v, L),
-          "sdpa": lambda k, v, L: SdpaCache(k, v, L),
-          "doc": lambda k, v, L: DocCache(k, v)}
+MAKERS = {"attn_ext": AttnExtCache, "sdpa": SdpaCache, "doc": DocCache}
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def stepper(cache, new):
+    """A zero-argument call taking the next step, cycling through the new tokens."""
+    i = [0]
+
+    def step():
+        j = i[0] % NEW_TOKEN_POOL
+        i[0] += 1
+        return cache.step(new[0][j], new[1][j], new[2][j])
+
+    return step
 
 
-def copy_bandwidth(device, nbytes=1 << 30):
-    """Measured device copy bandwidth in GB/s (read + write of a large buffer)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / min(times) / 1e9
+def generation(name, prompt, new, n_new, max_len):
+    def run():
+        step = stepper(MAKERS[name](*prompt, max_len), new)
+        for _ in range(n_new):
+            step()
 
-
-def run_candidate(name, prompt_kv, new_tokens, steps, max_len, device):
-    """(median step time at context P, whole-generation time or None)."""
-    k0, v0 = prompt_kv
-    cache = MAKERS[name](k0, v0, max_len)
-    q_new, k_new, v_new = new_tokens
-    # warmup step (allocations, lazy init)
-    cache.step(q_new[0], k_new[0], v_new[0])
-    sync(device)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        out = cache.step(q_new[i % len(q_new)], k_new[i % len(k_new)], v_new[i % len(v_new)])
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def run_generation(name, prompt_kv, new_tokens, n_new, max_len, device):
-    k0, v0 = prompt_kv
-    cache = MAKERS[name](k0, v0, max_len)
-    q_new, k_new, v_new = new_tokens
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(n_new):
-        cache.step(q_new[i % len(q_new)], k_new[i % len(k_new)], v_new[i % len(v_new)])
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def fmt_ms(s):
-    return "skip" if s is None else f"{s * 1e3:.2f}"
-
-
-def ratio(a, b):
-    return "-" if a is None or b is None else f"{a / b:.2f}x"
+    return run
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default float32 on CPU, bfloat16 on CUDA")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=1.0)
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="default float32 on CPU, bfloat16 on CUDA",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument(
+        "--prompts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768]
+    )
     ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--step-repeats", type=int, default=20)
-    ap.add_argument("--gen-max-context", type=int, default=32768,
-                    help="whole generations only for prompts up to this length")
+    ap.add_argument(
+        "--gen-max-context",
+        type=int,
+        default=32768,
+        help="whole generations only for prompts up to this length",
+    )
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="small shapes, a few steps")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.new_tokens, args.step_repeats = [256, 1024], 16, 4
+        args.prompts, args.new_tokens, args.max_repeats = [256, 1024], 16, 4
         args.heads, args.kv_heads, args.head_dim = 8, 2, 64
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    bench = harness.Bench("decode", args, __file__)
+    device = bench.device
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     elt = torch.finfo(dtype).bits // 8
-    bw = copy_bandwidth(device) if device.type == "cuda" else None
+    bw = harness.copy_bandwidth_gbs(device) if device.type == "cuda" else None
+    names = list(args.candidates)
+    others = [n for n in names if n != "attn_ext"]
 
     cells = [(B, P) for B in args.batch for P in args.prompts]
-    bar = tqdm(total=len(cells), desc="decode", leave=False) if tqdm else None
+    bar = harness.progress(len(cells), "decode")
     rows = []
     for B, P in cells:
         gen = torch.Generator(device="cpu").manual_seed(0)
 
         def rnd(*shape):
-            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(
+                device=device, dtype=dtype
+            )
 
         prompt = (rnd(B, Hkv, P, D), rnd(B, Hkv, P, D))
-        n_tok = 8
-        new = ([rnd(B, H, 1, D) for _ in range(n_tok)], [rnd(B, Hkv, 1, D) for _ in range(n_tok)],
-               [rnd(B, Hkv, 1, D) for _ in range(n_tok)])
-        max_len = P + args.new_tokens + args.step_repeats + 2
-        row = {"B": B, "P": P}
-        outs = {}
-        for name in args.candidates:
-            step_s, outs[name] = run_candidate(name, prompt, new, args.step_repeats, max_len, device)
-            row[f"{name}_step"] = step_s
-            row[f"{name}_gen"] = (run_generation(name, prompt, new, args.new_tokens, max_len, device)
-                                  if P <= args.gen_max_context else None)
-        if "attn_ext" in outs and len(outs) > 1:
-            other = outs["sdpa" if "sdpa" in outs else "doc"]
-            row["maxdiff"] = (outs["attn_ext"].float() - other.float()).abs().max().item()
-        if bw is not None and "attn_ext_step" in row:
-            # bytes of K and V read per step at context P (+1 new token)
-            row["gbps"] = B * Hkv * (P + 1) * 2 * D * elt / row["attn_ext_step"] / 1e9
-        rows.append(row)
-        if bar:
-            bar.update(1)
-    if bar:
-        bar.close()
+        new = tuple([rnd(B, h, 1, D) for _ in range(NEW_TOKEN_POOL)] for h in (H, Hkv, Hkv))
+        # room for the warm-up, every round (close calls included) and a generation
+        max_len = P + args.new_tokens + args.warmup + 2 * args.max_repeats + 2
+        params = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=P, D=D, Hkv=Hkv)
+        step = bench.time({n: stepper(MAKERS[n](*prompt, max_len), new) for n in names})
+        gbps = {}
+        if bw and step.median_s("attn_ext"):
+            # bytes of K and V read per step at context P (+ the new token)
+            gbps = {
+                "attn_ext": {
+                    "gbps": B * Hkv * (P + 1) * 2 * D * elt / step.median_s("attn_ext") / 1e9
+                }
+            }
+        bench.record_timing(
+            step, "attn_ext" if "attn_ext" in names else None, gbps, mode="step", **params
+        )
+        res = step.results
+        diff = (
+            harness.max_abs_diff([res["attn_ext"]], [res["sdpa" if "sdpa" in res else "doc"]])
+            if "attn_ext" in res and len(res) > 1
+            else None
+        )
+        whole = None
+        if P <= args.gen_max_context:
+            whole = bench.time(
+                {n: generation(n, prompt, new, args.new_tokens, max_len) for n in names},
+                warmup=0,
+                min_rounds=1,
+                max_rounds=1,
+            )
+            bench.record_timing(
+                whole,
+                "attn_ext" if "attn_ext" in names else None,
+                mode="gen",
+                new_tokens=args.new_tokens,
+                **params,
+            )
+        row = [B, P]
+        for t in (step, whole):
+            row += [harness.fmt(t.ms(n) if t else None, ".2f", "skip") for n in names]
+            row += [harness.fmt_ratio(t.ratio(n, "attn_ext") if t else None) for n in others]
+        if bw:
+            g = gbps.get("attn_ext", {}).get("gbps")
+            row += [harness.fmt(g, ".0f"), harness.fmt(g and 100 * g / bw, ".0f") + "%"]
+        rows.append(row + [harness.fmt(diff, ".1e")])
+        bar.update(1)
+    bar.close()
 
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = [f"# Decode benchmark ({device.type})", "",
-            f"Generated {now} by `python benchmarks/bench_decode.py{' --quick' if args.quick else ''}` "
-            f"on {platform.node()} ({platform.machine()}), torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads" + (f", {torch.cuda.get_device_name()}" if bw else "") + ".",
-            "",
-            f"H={H}, Hkv={Hkv}, D={D}, {str(dtype).replace('torch.', '')}; one new token per step. "
-            f"`step` = median ms of one step at context P; `gen` = ms for {args.new_tokens} new tokens "
-            "after the prompt. Ratios > 1: attn_ext faster."
-            + (f" Copy bandwidth {bw:.0f} GB/s." if bw else ""), ""]
     cols = ["B", "prompt"]
     for kind in ("step", "gen"):
-        cols += [f"{c} {kind} (ms)" for c in args.candidates]
-        cols += [f"{c}/attn_ext {kind}" for c in args.candidates if c != "attn_ext"]
+        cols += [f"{c} {kind} (ms)" for c in names] + [f"{c}/attn_ext {kind}" for c in others]
     if bw:
         cols += ["attn_ext GB/s", "% of copy bw"]
-    cols.append("max abs diff")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells_ = [str(r["B"]), str(r["P"])]
-        for kind in ("step", "gen"):
-            cells_ += [fmt_ms(r.get(f"{c}_{kind}")) for c in args.candidates]
-            cells_ += [ratio(r.get(f"{c}_{kind}"), r.get(f"attn_ext_{kind}"))
-                       for c in args.candidates if c != "attn_ext"]
-        if bw:
-            cells_ += [f"{r['gbps']:.0f}", f"{100 * r['gbps'] / bw:.0f}%"]
-        cells_.append(f"{r.get('maxdiff', float('nan')):.1e}")
-        lines.append("| " + " | ".join(cells_) + " |")
-    text = "\n".join(head + lines) + "\n"
-    print(text)
-    out = Path(args.out) if args.out else REPO_ROOT / "benchmarks" / "results" / (
-        f"decode_{device.type}{'_quick' if args.quick else ''}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    head = (
+        f"H={H}, Hkv={Hkv}, D={D}, {params['dtype']}; one new token per step. `step` = median ms "
+        f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} "
+        "new tokens "
+        "after the prompt. Ratios > 1: attn_ext faster."
+        + (f" Copy bandwidth {bw:.0f} GB/s." if bw else "")
+    )
+    bench.finish(
+        f"Decode benchmark ({device.type})",
+        [head, harness.markdown_table(cols + ["max abs diff"], rows)],
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Temporal: document 004's ``TemporalAttention(768, 64, 32)`` against the drop-in
 ``attn_ext.compat.attention_zoo.TemporalAttention`` with the weights (as the document returns)
 and without them (``need_weights=False``), B=4, S in {256, 1024, 4096}, float32, fwd and fwd+bwd.
 Peak memory (CPU: growth of ``VmHWM`` above the baseline after building the module and inputs;
-CUDA: ``max_memory_allocated`` growth; one fresh subprocess per candidate and S, one fwd+bwd)
+CUDA: ``max_memory_allocated`` growth; one fresh process per candidate and S, one fwd+bwd)
 shows the no-weights path is linear in S.
 
 Done criteria on the CPU (printed at the end): the spatial gate's fwd+bwd at least 2x faster than
@@ -29,27 +29,23 @@ the document's in every cell; temporal attention faster than the document's at e
     python benchmarks/bench_spatial.py             # the issue's grid
     python benchmarks/bench_spatial.py --device cuda
 
-Results go to stdout and ``benchmarks/results/spatial_<device>[_quick].md``.
+Timing and output: ``attn_ext.testing.harness``; two families, ``spatial_<device>.md`` (the gate)
+and ``temporal_<device>.md``.
 """
+
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import subprocess
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import Timer, import_attn_ext, measure, progress_bar  # noqa: E402
-from bench_modules import _peak_rss_mb, _reset_peak_rss  # noqa: E402
+import attn_ext
+from attn_ext.compat import attention_zoo
+from attn_ext.testing import harness
+from attn_ext.testing.documents import doc004
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SPATIAL_SHAPES = [(32, 256, 56, 56), (8, 64, 224, 224)]
 QUICK_SPATIAL_SHAPES = [(4, 64, 28, 28), (2, 16, 56, 56)]
 LAYOUTS = ("nchw", "channels_last")
@@ -59,70 +55,69 @@ TEMPORAL_SEQLENS = (256, 1024, 4096)
 QUICK_TEMPORAL_SEQLENS = (64, 256)
 TEMPORAL_ARGS = (768, 64, 32)  # document 004's script: input_dim, d_k, time_emb_dim
 TEMPORAL_BATCH = 4
+TEMPORAL_CANDIDATES = ("doc", "ours", "ours_no_weights")
 # Bytes a fused spatial gate must move, in units of |x|.
 SPATIAL_TRAFFIC = {"fwd": 3, "fwd+bwd": 6}
 # Criteria of issue 8 (CPU).
 SPATIAL_FWD_BWD_TARGET = 2.0
 
 
-@dataclass
-class Row:
-    label: str
-    mode: str
-    ms: Dict[str, float] = field(default_factory=dict)
-    extra: Dict[str, str] = field(default_factory=dict)
-
-    def ratio(self, a: str, b: str) -> Optional[float]:
-        if a in self.ms and b in self.ms and self.ms[b] > 0:
-            return self.ms[a] / self.ms[b]
-        return None
-
-
 # ------------------------------------------------------------------------------- spatial
 
 
-def spatial_candidates(attn_ext, doc004, dtype, device):
+def spatial_candidates(dtype, device):
+    """ours and the document's gate, ours loaded with the document's conv weight; with the
+    weight each one's fwd+bwd differentiates."""
     doc = doc004.SpatialAttention().to(device=device, dtype=dtype)
     ours = attn_ext.nn.SpatialAttention().to(device=device, dtype=dtype)
     ours.conv.weight.data.copy_(doc.conv1.weight.data)
     return {"ours": (ours, ours.conv.weight), "doc": (lambda x: x * doc(x), doc.conv1.weight)}
 
 
-def spatial_runner(fn, weight, x, grad, mode):
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                return fn(x)
-        return run
-    leaf = x.detach().requires_grad_()
-
-    def run():
-        out = fn(leaf)
-        return torch.autograd.grad(out, (leaf, weight), grad)
-    return run
-
-
-def spatial_sweep(args, attn_ext, doc004, device, timer) -> List[Row]:
+def spatial_sweep(bench, args) -> List[list]:
     shapes = QUICK_SPATIAL_SHAPES if args.quick else SPATIAL_SHAPES
-    cells = [(s, lay, dt, m) for s in shapes for lay in LAYOUTS for dt in args.dtypes for m in MODES]
+    cells = [
+        (s, lay, dt, m) for s in shapes for lay in LAYOUTS for dt in args.dtypes for m in MODES
+    ]
     rows = []
-    bar = progress_bar(len(cells), "spatial")
+    bar = harness.progress(len(cells), "spatial")
     for shape, layout, dtname, mode in cells:
-        dtype = DTYPES[dtname]
         torch.manual_seed(0)
-        x = torch.randn(shape, device=device, dtype=dtype)
+        x = torch.randn(shape, device=bench.device, dtype=DTYPES[dtname])
         if layout == "channels_last":
             x = x.contiguous(memory_format=torch.channels_last)
         grad = torch.randn_like(x)
-        row = Row(f"{'x'.join(map(str, shape))} {layout} {dtname}", mode)
-        for name, (fn, weight) in spatial_candidates(attn_ext, doc004, dtype, device).items():
-            row.ms[name] = 1e3 * measure(spatial_runner(fn, weight, x, grad, mode), timer, args).median_s
+        timing = bench.time(
+            {
+                n: harness.make_step(fn, mode, (x,), grad, [w])
+                for n, (fn, w) in spatial_candidates(x.dtype, bench.device).items()
+            }
+        )
+        timing.results.clear()
         gbytes = SPATIAL_TRAFFIC[mode] * x.numel() * x.element_size() / 1e9
-        row.extra["GB/s"] = f"{gbytes / (row.ms['ours'] / 1e3):.1f}"
-        rows.append(row)
+        gbps = gbytes / timing.median_s("ours") if timing.median_s("ours") else None
+        label = f"{'x'.join(map(str, shape))} {layout} {dtname}"
+        bench.record_timing(
+            timing,
+            "ours",
+            {"ours": {"gbps": gbps}},
+            case=f"{'x'.join(map(str, shape))} {layout}",
+            dtype=dtname,
+            B=shape[0],
+            mode=mode,
+        )
+        rows.append(
+            [
+                label,
+                mode,
+                harness.fmt(timing.ms("ours")),
+                harness.fmt(timing.ms("doc")),
+                harness.fmt_ratio(timing.ratio("doc", "ours")),
+                harness.fmt(gbps, ".1f"),
+            ]
+        )
+        bar.write("  ".join(rows[-1]))
         bar.update(1)
-        bar.write(f"  {row.label:34s} {mode:7s} ours {row.ms['ours']:9.2f} ms  doc {row.ms['doc']:9.2f} ms  "
-                  f"doc/ours {row.ratio('doc', 'ours'):5.2f}x  {row.extra['GB/s']} GB/s")
         del x, grad
     bar.close()
     return rows
@@ -131,29 +126,15 @@ def spatial_sweep(args, attn_ext, doc004, device, timer) -> List[Row]:
 # ------------------------------------------------------------------------------ temporal
 
 
-def temporal_candidates(zoo, doc004, device):
+def temporal_candidates(device):
     doc = doc004.TemporalAttention(*TEMPORAL_ARGS).to(device)
-    ours = zoo.TemporalAttention(*TEMPORAL_ARGS).to(device)
+    ours = attention_zoo.TemporalAttention(*TEMPORAL_ARGS).to(device)
     ours.load_state_dict(doc.state_dict(), strict=True)
     return {
-        "doc": lambda x, t: doc(x, t),
-        "ours": lambda x, t: ours(x, t),
-        "ours_no_weights": lambda x, t: ours(x, t, need_weights=False),
+        "doc": lambda x, t: doc(x, t)[0],
+        "ours": lambda x, t: ours(x, t)[0],
+        "ours_no_weights": lambda x, t: ours(x, t, need_weights=False)[0],
     }
-
-
-def temporal_runner(fn, x, tp, grad, mode):
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                return fn(x, tp)
-        return run
-    leaf = x.detach().requires_grad_()
-
-    def run():
-        out, _ = fn(leaf, tp)
-        return torch.autograd.grad(out, leaf, grad)
-    return run
 
 
 def temporal_inputs(s, device):
@@ -164,145 +145,168 @@ def temporal_inputs(s, device):
     return x, tp, grad
 
 
-def temporal_sweep(args, attn_ext, zoo, doc004, device, timer) -> List[Row]:
+def temporal_step(fn, mode, x, tp, grad):
+    """fwd / fwd+bwd of ``fn(x, tp)`` with gradients to x only (the time points are data)."""
+    return harness.make_step(lambda x_: fn(x_, tp), mode, (x,), grad)
+
+
+def temporal_sweep(bench, args) -> List[list]:
     seqlens = QUICK_TEMPORAL_SEQLENS if args.quick else TEMPORAL_SEQLENS
     cells = [(s, m) for s in seqlens for m in MODES]
     rows = []
-    bar = progress_bar(len(cells), "temporal")
+    bar = harness.progress(len(cells), "temporal")
     for s, mode in cells:
-        x, tp, grad = temporal_inputs(s, device)
-        row = Row(f"B={TEMPORAL_BATCH} S={s}", mode)
-        for name, fn in temporal_candidates(zoo, doc004, device).items():
-            row.ms[name] = 1e3 * measure(temporal_runner(fn, x, tp, grad, mode), timer, args).median_s
+        x, tp, grad = temporal_inputs(s, bench.device)
+        timing = bench.time(
+            {
+                n: temporal_step(fn, mode, x, tp, grad)
+                for n, fn in temporal_candidates(bench.device).items()
+            }
+        )
+        timing.results.clear()
+        mb = {}
         if mode == "fwd+bwd" and not args.no_memory:
-            for name in row.ms:
-                row.extra[f"{name} MB"] = f"{run_memory_child(name, s, args):.0f}"
-        rows.append(row)
+            mb = {n: memory_in_child(n, s, args) for n in TEMPORAL_CANDIDATES}
+        bench.record_timing(
+            timing,
+            {"doc": "ours"},
+            {n: {"peak_mb": v} for n, v in mb.items()},
+            dtype="float32",
+            B=TEMPORAL_BATCH,
+            S=s,
+            mode=mode,
+        )
+        # the table's second ratio: the document against the no-weights path
+        bench.record(
+            "doc",
+            timing.ms("doc"),
+            ratio_to="ours_no_weights",
+            ratio=timing.ratio("doc", "ours_no_weights"),
+            dtype="float32",
+            B=TEMPORAL_BATCH,
+            S=s,
+            mode=mode,
+        )
+        rows.append(
+            [f"B={TEMPORAL_BATCH} S={s}", mode]
+            + [harness.fmt(timing.ms(n)) for n in TEMPORAL_CANDIDATES]
+            + [harness.fmt_ratio(timing.ratio("doc", n)) for n in ("ours", "ours_no_weights")]
+            + (
+                [harness.fmt(mb.get(n), ".0f") for n in TEMPORAL_CANDIDATES]
+                if not args.no_memory
+                else []
+            )
+        )
+        bar.write("  ".join(rows[-1]))
         bar.update(1)
-        bar.write(f"  {row.label:14s} {mode:7s} " + "  ".join(f"{k} {v:8.2f} ms" for k, v in row.ms.items())
-                  + f"  doc/ours {row.ratio('doc', 'ours'):5.2f}x  doc/no_weights "
-                    f"{row.ratio('doc', 'ours_no_weights'):5.2f}x")
     bar.close()
     return rows
 
 
 def memory_child(name: str, s: int, device: str) -> dict:
     """One fwd+bwd of a temporal candidate; peak memory above the inputs (MB)."""
-    attn_ext = import_attn_ext()
-    from attn_ext.testing.documents import doc004
     dev = torch.device(device)
-    fn = temporal_candidates(attn_ext.compat.attention_zoo, doc004, dev)[name]
     x, tp, grad = temporal_inputs(s, dev)
-    leaf = x.requires_grad_()
+    step = temporal_step(temporal_candidates(dev)[name], "fwd+bwd", x, tp, grad)
     # one untimed call first: library workspaces and thread pools are not the candidate's memory
-    torch.autograd.grad(fn(leaf, tp)[0], leaf, grad)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        _reset_peak_rss()
-        base = _peak_rss_mb()
-    out, _ = fn(leaf, tp)
-    torch.autograd.grad(out, leaf, grad)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        peak = _peak_rss_mb() - base
-    return {"peak_mb": peak}
+    step()
+    meter = harness.PeakMeter(dev)
+    meter.reset()
+    step()
+    return {"peak_mb": meter.peak_mb()}
 
 
-def run_memory_child(name: str, s: int, args) -> float:
-    cmd = [sys.executable, __file__, "--memory-child", name, str(s), "--device", args.device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
-    if proc.returncode != 0:
+def memory_in_child(name: str, s: int, args) -> float:
+    try:
+        return harness.run_child([__file__, "--memory-child", name, s, "--device", args.device])[
+            "peak_mb"
+        ]
+    except RuntimeError as e:
+        print(f"  memory {name} S={s}: {e}", file=sys.stderr)
         return float("nan")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
-# ------------------------------------------------------------------------------- output
+# ------------------------------------------------------------------------------- summary
 
 
-def render(rows: List[Row], names: List[str], ratios: List[tuple], extras: List[str]) -> str:
-    head = ["case", "mode"] + [f"{n} ms" for n in names] + [f"{a}/{b}" for a, b in ratios] + extras
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r.label, r.mode] + [f"{r.ms.get(n, float('nan')):.2f}" for n in names]
-        cells += [f"{r.ratio(a, b):.2f}x" if r.ratio(a, b) is not None else "-" for a, b in ratios]
-        cells += [r.extra.get(e, "-") for e in extras]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def summary(spatial: List[Row], temporal: List[Row]) -> List[str]:
-    out = []
-    fb = [r.ratio("doc", "ours") for r in spatial if r.mode == "fwd+bwd"]
-    if fb:
-        ok = all(x >= SPATIAL_FWD_BWD_TARGET for x in fb)
-        out.append(f"spatial gate fwd+bwd doc/ours: min {min(fb):.2f}x, max {max(fb):.2f}x -> "
-                   f"{'PASS' if ok else 'FAIL'} (target >= {SPATIAL_FWD_BWD_TARGET}x in every cell)")
-    for cand in ("ours", "ours_no_weights"):
-        rs = [r.ratio("doc", cand) for r in temporal]
-        if rs:
-            ok = all(x > 1.0 for x in rs)
-            out.append(f"temporal doc/{cand}: min {min(rs):.2f}x -> {'PASS' if ok else 'FAIL'} "
-                       "(target > 1 at every S and mode)")
-    return out
+def ratio_column(rows, col: int, mode=None) -> List[float]:
+    return [
+        float(r[col].rstrip("x")) for r in rows if r[col] != "-" and (mode is None or r[1] == mode)
+    ]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=2.0)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--min-repeats", type=int, default=3)
-    ap.add_argument("--max-repeats", type=int, default=20)
-    ap.add_argument("--target-time", type=float, default=2.0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: spatial,temporal")
-    ap.add_argument("--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses")
-    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses"
+    )
     ap.add_argument("--memory-child", nargs=2, metavar=("CANDIDATE", "S"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.memory_child:
-        print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]), args.device)))
-        return 0
-
-    attn_ext = import_attn_ext()
-    from attn_ext.compat import attention_zoo as zoo
-    from attn_ext.testing.documents import doc004
-    device = torch.device(args.device)
-    timer = Timer(device)
+        return harness.child_main(
+            args, lambda: memory_child(args.memory_child[0], int(args.memory_child[1]), args.device)
+        )
     skip = set(args.skip.split(","))
-    spatial = [] if "spatial" in skip else spatial_sweep(args, attn_ext, doc004, device, timer)
-    temporal = [] if "temporal" in skip else temporal_sweep(args, attn_ext, zoo, doc004, device, timer)
-
-    env = [f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, device {device}"
-           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")]
-    parts = ["# Spatial (CBAM) and temporal attention benchmark", "", *env, ""]
-    if spatial:
-        parts += ["## CBAM spatial gate: attn_ext.nn.SpatialAttention vs document 004 (x * attn_map)", "",
-                  render(spatial, ["ours", "doc"], [("doc", "ours")], ["GB/s"]), ""]
-    if temporal:
-        mem = [] if args.no_memory else ["doc MB", "ours MB", "ours_no_weights MB"]
-        parts += ["## Temporal attention: attention_zoo.TemporalAttention vs document 004", "",
-                  render(temporal, ["doc", "ours", "ours_no_weights"],
-                         [("doc", "ours"), ("doc", "ours_no_weights")], mem), ""]
-    summ = summary(spatial, temporal)
-    parts += ["## Summary", "", *[f"- {line}" for line in summ], ""]
-    text = "\n".join(parts)
-    print("\n" + text)
-    out = Path(args.out) if args.out else (
-        REPO_ROOT / "benchmarks" / "results" / f"spatial_{device.type}{'_quick' if args.quick else ''}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"written to {out}")
+    if "spatial" not in skip:
+        bench = harness.Bench("spatial", args, __file__)
+        rows = spatial_sweep(bench, args)
+        fb = ratio_column(rows, 4, "fwd+bwd")
+        verdict = (
+            (
+                f"spatial gate fwd+bwd doc/ours: min {min(fb):.2f}x, max {max(fb):.2f}x -> "
+                f"{'PASS' if all(r >= SPATIAL_FWD_BWD_TARGET for r in fb) else 'FAIL'} "
+                f"(target >= {SPATIAL_FWD_BWD_TARGET}x in every cell)"
+            )
+            if fb
+            else "no fwd+bwd cell"
+        )
+        bench.finish(
+            "CBAM spatial gate: attn_ext.nn.SpatialAttention vs document 004 (x * attn_map)",
+            [
+                "Ratios = doc time / ours time (> 1: attn_ext faster); GB/s = ours over the "
+                "bytes a fused gate "
+                "must move (3|x| forward, 6|x| forward+backward).",
+                harness.markdown_table(
+                    ["case", "mode", "ours ms", "doc ms", "doc/ours", "GB/s"], rows
+                ),
+                f"- {verdict}",
+            ],
+        )
+    if "temporal" not in skip:
+        bench = harness.Bench("temporal", args, __file__)
+        rows = temporal_sweep(bench, args)
+        mem = [] if args.no_memory else [f"{n} MB" for n in TEMPORAL_CANDIDATES]
+        lines = []
+        for col, cand in ((5, "ours"), (6, "ours_no_weights")):
+            rs = ratio_column(rows, col)
+            if rs:
+                lines.append(
+                    f"- temporal doc/{cand}: min {min(rs):.2f}x -> "
+                    f"{'PASS' if all(r > 1.0 for r in rs) else 'FAIL'} (target > 1 at every "
+                    "S and mode)"
+                )
+        bench.finish(
+            "Temporal attention: attention_zoo.TemporalAttention vs document 004",
+            [
+                "Ratios = doc time / candidate time (> 1: attn_ext faster); MB = peak "
+                "memory of one fwd+bwd "
+                "above the inputs, each candidate in a fresh process.",
+                harness.markdown_table(
+                    ["case", "mode"]
+                    + [f"{n} ms" for n in TEMPORAL_CANDIDATES]
+                    + ["doc/ours", "doc/ours_no_weights"]
+                    + mem,
+                    rows,
+                ),
+                "\n".join(lines),
+            ],
+        )
     return 0
 
 

@@ -8,7 +8,7 @@
 #
 # build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT
 # test:     python -m attn_ext, then the whole suite (xdist) with the CUDA cases
-# sanitize: compute-sanitizer memcheck / racecheck / synccheck over benchmarks/sanitize_cuda.py
+# sanitize: compute-sanitizer memcheck / racecheck / synccheck over tools/sanitize_cuda.py
 # bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
 #           bench_decode (steps only) and bench_spatial. Notes and timings of past calls:
 #           dev/gpu_notes.md
@@ -55,18 +55,20 @@ for phase in "$@"; do
       grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
-        step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY benchmarks/sanitize_cuda.py
+        step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py
         grep -E "SUMMARY|NON-FINITE" "$OUT/san_$tool.log" | head -3 >> "$SUMMARY"
       done
       cat "$OUT"/san_*.log > "$OUT/sanitize.log"; rm -f "$OUT"/san_*.log ;;
     bench|bench-short)  # bench-short: the memory-bound kernels only (decode steps, spatial gate)
       if [ "$phase" = bench ]; then
-        step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/attention_cuda.md"
-        step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/kv_compression_cuda.md"
+        step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/results"
+        step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/results"
       fi
-      step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --step-repeats 10 --candidates attn_ext sdpa --out "$OUT/decode_cuda.md"
-      step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/spatial_cuda.md"
-      cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log ;;
+      step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext sdpa --out "$OUT/results"
+      step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/results"
+      # tables, PNGs and history.csv in one archive: few files come back
+      cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log
+      tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
     cpu)
       grep -o -E "avx512f|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' >> "$SUMMARY"; echo >> "$SUMMARY"
       step cpu_kernels 120 $PY -m pytest tests/test_cpu_kernels.py -q -p no:cacheprovider -rfE
@@ -75,11 +77,11 @@ for phase in "$@"; do
         for k in avx2 avx512; do
           ATTN_EXT_CPU_KERNELS=$k step "cpu_t${t}_$k" 100 $PY benchmarks/bench_attention.py --dtypes float32,bfloat16 \
             --head-dims 64,128 --seqlens 2048 --causal False,True --candidates attn_ext,sdpa --threads $t \
-            --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/cpu_t${t}_$k.md"
-          grep -E "^  (all|fwd|fwd\+bwd) " "$OUT/cpu_t${t}_$k.md" | sed "s/^/t$t $k /" >> "$SUMMARY"
+            --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/cpu_t${t}_$k"
+          grep -E "^  (all|fwd|fwd\+bwd) " "$OUT/cpu_t${t}_$k/attention_cpu.md" | sed "s/^/t$t $k /" >> "$SUMMARY"
         done
       done
-      cat "$OUT"/cpu_t*.md > "$OUT/cpu_grid.md"; rm -f "$OUT"/cpu_t*.md "$OUT"/cpu_t*.csv ;;
+      cat "$OUT"/cpu_t*/attention_cpu.md > "$OUT/cpu_grid.md"; rm -rf "$OUT"/cpu_t*/ ;;
     *) echo "unknown phase $phase" >> "$SUMMARY" ;;
   esac
 done

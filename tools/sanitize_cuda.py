@@ -9,9 +9,9 @@ rope on the way in), latent_cache_append, decode_attention (split and unsplit, w
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
 and spatial_gate (+ backward, both layouts).
 
-    compute-sanitizer --tool memcheck  python benchmarks/sanitize_cuda.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_cuda.py
-    compute-sanitizer --tool synccheck python benchmarks/sanitize_cuda.py
+    compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
+    compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
+    compute-sanitizer --tool synccheck python tools/sanitize_cuda.py
 
 Exits 0 after every case ran (printing one line per case), 0 with a note without a GPU.
 """
@@ -19,16 +19,10 @@ Exits 0 after every case ran (printing one line per case), 0 with a note without
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import attn_ext
-except ImportError:
-    sys.path.insert(0, str(REPO_ROOT))
-    import attn_ext
+import attn_ext
 
 # (name, dtype, B, H, Hkv, Sq, Sk, D, Dv, options)
 CASES = [
