@@ -1,5 +1,5 @@
 """Decoding: RoPE, the KV cache and decode attention, against the references in
-reference_decoding.py (documents 000 and 003), plus the incremental == full checks."""
+attn_ext/testing/decoding.py (documents 000 and 003), plus the incremental == full checks."""
 
 import inspect
 

@@ -1,4 +1,4 @@
-"""attn_ext.linear_attention (issue 6) against the references of reference_linear.py.
+"""attn_ext.linear_attention (issue 6) against the references of attn_ext/testing/linear.py.
 
 Numerics follow attn_ext/testing/attention.py's rule: the kernel's error against a float64 ground truth
 is at most 2x the error of the plain reference run at the same dtype (plus one rounding unit of

@@ -1,5 +1,5 @@
 """Multi-head Latent Attention (attn_ext.nn.MultiHeadLatentAttention, attn_ext.LatentKVCache)
-against the plain reference of DeepSeek-V2's equations (reference_mla.py): prefill, gradients,
+against the plain reference of DeepSeek-V2's equations (attn_ext/testing/mla.py): prefill, gradients,
 and the weight-absorbed decode step by step against the decompressed attention."""
 
 import math

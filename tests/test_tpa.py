@@ -1,6 +1,6 @@
 """Tensor Product Attention: the tpa_expand operator, attn_ext.nn.TensorProductAttention (causal,
 factor-cache decoding) and the document-004 drop-in, against the reference of the paper's
-equations (reference_tpa.py)."""
+equations (attn_ext/testing/tpa.py)."""
 
 import pytest
 import torch

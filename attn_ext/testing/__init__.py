@@ -9,4 +9,9 @@ throughout: nothing here calls an attn_ext kernel.
   decode), :mod:`~attn_ext.testing.linear`, :mod:`~attn_ext.testing.mla`,
   :mod:`~attn_ext.testing.tpa`, :mod:`~attn_ext.testing.spatial` (CBAM, temporal).
 - :mod:`attn_ext.testing.numerics`: the float64 ground truth, the error rule and input makers.
+- :mod:`attn_ext.testing.harness`: the one benchmark harness (interleaved timer, memory child,
+  environment header, Markdown table, ``benchmarks/results/history.csv``, PNG plots).
+- ``python -m attn_ext`` is a thin driver over :mod:`~attn_ext.testing.selfcheck` (every op
+  against the references above), :mod:`~attn_ext.testing.selfcheck_compat` (the compat drop-ins
+  against the documents' code) and :mod:`~attn_ext.testing.selftime` (its short timing table).
 """
