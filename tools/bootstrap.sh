@@ -23,6 +23,17 @@ if [ "${1:-}" = "test" ]; then
   missing numpy && pkgs+=(numpy)
 fi
 if [ ${#pkgs[@]} -gt 0 ]; then "$PY" -m pip install "${pkgs[@]}"; fi
+# The lint check (tests/test_lint.py) at the versions .pre-commit-config.yaml pins; offline
+# machines without them skip it.
+if [ "${1:-}" = "test" ]; then
+  lint=()
+  missing_cmd() { ! command -v "$1" >/dev/null 2>&1; }
+  missing_cmd ruff && lint+=("ruff==0.17.6")
+  missing_cmd clang-format && lint+=("clang-format==19.1.7")
+  if [ ${#lint[@]} -gt 0 ]; then
+    "$PY" -m pip install "${lint[@]}" || echo "bootstrap: could not install ${lint[*]} (offline?): tests/test_lint.py will be skipped"
+  fi
+fi
 # transformers is optional for the suite (its tests skip without it): an offline machine goes on.
 if [ "${1:-}" = "test" ] && missing transformers; then
   "$PY" -m pip install "transformers==5.23.0" ||
