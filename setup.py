@@ -16,6 +16,7 @@ Environment switches:
                             none visible "8.0+PTX;9.0a")
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
+
 import glob
 import json
 import os
@@ -33,8 +34,9 @@ CSRC = os.path.join(ROOT, "csrc")
 # One persistent object folder for every way of building (setup.py build_ext, pip wheel, pip
 # install -e, which otherwise compiles in a new temporary folder each time): ninja then
 # recompiles only the sources whose text, included headers or compile command changed.
-BUILD_TEMP = os.path.join(ROOT, "build",
-                          f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
+BUILD_TEMP = os.path.join(
+    ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+)
 # The instantiated CUDA attention dtypes and head dims (also read by
 # tools/gen_cuda_instantiations.py, which writes the instantiations and the launcher's header).
 KERNEL_SET = os.path.join(CSRC, "attention", "cuda", "instantiations.json")
@@ -42,7 +44,9 @@ INSTANTIATIONS = os.path.join("csrc", "attention", "cuda", "instantiations")
 
 
 def _sources(pattern):
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+    return sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    )
 
 
 def _in_folder(path, name):
@@ -55,13 +59,16 @@ def _cuda_enabled():
         return False
     have = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if mode == "1" and not have:
-        raise RuntimeError("ATTN_EXT_CUDA=1 but torch is not a CUDA build or no CUDA toolkit was found")
+        raise RuntimeError(
+            "ATTN_EXT_CUDA=1 but torch is not a CUDA build or no CUDA toolkit was found"
+        )
     return have and bool(_sources("csrc/**/*.cu"))
 
 
 # Attention instantiations (tools/gen_cuda_instantiations.py writes them).
 _INSTANTIATION = re.compile(
-    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$")
+    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
+)
 
 
 def _kernel_set():
@@ -78,7 +85,9 @@ def _env_list(name, allowed, convert=str):
     vals = [convert(x.strip()) for x in raw.split(",") if x.strip()]
     bad = [x for x in vals if x not in allowed]
     if bad:
-        raise RuntimeError(f"{name}: unknown value(s) {bad}; expected a comma-separated subset of {list(allowed)}")
+        raise RuntimeError(
+            f"{name}: unknown value(s) {bad}; expected a comma-separated subset of {list(allowed)}"
+        )
     return vals
 
 
@@ -92,7 +101,9 @@ def _cuda_attention_selection():
     for src in _sources(os.path.join(INSTANTIATIONS, "*.cu")):
         m = _INSTANTIATION.match(os.path.basename(src))
         if m is None:
-            raise RuntimeError(f"{src}: not an instantiation name tools/gen_cuda_instantiations.py writes")
+            raise RuntimeError(
+                f"{src}: not an instantiation name tools/gen_cuda_instantiations.py writes"
+            )
         if m["dtype"] not in dtypes or (m["pass"] == "bwd" and not backward):
             continue
         if m["hd"] is not None and int(m["hd"]) not in head_dims:
@@ -100,13 +111,18 @@ def _cuda_attention_selection():
         keep.append(src)
     dtype_mask = sum(1 << i for i, d in enumerate(all_dtypes) if d in dtypes)
     hd_mask = sum(1 << i for i, d in enumerate(all_head_dims) if d in head_dims)
-    defines = [f"-DATTN_EXT_CUDA_DTYPE_MASK={dtype_mask}", f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
-               f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}"]
+    defines = [
+        f"-DATTN_EXT_CUDA_DTYPE_MASK={dtype_mask}",
+        f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
+        f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}",
+    ]
     return keep, defines
 
 
 def _cpu_isa_flags():
-    isa = os.environ.get("ATTN_EXT_CPU_ISA", "avx2" if platform.machine() in ("x86_64", "AMD64") else "generic")
+    isa = os.environ.get(
+        "ATTN_EXT_CPU_ISA", "avx2" if platform.machine() in ("x86_64", "AMD64") else "generic"
+    )
     return {"avx2": ["-mavx2", "-mfma", "-mf16c"], "native": ["-march=native"], "generic": []}[isa]
 
 
@@ -152,8 +168,12 @@ def _extension(cuda):
         hand_written = [s for s in _sources("csrc/**/*.cu") if not _in_folder(s, "instantiations")]
         sources += hand_written + instantiations + [s for s in every_cpp if _in_folder(s, "cuda")]
         print(f"attn_ext: building CUDA kernels for {arch}")
-        return cpp_extension.CUDAExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
-    return cpp_extension.CppExtension("attn_ext._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
+        return cpp_extension.CUDAExtension(
+            "attn_ext._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs
+        )
+    return cpp_extension.CppExtension(
+        "attn_ext._C", sources, extra_compile_args={"cxx": cxx}, **kwargs
+    )
 
 
 def _version(cuda):

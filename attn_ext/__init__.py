@@ -3,21 +3,45 @@
 Importing the package loads the compiled operators (torch.ops.attn_ext.*) and registers
 their fake kernels and autograd formulas.
 """
+
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
-from . import _C  # noqa: F401  (registers the operators)
-from . import _registration  # noqa: F401
-from . import compat, nn  # noqa: F401  (drop-in and canonical modules)
-from .functional import attention, attention_weights, dropout_keep_mask, scaled_dot_product_attention
+from . import (  # noqa: F401  (drop-in and canonical modules)
+    _C,  # noqa: F401  (registers the operators)
+    _registration,  # noqa: F401
+    compat,
+    nn,
+)
+from .cache_size import kv_cache_bytes
 from .caches import KVCache, LatentKVCache, LinearAttentionState, TPAFactorCache
 from .decoding import decode_attention, rope, rope_
+from .functional import (
+    attention,
+    attention_weights,
+    dropout_keep_mask,
+    scaled_dot_product_attention,
+)
 from .linear import linear_attention
 from .spatial import channel_pool, spatial_gate
-from .cache_size import kv_cache_bytes
 from .tpa import tpa_decode_attention, tpa_expand
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_weights", "dropout_keep_mask", "scaled_dot_product_attention",
-           "rope", "rope_", "decode_attention", "KVCache", "LatentKVCache", "TPAFactorCache",
-           "LinearAttentionState", "linear_attention",
-           "channel_pool", "spatial_gate", "kv_cache_bytes", "tpa_expand", "tpa_decode_attention"]
+__all__ = [
+    "attention",
+    "attention_weights",
+    "dropout_keep_mask",
+    "scaled_dot_product_attention",
+    "rope",
+    "rope_",
+    "decode_attention",
+    "KVCache",
+    "LatentKVCache",
+    "TPAFactorCache",
+    "LinearAttentionState",
+    "linear_attention",
+    "channel_pool",
+    "spatial_gate",
+    "kv_cache_bytes",
+    "tpa_expand",
+    "tpa_decode_attention",
+]

@@ -51,8 +51,10 @@ def print_environment(devices: Sequence[torch.device]) -> None:
             for i in range(torch.cuda.device_count()):
                 print(f"device   cuda:{i}  {torch.cuda.get_device_name(i)}")
         else:
-            print(f"device   cpu  ({torch.get_num_threads()} threads, "
-                  f"{attn_ext._C.cpu_block_kernels()} block products)")
+            print(
+                f"device   cpu  ({torch.get_num_threads()} threads, "
+                f"{attn_ext._C.cpu_block_kernels()} block products)"
+            )
 
 
 def registered_ops() -> List[str]:
@@ -68,8 +70,10 @@ def print_ops() -> None:
     print(f"\n{'operator'.ljust(width)}  CPU  CUDA")
     for op in ops:
         # computed: what the key runs, a CompositeExplicitAutograd kernel included
-        has = [torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, key)
-               for key in ("CPU", "CUDA")]
+        has = [
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, key)
+            for key in ("CPU", "CUDA")
+        ]
         print(f"{op.ljust(width)}  " + "  ".join(("yes" if h else "-").ljust(4) for h in has))
 
 
@@ -78,11 +82,15 @@ def print_ops() -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m attn_ext", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], help="only this device (default: all local)")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], help="only this device (default: all local)"
+    )
     p.add_argument("--no-bench", action="store_true", help="skip the timing table")
     p.add_argument("--bench-seqlen", type=int, default=1024)
     p.add_argument("--bench-repeats", type=int, default=5)
-    p.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print every check, not only failures"
+    )
     return p.parse_args(argv)
 
 

@@ -3,14 +3,27 @@
 Python does no attention math here: the fakes only describe output shapes, and every
 backward calls a registered backward operator.
 """
+
 import torch
 
 _ops = torch.ops.attn_ext
 
 
 @torch.library.register_fake("attn_ext::attention")
-def _attention_fake(q, k, v, attn_mask=None, rng_state=None, *, scale=None, causal=False,
-                    window_left=-1, window_right=-1, key_offset=None, dropout_p=0.0):
+def _attention_fake(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    rng_state=None,
+    *,
+    scale=None,
+    causal=False,
+    window_left=-1,
+    window_right=-1,
+    key_offset=None,
+    dropout_p=0.0,
+):
     B, H, Sq, _ = q.shape
     out = q.new_empty((B, H, Sq, v.size(3)))
     lse = q.new_empty((B, H, Sq), dtype=torch.float32)
@@ -18,15 +31,39 @@ def _attention_fake(q, k, v, attn_mask=None, rng_state=None, *, scale=None, caus
 
 
 @torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(grad_out, q, k, v, out, lse, *, grad_lse=None, attn_mask=None, scale=None,
-                             causal=False, window_left=-1, window_right=-1, key_offset=None,
-                             dropout_p=0.0, rng_state=None):
+def _attention_backward_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    grad_lse=None,
+    attn_mask=None,
+    scale=None,
+    causal=False,
+    window_left=-1,
+    window_right=-1,
+    key_offset=None,
+    dropout_p=0.0,
+    rng_state=None,
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("attn_ext::attention_weights")
-def _attention_weights_fake(q, k, attn_mask=None, *, scale=None, causal=False, window_left=-1,
-                            window_right=-1, key_offset=None):
+def _attention_weights_fake(
+    q,
+    k,
+    attn_mask=None,
+    *,
+    scale=None,
+    causal=False,
+    window_left=-1,
+    window_right=-1,
+    key_offset=None,
+):
     return q.new_empty((q.size(0), q.size(1), q.size(2), k.size(2)))
 
 
@@ -46,7 +83,8 @@ def _attention_setup_context(ctx, inputs, keyword_only_inputs, output):
     if mask is not None and mask.requires_grad:
         raise NotImplementedError(
             "attn_ext.attention: the gradient with respect to attn_mask is not supported; "
-            "pass attn_mask.detach() or compute the bias gradient separately")
+            "pass attn_mask.detach() or compute the bias gradient separately"
+        )
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
 
@@ -59,8 +97,9 @@ def _attention_backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None
 
 
-torch.library.register_autograd("attn_ext::attention", _attention_backward,
-                                setup_context=_attention_setup_context)
+torch.library.register_autograd(
+    "attn_ext::attention", _attention_backward, setup_context=_attention_setup_context
+)
 
 
 def _weights_setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -68,7 +107,8 @@ def _weights_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.scale = keyword_only_inputs.get("scale")
     if mask is not None and mask.requires_grad:
         raise NotImplementedError(
-            "attn_ext.attention_weights: the gradient with respect to attn_mask is not supported")
+            "attn_ext.attention_weights: the gradient with respect to attn_mask is not supported"
+        )
     ctx.save_for_backward(q, k, output)
 
 
@@ -78,8 +118,9 @@ def _weights_backward(ctx, grad_weights):
     return dq, dk, None
 
 
-torch.library.register_autograd("attn_ext::attention_weights", _weights_backward,
-                                setup_context=_weights_setup_context)
+torch.library.register_autograd(
+    "attn_ext::attention_weights", _weights_backward, setup_context=_weights_setup_context
+)
 
 
 # ------------------------------------------------------------------------------- decoding ops
@@ -91,14 +132,16 @@ def _rope_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=False, 
 
 
 @torch.library.register_fake("attn_ext::rope_")
-def _rope_inplace_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=False,
-                       rotary_dim=None):
+def _rope_inplace_fake(
+    x, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None
+):
     return None
 
 
 @torch.library.register_fake("attn_ext::rope_backward")
-def _rope_backward_fake(grad_out, positions=None, *, offset=0, base=10000.0, interleaved=False,
-                        rotary_dim=None):
+def _rope_backward_fake(
+    grad_out, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None
+):
     return torch.empty_like(grad_out)
 
 
@@ -117,30 +160,61 @@ torch.library.register_autograd("attn_ext::rope", _rope_backward, setup_context=
 
 
 @torch.library.register_fake("attn_ext::kv_cache_append")
-def _kv_cache_append_fake(k_cache, v_cache, cache_seqlens, k, v, new_lengths=None, *, rope=False,
-                          rope_base=10000.0, rope_interleaved=False, rotary_dim=None):
+def _kv_cache_append_fake(
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k,
+    v,
+    new_lengths=None,
+    *,
+    rope=False,
+    rope_base=10000.0,
+    rope_interleaved=False,
+    rotary_dim=None,
+):
     return None
 
 
 @torch.library.register_fake("attn_ext::latent_cache_append")
-def _latent_cache_append_fake(cache, cache_seqlens, c_kv, k_rope, new_lengths=None, *,
-                              rope_base=10000.0, rope_interleaved=False):
+def _latent_cache_append_fake(
+    cache,
+    cache_seqlens,
+    c_kv,
+    k_rope,
+    new_lengths=None,
+    *,
+    rope_base=10000.0,
+    rope_interleaved=False,
+):
     return None
 
 
 @torch.library.register_fake("attn_ext::decode_attention")
-def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, *, scale=None, causal=True,
-                           window_left=-1, num_splits=0):
+def _decode_attention_fake(
+    q, k_cache, v_cache, cache_seqlens, *, scale=None, causal=True, window_left=-1, num_splits=0
+):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v_cache.size(3))), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
 def _state_dtype(q):
     # The state accumulates in float32, or float64 for float64 inputs.
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("attn_ext::linear_attention")
-def _linear_attention_fake(q, k, v, initial_state_kv=None, initial_state_k=None, *, causal=False, eps=1e-6,
-                           feature_map="elu+1"):
+def _linear_attention_fake(
+    q,
+    k,
+    v,
+    initial_state_kv=None,
+    initial_state_k=None,
+    *,
+    causal=False,
+    eps=1e-6,
+    feature_map="elu+1",
+):
     B, H, Sq, D = q.shape
     out = q.new_empty((B, H, Sq, v.size(3)))
     state_kv = q.new_empty((B, H, D, v.size(3)), dtype=_state_dtype(q))
@@ -149,13 +223,28 @@ def _linear_attention_fake(q, k, v, initial_state_kv=None, initial_state_k=None,
 
 
 @torch.library.register_fake("attn_ext::linear_attention_backward")
-def _linear_attention_backward_fake(grad_out, q, k, v, initial_state_kv=None, initial_state_k=None,
-                                    grad_state_kv=None, grad_state_k=None, *, causal=False, eps=1e-6,
-                                    feature_map="elu+1"):
+def _linear_attention_backward_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    initial_state_kv=None,
+    initial_state_k=None,
+    grad_state_kv=None,
+    grad_state_k=None,
+    *,
+    causal=False,
+    eps=1e-6,
+    feature_map="elu+1",
+):
     B, H, _, D = q.shape
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            q.new_empty((B, H, D, v.size(3)), dtype=_state_dtype(q)),
-            q.new_empty((B, H, D), dtype=_state_dtype(q)))
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        q.new_empty((B, H, D, v.size(3)), dtype=_state_dtype(q)),
+        q.new_empty((B, H, D), dtype=_state_dtype(q)),
+    )
 
 
 def _linear_setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -175,14 +264,16 @@ def _linear_backward(ctx, grad_out, grad_state_kv, grad_state_k):
         else:
             grad_state_k = grad_state_kv.new_zeros((B, H, D))
     dq, dk, dv, d_init_kv, d_init_k = _ops.linear_attention_backward(
-        grad_out, q, k, v, init_kv, init_k, grad_state_kv, grad_state_k, **ctx.kw)
+        grad_out, q, k, v, init_kv, init_k, grad_state_kv, grad_state_k, **ctx.kw
+    )
     if init_kv is None:
         d_init_kv = d_init_k = None
     return dq, dk, dv, d_init_kv, d_init_k
 
 
-torch.library.register_autograd("attn_ext::linear_attention", _linear_backward,
-                                setup_context=_linear_setup_context)
+torch.library.register_autograd(
+    "attn_ext::linear_attention", _linear_backward, setup_context=_linear_setup_context
+)
 
 
 # ------------------------------------------------------------------------- spatial attention
@@ -202,14 +293,18 @@ def _map_format(channels_last):
 def _channel_pool_fake(x):
     N, _, H, W = x.shape
     # pooled is channels-last whatever x's layout (the convolution's fastest input)
-    pooled = torch.empty((N, 2, H, W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    pooled = torch.empty(
+        (N, 2, H, W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last
+    )
     return pooled, x.new_empty((N, 1, H, W), dtype=torch.int32)
 
 
 @torch.library.register_fake("attn_ext::channel_pool_backward")
 def _channel_pool_backward_fake(grad_pooled, argmax, channels, *, channels_last=False):
     N, _, H, W = grad_pooled.shape
-    return grad_pooled.new_empty((N, channels, H, W)).contiguous(memory_format=_map_format(channels_last))
+    return grad_pooled.new_empty((N, channels, H, W)).contiguous(
+        memory_format=_map_format(channels_last)
+    )
 
 
 @torch.library.register_fake("attn_ext::channel_pool_backward_accumulate_")
@@ -228,11 +323,14 @@ def _channel_pool_backward(ctx, grad_pooled, grad_argmax):
     if grad_pooled is None:
         return None
     (argmax,) = ctx.saved_tensors
-    return _ops.channel_pool_backward(grad_pooled, argmax, ctx.channels, channels_last=ctx.channels_last)
+    return _ops.channel_pool_backward(
+        grad_pooled, argmax, ctx.channels, channels_last=ctx.channels_last
+    )
 
 
-torch.library.register_autograd("attn_ext::channel_pool", _channel_pool_backward,
-                                setup_context=_channel_pool_setup_context)
+torch.library.register_autograd(
+    "attn_ext::channel_pool", _channel_pool_backward, setup_context=_channel_pool_setup_context
+)
 
 
 @torch.library.register_fake("attn_ext::spatial_gate")
@@ -243,8 +341,10 @@ def _spatial_gate_fake(x, gate):
 @torch.library.register_fake("attn_ext::spatial_gate_backward")
 def _spatial_gate_backward_fake(grad_out, x, gate):
     N, _, H, W = x.shape
-    return (x.new_empty(x.shape).contiguous(memory_format=_map_format(_channels_last(x))),
-            x.new_empty((N, 1, H, W), dtype=gate.dtype))
+    return (
+        x.new_empty(x.shape).contiguous(memory_format=_map_format(_channels_last(x))),
+        x.new_empty((N, 1, H, W), dtype=gate.dtype),
+    )
 
 
 def _spatial_gate_setup_context(ctx, inputs, output):
@@ -256,21 +356,41 @@ def _spatial_gate_backward(ctx, grad_out):
     return _ops.spatial_gate_backward(grad_out, x, gate)
 
 
-torch.library.register_autograd("attn_ext::spatial_gate", _spatial_gate_backward,
-                                setup_context=_spatial_gate_setup_context)
+torch.library.register_autograd(
+    "attn_ext::spatial_gate", _spatial_gate_backward, setup_context=_spatial_gate_setup_context
+)
 # ------------------------------------------------------------------- tensor product attention
 
 
 @torch.library.register_fake("attn_ext::tpa_expand")
-def _tpa_expand_fake(a, b, positions=None, *, scale=1.0, rope=False, rope_base=10000.0,
-                     rope_interleaved=False, rotary_dim=None):
+def _tpa_expand_fake(
+    a,
+    b,
+    positions=None,
+    *,
+    scale=1.0,
+    rope=False,
+    rope_base=10000.0,
+    rope_interleaved=False,
+    rotary_dim=None,
+):
     B, S, _, H = a.shape
     return a.new_empty((B, S, H, b.size(3)))
 
 
 @torch.library.register_fake("attn_ext::tpa_expand_backward")
-def _tpa_expand_backward_fake(grad_out, a, b, positions=None, *, scale=1.0, rope=False,
-                              rope_base=10000.0, rope_interleaved=False, rotary_dim=None):
+def _tpa_expand_backward_fake(
+    grad_out,
+    a,
+    b,
+    positions=None,
+    *,
+    scale=1.0,
+    rope=False,
+    rope_base=10000.0,
+    rope_interleaved=False,
+    rotary_dim=None,
+):
     return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
@@ -287,19 +407,34 @@ def _tpa_backward(ctx, grad_out):
     return grad_a, grad_b, None
 
 
-torch.library.register_autograd("attn_ext::tpa_expand", _tpa_backward,
-                                setup_context=_tpa_setup_context)
+torch.library.register_autograd(
+    "attn_ext::tpa_expand", _tpa_backward, setup_context=_tpa_setup_context
+)
 
 
 @torch.library.register_fake("attn_ext::tpa_decode_attention")
-def _tpa_decode_fake(q, a_k, b_k, a_v, b_v, cache_seqlens, *, scale=None, k_scale=None, v_scale=None):
+def _tpa_decode_fake(
+    q, a_k, b_k, a_v, b_v, cache_seqlens, *, scale=None, k_scale=None, v_scale=None
+):
     B, H, S, D = q.shape
     return q.new_empty((B, H, S, D)), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("attn_ext::tpa_decode_attention_backward")
-def _tpa_decode_backward_fake(grad_out, grad_lse, q, a_k, b_k, a_v, b_v, cache_seqlens, *, scale=None,
-                              k_scale=None, v_scale=None):
+def _tpa_decode_backward_fake(
+    grad_out,
+    grad_lse,
+    q,
+    a_k,
+    b_k,
+    a_v,
+    b_v,
+    cache_seqlens,
+    *,
+    scale=None,
+    k_scale=None,
+    v_scale=None,
+):
     return tuple(t.new_empty(t.shape) for t in (q, a_k, b_k, a_v, b_v))
 
 
@@ -310,10 +445,12 @@ def _tpa_decode_setup_context(ctx, inputs, keyword_only_inputs, output):
 
 def _tpa_decode_backward(ctx, grad_out, grad_lse):
     q, a_k, b_k, a_v, b_v, cache_seqlens = ctx.saved_tensors
-    grads = _ops.tpa_decode_attention_backward(grad_out, grad_lse, q, a_k, b_k, a_v, b_v,
-                                               cache_seqlens, **ctx.kw)
+    grads = _ops.tpa_decode_attention_backward(
+        grad_out, grad_lse, q, a_k, b_k, a_v, b_v, cache_seqlens, **ctx.kw
+    )
     return (*grads, None)
 
 
-torch.library.register_autograd("attn_ext::tpa_decode_attention", _tpa_decode_backward,
-                                setup_context=_tpa_decode_setup_context)
+torch.library.register_autograd(
+    "attn_ext::tpa_decode_attention", _tpa_decode_backward, setup_context=_tpa_decode_setup_context
+)

@@ -1,6 +1,7 @@
 """KV-cache size per token and layer of the attention variants attn_ext offers: what each
 decoding cache (attn_ext.KVCache, attn_ext.LatentKVCache, attn_ext.TPAFactorCache) stores for
 one token of one layer."""
+
 from typing import Optional
 
 import torch
@@ -18,11 +19,19 @@ def _positive(kind: str, **dims) -> None:
             raise ValueError(f"attn_ext.kv_cache_bytes: {name} must be positive, got {value}")
 
 
-def kv_cache_bytes(kind: str, *, num_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                   head_dim_v: Optional[int] = None, num_kv_heads: Optional[int] = None,
-                   kv_lora_rank: Optional[int] = None, qk_rope_head_dim: Optional[int] = None,
-                   r_k: Optional[int] = None, r_v: Optional[int] = None,
-                   dtype: torch.dtype = torch.bfloat16) -> int:
+def kv_cache_bytes(
+    kind: str,
+    *,
+    num_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    head_dim_v: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+    kv_lora_rank: Optional[int] = None,
+    qk_rope_head_dim: Optional[int] = None,
+    r_k: Optional[int] = None,
+    r_v: Optional[int] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Bytes of KV cache per token per layer.
 
     * ``"mha"``: keys and values of every head, ``num_heads * (head_dim + head_dim_v)``;
@@ -45,8 +54,10 @@ def kv_cache_bytes(kind: str, *, num_heads: Optional[int] = None, head_dim: Opti
     elif kind == "gqa":
         _positive(kind, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v)
         if num_heads is not None and num_heads % num_kv_heads:
-            raise ValueError(f"attn_ext.kv_cache_bytes: num_heads ({num_heads}) must be a "
-                             f"multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"attn_ext.kv_cache_bytes: num_heads ({num_heads}) must be a "
+                f"multiple of num_kv_heads ({num_kv_heads})"
+            )
         values = num_kv_heads * (head_dim + head_dim_v)
     elif kind == "mqa":
         _positive(kind, head_dim=head_dim, head_dim_v=head_dim_v)
@@ -55,6 +66,8 @@ def kv_cache_bytes(kind: str, *, num_heads: Optional[int] = None, head_dim: Opti
         _positive(kind, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         values = kv_lora_rank + qk_rope_head_dim
     else:
-        _positive(kind, num_heads=num_heads, head_dim=head_dim, head_dim_v=head_dim_v, r_k=r_k, r_v=r_v)
+        _positive(
+            kind, num_heads=num_heads, head_dim=head_dim, head_dim_v=head_dim_v, r_k=r_k, r_v=r_v
+        )
         values = r_k * (num_heads + head_dim) + r_v * (num_heads + head_dim_v)
     return values * torch.empty((), dtype=dtype).element_size()

@@ -8,6 +8,7 @@ operators (``kv_cache_append``, ``latent_cache_append``); each keeps a host copy
 so that an append on a GPU can refuse an overflow without waiting for the device. All four are
 importable from the package top level (``attn_ext.KVCache``, ...).
 """
+
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -32,15 +33,29 @@ class KVCache:
     values as one stream; per-sequence lengths let a batch hold prompts of different lengths.
     """
 
-    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 head_dim_v: Optional[int] = None, *, dtype: Optional[torch.dtype] = None,
-                 device=None):
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("max_len", max_len), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        head_dim_v: Optional[int] = None,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
             if int(value) < 0:
                 raise ValueError(f"attn_ext.KVCache: {name} must be >= 0, got {value}")
         dv = head_dim if head_dim_v is None else head_dim_v
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(
+            batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
+        )
         self.v = torch.zeros(batch_size, num_kv_heads, max_len, dv, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.k.device)
         # A GPU op cannot read the lengths without synchronizing, so on a GPU the cache keeps a
@@ -61,22 +76,33 @@ class KVCache:
         self.lengths.zero_()
         self._host_lengths = [0] * self.batch_size
 
-    def _room_after(self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]) -> Tuple[List[int], Optional[str]]:
+    def _room_after(
+        self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]
+    ) -> Tuple[List[int], Optional[str]]:
         """The host lengths after appending k, and why the append must fail (None if it fits).
         Raised after the op has validated its inputs, so that a bad input gets the op's own
         error, as on the CPU (a GPU append that does not fit writes nothing)."""
         if k.dim() != 4:  # the op reports the shape error
             return self._host_lengths, None
         s_new = k.size(2)
-        add = [s_new] * self.batch_size if new_lengths is None else [int(n) for n in new_lengths.cpu()]
+        add = (
+            [s_new] * self.batch_size
+            if new_lengths is None
+            else [int(n) for n in new_lengths.cpu()]
+        )
         if len(add) != self.batch_size:
             return self._host_lengths, None
         for b, (n, a) in enumerate(zip(self._host_lengths, add)):
             if not 0 <= a <= s_new:
-                return self._host_lengths, f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}"
+                return (
+                    self._host_lengths,
+                    f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}",
+                )
             if n + a > self.max_len:
-                return self._host_lengths, (f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
-                                            f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)")
+                return self._host_lengths, (
+                    f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
+                    f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)"
+                )
         return [n + a for n, a in zip(self._host_lengths, add)], None
 
     def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -88,9 +114,17 @@ class KVCache:
             start = start - (seqlen - new_lengths.to(torch.int64))
         return start[:, None] + steps
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, *, new_lengths: Optional[torch.Tensor] = None,
-               rope: bool = False, rope_base: float = 10000.0, rope_interleaved: bool = False,
-               rotary_dim: Optional[int] = None) -> None:
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        new_lengths: Optional[torch.Tensor] = None,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+    ) -> None:
         """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length and
         advances ``lengths``. ``new_lengths`` (B,) int: sequence ``b`` appends only its last
         ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
@@ -98,25 +132,52 @@ class KVCache:
         default, ``rope_interleaved=True`` for the pairs ``(2i, 2i + 1)``)."""
         on_host = self.k.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(k, new_lengths)
-        _ops.kv_cache_append(self.k, self.v, self.lengths, k, v, new_lengths, rope=rope,
-                             rope_base=rope_base, rope_interleaved=rope_interleaved,
-                             rotary_dim=rotary_dim)
+        _ops.kv_cache_append(
+            self.k,
+            self.v,
+            self.lengths,
+            k,
+            v,
+            new_lengths,
+            rope=rope,
+            rope_base=rope_base,
+            rope_interleaved=rope_interleaved,
+            rotary_dim=rotary_dim,
+        )
         if refusal is not None:
             raise RuntimeError(refusal)
         if after is not None:
             self._host_lengths = after
 
-    def attend(self, q: torch.Tensor, *, scale: Optional[float] = None, causal: bool = True,
-               window_left: int = -1, num_splits: int = 0, return_lse: bool = False):
+    def attend(
+        self,
+        q: torch.Tensor,
+        *,
+        scale: Optional[float] = None,
+        causal: bool = True,
+        window_left: int = -1,
+        num_splits: int = 0,
+        return_lse: bool = False,
+    ):
         """:func:`decode_attention` of q (B, H, Sq, D) against this cache."""
-        return decode_attention(q, self.k, self.v, self.lengths, scale=scale, causal=causal,
-                                window_left=window_left, num_splits=num_splits,
-                                return_lse=return_lse)
+        return decode_attention(
+            q,
+            self.k,
+            self.v,
+            self.lengths,
+            scale=scale,
+            causal=causal,
+            window_left=window_left,
+            num_splits=num_splits,
+            return_lse=return_lse,
+        )
 
     def __repr__(self) -> str:
         B, Hkv, L, D = self.k.shape
-        return (f"KVCache(batch_size={B}, num_kv_heads={Hkv}, max_len={L}, head_dim={D}, "
-                f"head_dim_v={self.v.size(3)}, dtype={self.k.dtype}, device={self.k.device})")
+        return (
+            f"KVCache(batch_size={B}, num_kv_heads={Hkv}, max_len={L}, head_dim={D}, "
+            f"head_dim_v={self.v.size(3)}, dtype={self.k.dtype}, device={self.k.device})"
+        )
 
 
 class LatentKVCache(KVCache):
@@ -132,15 +193,28 @@ class LatentKVCache(KVCache):
     the cache positions on the way in) and whose "values" are the ``c_kv`` columns.
     """
 
-    def __init__(self, batch_size: int, max_len: int, kv_lora_rank: int, rope_dim: int, *,
-                 dtype: Optional[torch.dtype] = None, device=None):
-        for name, value in (("batch_size", batch_size), ("max_len", max_len),
-                            ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_len", max_len),
+            ("kv_lora_rank", kv_lora_rank),
+            ("rope_dim", rope_dim),
+        ):
             if int(value) < 0:
                 raise ValueError(f"attn_ext.LatentKVCache: {name} must be >= 0, got {value}")
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        self.kv = torch.zeros(batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype,
-                              device=device)
+        self.kv = torch.zeros(
+            batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
+        )
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.kv.device)
         self._host_lengths = [0] * batch_size
         # Host-side: no append since construction or reset (a prompt can then skip the cache;
@@ -166,7 +240,7 @@ class LatentKVCache(KVCache):
     @property
     def v(self) -> torch.Tensor:
         """The values: the ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view."""
-        return self.kv[..., :self.kv_lora_rank]
+        return self.kv[..., : self.kv_lora_rank]
 
     @property
     def latent(self) -> torch.Tensor:
@@ -176,11 +250,17 @@ class LatentKVCache(KVCache):
     @property
     def rope_key(self) -> torch.Tensor:
         """The rotated ``k_rope`` columns (B, 1, max_len, rope_dim), a view."""
-        return self.kv[..., self.kv_lora_rank:]
+        return self.kv[..., self.kv_lora_rank :]
 
-    def append(self, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
-               new_lengths: Optional[torch.Tensor] = None, rope_base: float = 10000.0,
-               rope_interleaved: bool = False) -> None:
+    def append(
+        self,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        *,
+        new_lengths: Optional[torch.Tensor] = None,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = False,
+    ) -> None:
         """Writes c_kv (B, 1, S_new, kv_lora_rank) and the not yet rotated k_rope
         (B, 1, S_new, rope_dim) at each sequence's length, rotating k_rope by RoPE at its
         cache position (halves by default; DeepSeek-V2 checkpoints need
@@ -188,8 +268,15 @@ class LatentKVCache(KVCache):
         advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
         on_host = self.kv.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(c_kv, new_lengths)
-        _ops.latent_cache_append(self.kv, self.lengths, c_kv, k_rope, new_lengths,
-                                 rope_base=rope_base, rope_interleaved=rope_interleaved)
+        _ops.latent_cache_append(
+            self.kv,
+            self.lengths,
+            c_kv,
+            k_rope,
+            new_lengths,
+            rope_base=rope_base,
+            rope_interleaved=rope_interleaved,
+        )
         if refusal is not None:
             raise RuntimeError(refusal.replace("kv_cache_append", "latent_cache_append"))
         self._empty = False
@@ -198,8 +285,10 @@ class LatentKVCache(KVCache):
 
     def __repr__(self) -> str:
         B, _, L, _ = self.kv.shape
-        return (f"LatentKVCache(batch_size={B}, max_len={L}, kv_lora_rank={self.kv_lora_rank}, "
-                f"rope_dim={self.rope_dim}, dtype={self.kv.dtype}, device={self.kv.device})")
+        return (
+            f"LatentKVCache(batch_size={B}, max_len={L}, kv_lora_rank={self.kv_lora_rank}, "
+            f"rope_dim={self.rope_dim}, dtype={self.kv.dtype}, device={self.kv.device})"
+        )
 
 
 class TPAFactorCache:
@@ -211,13 +300,31 @@ class TPAFactorCache:
     host, as :class:`attn_ext.KVCache` does, so that appending and decoding on a GPU never
     wait for the device."""
 
-    def __init__(self, batch_size: int, max_len: int, num_heads: int, head_dim: int, r_k: int,
-                 r_v: int, *, dtype=None, device=None):
-        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("num_heads", num_heads),
-                            ("head_dim", head_dim), ("r_k", r_k), ("r_v", r_v)):
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_heads: int,
+        head_dim: int,
+        r_k: int,
+        r_v: int,
+        *,
+        dtype=None,
+        device=None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_len", max_len),
+            ("num_heads", num_heads),
+            ("head_dim", head_dim),
+            ("r_k", r_k),
+            ("r_v", r_v),
+        ):
             if int(value) < 0 or (name.startswith("r_") and int(value) < 1):
-                raise ValueError(f"attn_ext.TPAFactorCache: {name} must be "
-                                 f"{'>= 1' if name.startswith('r_') else '>= 0'}, got {value}")
+                raise ValueError(
+                    f"attn_ext.TPAFactorCache: {name} must be "
+                    f"{'>= 1' if name.startswith('r_') else '>= 0'}, got {value}"
+                )
         kw = dict(dtype=dtype, device=device)
         self.a_k = torch.zeros(batch_size, max_len, r_k, num_heads, **kw)
         self.b_k = torch.zeros(batch_size, max_len, r_k, head_dim, **kw)
@@ -236,7 +343,9 @@ class TPAFactorCache:
 
     def positions(self, seqlen: int) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next tokens of each sequence."""
-        return self.lengths.to(torch.int64)[:, None] + torch.arange(seqlen, device=self.lengths.device)
+        return self.lengths.to(torch.int64)[:, None] + torch.arange(
+            seqlen, device=self.lengths.device
+        )
 
     def append(self, a_k, b_k, a_v, b_v) -> None:
         """Writes the factors (B, S, R, *) of S new tokens at each sequence's length (b_k
@@ -244,9 +353,11 @@ class TPAFactorCache:
         S = a_k.size(1)
         for b, n in enumerate(self._host_lengths):
             if n + S > self.max_len:
-                raise RuntimeError(f"attn_ext.TPAFactorCache: sequence {b} would overflow the cache: "
-                                   f"length {n} + {S} new tokens > capacity {self.max_len} "
-                                   "(nothing was written)")
+                raise RuntimeError(
+                    f"attn_ext.TPAFactorCache: sequence {b} would overflow the cache: "
+                    f"length {n} + {S} new tokens > capacity {self.max_len} "
+                    "(nothing was written)"
+                )
 
         def rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             # (B, S, R, n) -> the op's (B, 1, S, R * n) layout, one row per token
@@ -254,14 +365,26 @@ class TPAFactorCache:
 
         # Both pairs start at the same lengths: the key pair advances a scratch copy, the
         # value pair the cache's own.
-        _ops.kv_cache_append(rows(self.a_k, self.a_k), rows(self.b_k, self.b_k), self.lengths.clone(),
-                             rows(a_k, self.a_k), rows(b_k, self.b_k))
-        _ops.kv_cache_append(rows(self.a_v, self.a_v), rows(self.b_v, self.b_v), self.lengths,
-                             rows(a_v, self.a_v), rows(b_v, self.b_v))
+        _ops.kv_cache_append(
+            rows(self.a_k, self.a_k),
+            rows(self.b_k, self.b_k),
+            self.lengths.clone(),
+            rows(a_k, self.a_k),
+            rows(b_k, self.b_k),
+        )
+        _ops.kv_cache_append(
+            rows(self.a_v, self.a_v),
+            rows(self.b_v, self.b_v),
+            self.lengths,
+            rows(a_v, self.a_v),
+            rows(b_v, self.b_v),
+        )
         self._host_lengths = [n + S for n in self._host_lengths]
 
     def nbytes_per_token(self) -> int:
-        return sum(t[0, 0].numel() * t.element_size() for t in (self.a_k, self.b_k, self.a_v, self.b_v))
+        return sum(
+            t[0, 0].numel() * t.element_size() for t in (self.a_k, self.b_k, self.a_v, self.b_v)
+        )
 
 
 class LinearAttentionState(NamedTuple):
@@ -269,5 +392,6 @@ class LinearAttentionState(NamedTuple):
     head: ``kv`` (B, H, D, D) = ``sum phi(k) v^T`` and ``k`` (B, H, D) = ``sum phi(k)``, float32
     (float64 for a float64 layer). A pair, so it is also :func:`attn_ext.linear_attention`'s
     ``initial_state``."""
+
     kv: torch.Tensor
     k: torch.Tensor

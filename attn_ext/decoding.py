@@ -1,6 +1,7 @@
 """Autoregressive decoding: rotary position embedding and attention of new queries against a KV
 cache. Thin wrappers over the registered operators (shapes and arguments only). The caches
 themselves live in :mod:`attn_ext.caches`."""
+
 from typing import Optional
 
 import torch
@@ -12,9 +13,15 @@ _ops = torch.ops.attn_ext
 __all__ = ["rope", "rope_", "decode_attention"]
 
 
-def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
-         base: float = 10000.0, interleaved: bool = False,
-         rotary_dim: Optional[int] = None) -> torch.Tensor:
+def rope(
+    x: torch.Tensor,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, H, S, D) or (B, S, D), out of place.
 
     Pair ``i`` of the first ``rotary_dim`` features (default D) turns by the angle
@@ -26,27 +33,50 @@ def rope(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: i
     Differentiable (the gradient is the inverse rotation); the output keeps ``x``'s strides.
     """
     x4 = _as_4d("x", x)
-    out = _ops.rope(x4, positions, offset=offset, base=base, interleaved=interleaved,
-                    rotary_dim=rotary_dim)
+    out = _ops.rope(
+        x4, positions, offset=offset, base=base, interleaved=interleaved, rotary_dim=rotary_dim
+    )
     return out.squeeze(1) if x.dim() == 3 else out
 
 
-def rope_(x: torch.Tensor, *, positions: Optional[torch.Tensor] = None, offset: int = 0,
-          base: float = 10000.0, interleaved: bool = False,
-          rotary_dim: Optional[int] = None) -> torch.Tensor:
+def rope_(
+    x: torch.Tensor,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+) -> torch.Tensor:
     """In-place :func:`rope`; returns ``x``. Not differentiable (use :func:`rope` in training)."""
     if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("attn_ext.rope_: in-place RoPE is not differentiable and x requires "
-                           "grad; use attn_ext.rope (out of place) or torch.no_grad()")
-    _ops.rope_(_as_4d("x", x), positions, offset=offset, base=base, interleaved=interleaved,
-               rotary_dim=rotary_dim)
+        raise RuntimeError(
+            "attn_ext.rope_: in-place RoPE is not differentiable and x requires "
+            "grad; use attn_ext.rope (out of place) or torch.no_grad()"
+        )
+    _ops.rope_(
+        _as_4d("x", x),
+        positions,
+        offset=offset,
+        base=base,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+    )
     return x
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_seqlens: torch.Tensor, *, scale: Optional[float] = None,
-                     causal: bool = True, window_left: int = -1, num_splits: int = 0,
-                     return_lse: bool = False):
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    window_left: int = -1,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
     """Attention of ``Sq`` new queries against a KV cache with per-sequence lengths.
 
     q: (B, H, Sq, D); k_cache: (B, Hkv, L, D); v_cache: (B, Hkv, L, Dv) (any strides with the
@@ -61,9 +91,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.
     """
-    out, lse = _ops.decode_attention(q, k_cache, v_cache, cache_seqlens, scale=scale,
-                                     causal=causal, window_left=window_left,
-                                     num_splits=num_splits)
+    out, lse = _ops.decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        scale=scale,
+        causal=causal,
+        window_left=window_left,
+        num_splits=num_splits,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -72,5 +109,6 @@ def __getattr__(name: str):
     # attn_ext.caches; resolved on first use because attn_ext.caches imports this module.
     if name in ("KVCache", "LatentKVCache"):
         from . import caches
+
         return getattr(caches, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """The public attention functions: thin wrappers that adapt arguments and shapes
 (views only) and call the registered operators."""
+
 from typing import Optional, Tuple
 
 import torch
@@ -24,7 +25,10 @@ def _as_4d(name: str, x: torch.Tensor) -> torch.Tensor:
         return x
     if x.dim() == 3:
         return x.unsqueeze(1)
-    raise ValueError(f"attn_ext: {name} must be 3-D (B, S, D) or 4-D (B, H, S, D), got {x.dim()}-D {tuple(x.shape)}")
+    raise ValueError(
+        f"attn_ext: {name} must be 3-D (B, S, D) or 4-D (B, H, S, D), got {x.dim()}-D "
+        f"{tuple(x.shape)}"
+    )
 
 
 def _mask_as_4d(mask: Optional[torch.Tensor], three_d: bool) -> Optional[torch.Tensor]:
@@ -38,14 +42,25 @@ def _window(window_size) -> Tuple[int, int]:
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise ValueError(f"attn_ext: window_size must be a pair (left, right), got {window_size!r}") from None
+        raise ValueError(
+            f"attn_ext: window_size must be a pair (left, right), got {window_size!r}"
+        ) from None
     return int(left), int(right)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-              causal: bool = False, window_size=(-1, -1), attn_mask: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
-              return_lse: bool = False):
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    return_lse: bool = False,
+):
     """Softmax attention ``softmax(scale * q k^T + mask) v`` without materializing the scores.
 
     q: (B, H, Sq, D) or (B, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv), H % Hkv == 0
@@ -63,16 +78,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
     left, right = _window(window_size)
     out, lse = _ops.attention(
-        q4, k4, v4, attn_mask=_mask_as_4d(attn_mask, three_d), scale=scale, causal=causal,
-        window_left=left, window_right=right, dropout_p=dropout_p,
-        rng_state=_rng_state(dropout_p, generator))
+        q4,
+        k4,
+        v4,
+        attn_mask=_mask_as_4d(attn_mask, three_d),
+        scale=scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        dropout_p=dropout_p,
+        rng_state=_rng_state(dropout_p, generator),
+    )
     if three_d:
         out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same arguments and semantics: (N, ..., L, E) inputs, ``is_causal`` aligned top-left,
@@ -81,20 +105,33 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     One difference: a query row that can see no key returns zeros here (torch returns NaN).
     """
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
-        raise ValueError("attn_ext.scaled_dot_product_attention: query, key and value must be at least 2-D")
+        raise ValueError(
+            "attn_ext.scaled_dot_product_attention: query, key and value must be at least 2-D"
+        )
     batch_shape = query.shape[:-2]
     q, k, v = (_sdpa_4d(x) for x in (query, key, value))
     if not enable_gqa and q.size(1) != k.size(1) and k.size(1) != 1:
         raise RuntimeError(
-            f"attn_ext.scaled_dot_product_attention: query heads ({q.size(1)}) differ from key heads "
-            f"({k.size(1)}); pass enable_gqa=True for grouped-query attention")
+            f"attn_ext.scaled_dot_product_attention: query heads ({q.size(1)}) differ from key "
+            "heads "
+            f"({k.size(1)}); pass enable_gqa=True for grouped-query attention"
+        )
     if k.size(0) != q.size(0) and k.size(0) == 1:  # torch broadcasts a batch of one
         k, v = k.expand(q.size(0), *k.shape[1:]), v.expand(q.size(0), *v.shape[1:])
     mask = attn_mask
     if mask is not None and query.dim() > 4:
         mask = _sdpa_mask_4d(mask, batch_shape, query.size(-2), key.size(-2))
-    out, _ = _ops.attention(q, k, v, attn_mask=mask, scale=scale, causal=is_causal, key_offset=0 if is_causal else None,
-                            dropout_p=dropout_p, rng_state=_rng_state(dropout_p, None))
+    out, _ = _ops.attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        scale=scale,
+        causal=is_causal,
+        key_offset=0 if is_causal else None,
+        dropout_p=dropout_p,
+        rng_state=_rng_state(dropout_p, None),
+    )
     return out.reshape(*batch_shape, out.size(-2), out.size(-1))
 
 
@@ -112,21 +149,41 @@ def _sdpa_mask_4d(mask: torch.Tensor, batch_shape, sq: int, sk: int) -> torch.Te
     return mask.expand(*batch_shape, sq, sk).flatten(0, len(batch_shape) - 2)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None, causal: bool = False,
-                      window_size=(-1, -1), attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The attention probabilities ``softmax(scale * q k^T + mask)``, (B, H, Sq, Sk) (or
     (B, Sq, Sk) for 3-D inputs), with :func:`attention`'s masking semantics. The one op that
     materializes the score matrix; fully masked rows are all zero."""
     three_d = q.dim() == 3
     q4, k4 = _as_4d("q", q), _as_4d("k", k)
     left, right = _window(window_size)
-    w = _ops.attention_weights(q4, k4, attn_mask=_mask_as_4d(attn_mask, three_d), scale=scale, causal=causal,
-                               window_left=left, window_right=right)
+    w = _ops.attention_weights(
+        q4,
+        k4,
+        attn_mask=_mask_as_4d(attn_mask, three_d),
+        scale=scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+    )
     return w.squeeze(1) if three_d else w
 
 
-def dropout_keep_mask(batch: int, heads: int, sq: int, sk: int, dropout_p: float,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def dropout_keep_mask(
+    batch: int,
+    heads: int,
+    sq: int,
+    sk: int,
+    dropout_p: float,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """The keep-mask (True = kept) that ``attention(..., dropout_p=dropout_p, generator=g)``
     applies when called with the same generator state; shape (batch, heads, sq, sk)."""
     state = _rng_state(dropout_p, generator)

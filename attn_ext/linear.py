@@ -1,5 +1,6 @@
 """Linear attention (document 000's ``linear_attention``, "transformers are RNNs"): a thin
 wrapper over ``torch.ops.attn_ext.linear_attention`` that adapts shapes (views only)."""
+
 from typing import Optional, Tuple
 
 import torch
@@ -14,8 +15,10 @@ def _as_4d(name: str, x: torch.Tensor) -> torch.Tensor:
         return x
     if x.dim() == 3:
         return x.unsqueeze(1)
-    raise ValueError(f"attn_ext.linear_attention: {name} must be 3-D (B, S, D) or 4-D (B, H, S, D), "
-                     f"got {x.dim()}-D {tuple(x.shape)}")
+    raise ValueError(
+        f"attn_ext.linear_attention: {name} must be 3-D (B, S, D) or 4-D (B, H, S, D), "
+        f"got {x.dim()}-D {tuple(x.shape)}"
+    )
 
 
 def _state_4d(initial_state, three_d: bool):
@@ -24,17 +27,26 @@ def _state_4d(initial_state, three_d: bool):
     try:
         kv, k = initial_state
     except (TypeError, ValueError):
-        raise ValueError("attn_ext.linear_attention: initial_state must be a pair (kv_state, k_state), "
-                         f"got {type(initial_state).__name__}") from None
+        raise ValueError(
+            "attn_ext.linear_attention: initial_state must be a pair (kv_state, k_state), "
+            f"got {type(initial_state).__name__}"
+        ) from None
     if three_d:  # a 3-D call's state has no head axis
         kv, k = kv.unsqueeze(1), k.unsqueeze(1)
     return kv, k
 
 
-def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                     eps: float = 1e-6, feature_map: str = "elu+1",
-                     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                     return_state: bool = False):
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    eps: float = 1e-6,
+    feature_map: str = "elu+1",
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    return_state: bool = False,
+):
     r"""Linear attention ``out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps)``.
 
     ``S_i = sum_j phi(k_j) v_j^T`` and ``z_i = sum_j phi(k_j)`` run over every key
@@ -58,8 +70,9 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     three_d = q.dim() == 3
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
     init_kv, init_k = _state_4d(initial_state, three_d)
-    out, state_kv, state_k = _ops.linear_attention(q4, k4, v4, init_kv, init_k, causal=causal, eps=eps,
-                                                   feature_map=feature_map)
+    out, state_kv, state_k = _ops.linear_attention(
+        q4, k4, v4, init_kv, init_k, causal=causal, eps=eps, feature_map=feature_map
+    )
     if three_d:
         out, state_kv, state_k = out.squeeze(1), state_kv.squeeze(1), state_k.squeeze(1)
     return (out, (state_kv, state_k)) if return_state else out

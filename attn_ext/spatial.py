@@ -7,6 +7,7 @@ maps, the 7x7 convolution is ATen's, and :func:`spatial_gate` applies the sigmoi
 broadcast product in one pass (its backward makes one pass too). Both accept NCHW and
 channels-last ``x`` without converting it, in float32, float64, bfloat16 and float16.
 """
+
 import torch
 
 _ops = torch.ops.attn_ext

@@ -163,7 +163,7 @@ def main(argv=None):
     for B, P in cells:
         gen = torch.Generator(device="cpu").manual_seed(0)
 
-        def rnd(*shape):
+        def rnd(*shape, gen=gen):
             return torch.randn(*shape, generator=gen, dtype=torch.float32).to(
                 device=device, dtype=dtype
             )

@@ -28,10 +28,9 @@ PyObject* cpu_block_kernels(PyObject*, PyObject*) {
 #endif
 }
 
-PyMethodDef methods[] = {
-    {"cpu_block_kernels", cpu_block_kernels, METH_NOARGS,
-     "The CPU block products this process runs: avx512, avx2 or blas."},
-    {nullptr, nullptr, 0, nullptr}};
+PyMethodDef methods[] = {{"cpu_block_kernels", cpu_block_kernels, METH_NOARGS,
+                          "The CPU block products this process runs: avx512, avx2 or blas."},
+                         {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 

@@ -73,7 +73,8 @@ TORCH_LIBRARY(attn_ext, m) {
       "SymInt? key_offset=None, float dropout_p=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, *, Tensor? grad_lse=None, Tensor? attn_mask=None, float? scale=None, bool causal=False, "
+      "Tensor lse, *, Tensor? grad_lse=None, Tensor? attn_mask=None, float? scale=None, bool "
+      "causal=False, "
       "int window_left=-1, int window_right=-1, SymInt? key_offset=None, "
       "float dropout_p=0.0, Tensor? rng_state=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");

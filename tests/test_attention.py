@@ -13,19 +13,6 @@ import pytest
 import torch
 
 import attn_ext
-from attn_ext.testing.numerics import (
-    ALL_DTYPES,
-    assert_error_rule,
-    grad_slack_ulps,
-    assert_lse_close,
-    autograd_grads,
-    ground_truth,
-    ground_truth_grads,
-    make_qkv,
-    rand,
-    random_bool_mask,
-    random_float_mask,
-)
 from attn_ext.testing.attention import (
     attention_reference,
     doc000_causal_attention,
@@ -42,6 +29,19 @@ from attn_ext.testing.attention import (
     repeat_kv,
     symmetric_window_keep,
     window_keep,
+)
+from attn_ext.testing.numerics import (
+    ALL_DTYPES,
+    assert_error_rule,
+    assert_lse_close,
+    autograd_grads,
+    grad_slack_ulps,
+    ground_truth,
+    ground_truth_grads,
+    make_qkv,
+    rand,
+    random_bool_mask,
+    random_float_mask,
 )
 
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
@@ -87,8 +87,10 @@ def test_head_dims(device, dtype, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (17, 1), (17, 17), (63, 65), (65, 63),
-                                   (129, 129), (1, 300), (300, 17)])
+@pytest.mark.parametrize(
+    "sq,sk",
+    [(1, 1), (1, 17), (17, 1), (17, 17), (63, 65), (65, 63), (129, 129), (1, 300), (300, 17)],
+)
 def test_odd_lengths(device, dtype, sq, sk):
     q, k, v = make_qkv(1, 2, 2, sq, sk, 32, dtype=dtype, device=device)
     check_forward(q, k, v)
@@ -157,7 +159,7 @@ MASK_SHAPES = {
     "1h1k": lambda B, H, Sq, Sk: (1, H, 1, Sk),
     "b11k": lambda B, H, Sq, Sk: (B, 1, 1, Sk),
     "bhq1": lambda B, H, Sq, Sk: (B, H, Sq, 1),  # broadcast over keys: column stride 0
-    "2d_t": lambda B, H, Sq, Sk: (Sk, Sq),       # built transposed, read as .mT: column stride Sq
+    "2d_t": lambda B, H, Sq, Sk: (Sk, Sq),  # built transposed, read as .mT: column stride Sq
 }
 
 
@@ -171,8 +173,11 @@ def test_masks(device, dtype, mask_shape, kind, causal):
     shape = MASK_SHAPES[mask_shape](B, H, Sq, Sk)
     if mask_shape == "bhq1":
         # one entry per row: -inf / False empties the row (zeros), a finite shift is a no-op
-        mask = (random_bool_mask(shape, device, ensure_row=False) if kind == "bool"
-                else random_float_mask(shape, dtype, device, p_neg_inf=0.4, ensure_row=False))
+        mask = (
+            random_bool_mask(shape, device, ensure_row=False)
+            if kind == "bool"
+            else random_float_mask(shape, dtype, device, p_neg_inf=0.4, ensure_row=False)
+        )
         assert 0 < (mask if kind == "bool" else mask.isfinite()).sum() < mask.numel()
     elif kind == "bool":
         mask = random_bool_mask(shape, device)
@@ -193,8 +198,11 @@ def test_broadcast_mask_matches_dense_copy(device, dtype, kind):
     B, H, Sq, Sk = 2, 3, 19, 23
     q, k, v = make_qkv(B, H, H, Sq, Sk, 32, dtype=dtype, device=device)
     for shape in [(B, H, Sq, 1), (B, 1, 1, Sk), (Sq, Sk)]:
-        mask = (random_bool_mask(shape, device, ensure_row=False) if kind == "bool"
-                else random_float_mask(shape, dtype, device, p_neg_inf=0.3, ensure_row=False))
+        mask = (
+            random_bool_mask(shape, device, ensure_row=False)
+            if kind == "bool"
+            else random_float_mask(shape, dtype, device, p_neg_inf=0.3, ensure_row=False)
+        )
         dense = mask.expand(B, H, Sq, Sk).contiguous()
         out = attn_ext.attention(q, k, v, attn_mask=mask)
         assert torch.equal(out, attn_ext.attention(q, k, v, attn_mask=dense)), shape
@@ -251,7 +259,9 @@ def test_3d_inputs(device, dtype, causal, mask):
     assert out.shape == (B, Sq, 24) and lse.shape == (B, Sq)
     # same numbers as the 4-D call with one head
     m4 = None if m is None else (m.unsqueeze(1) if m.dim() == 3 else m)
-    out4 = attn_ext.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=causal, attn_mask=m4)
+    out4 = attn_ext.attention(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=causal, attn_mask=m4
+    )
     torch.testing.assert_close(out, out4.squeeze(1), rtol=0, atol=0)
 
 
@@ -446,8 +456,18 @@ BACKWARD_CASES = {
 def test_backward(device, dtype, case):
     c = dict(BACKWARD_CASES[case])
     B, H, Hkv, Sq, Sk, D = c.pop("shape")
-    q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, c.pop("dv", None), dtype=dtype, device=device,
-                       layout=c.pop("layout", "contiguous"))
+    q, k, v = make_qkv(
+        B,
+        H,
+        Hkv,
+        Sq,
+        Sk,
+        D,
+        c.pop("dv", None),
+        dtype=dtype,
+        device=device,
+        layout=c.pop("layout", "contiguous"),
+    )
     mask = c.pop("mask", None)
     if mask == "bool":
         c["attn_mask"] = random_bool_mask((B, H, Sq, Sk), device)
@@ -488,7 +508,11 @@ def test_gradcheck(device, case):
     if H is None:
         q, k, v = rand((B, Sq, D), **f64), rand((B, Sk, D), **f64), rand((B, Sk, Dv), **f64)
     else:
-        q, k, v = rand((B, H, Sq, D), **f64), rand((B, Hkv, Sk, D), **f64), rand((B, Hkv, Sk, Dv), **f64)
+        q, k, v = (
+            rand((B, H, Sq, D), **f64),
+            rand((B, Hkv, Sk, D), **f64),
+            rand((B, Hkv, Sk, Dv), **f64),
+        )
     mask = c.pop("mask", None)
     if mask == "bool":
         m = random_bool_mask((B, 1, Sq, Sk), device)
@@ -547,7 +571,11 @@ def test_doc000_self_and_cross_attention(device, dtype):
     assert out.shape == (2, 6, 64)
     _doc_check(out, doc000_sdpa, x, x, x)
     # cross attention: (1, 3, 16) queries, 10 keys, values of width 32
-    q2, k2, v2 = rand((1, 3, 16), dtype, device), rand((1, 10, 16), dtype, device), rand((1, 10, 32), dtype, device)
+    q2, k2, v2 = (
+        rand((1, 3, 16), dtype, device),
+        rand((1, 10, 16), dtype, device),
+        rand((1, 10, 32), dtype, device),
+    )
     out2 = attn_ext.attention(q2, k2, v2)
     assert out2.shape == (1, 3, 32)
     _doc_check(out2, doc000_sdpa, q2, k2, v2)
@@ -572,7 +600,9 @@ def test_doc000_causal_attention(device, dtype):
     out = attn_ext.attention(x, x, x, causal=True)
     _doc_check(out, doc000_causal_attention, x, x, x)
     # "position 0 only sees itself, so its output equals V[0]"
-    torch.testing.assert_close(out[:, 0], x[:, 0], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    torch.testing.assert_close(
+        out[:, 0], x[:, 0], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12
+    )
     # 4-D, several heads
     q, k, v = make_qkv(2, 3, 3, 31, 31, 16, dtype=dtype, device=device)
     out = attn_ext.attention(q, k, v, causal=True)
@@ -632,7 +662,9 @@ def test_doc000_incremental_decoding_matches_full(device, hkv):
     full = attn_ext.attention(q, k, v, causal=True)
     parts = [attn_ext.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], causal=True)]
     for t in (4, 5):
-        parts.append(attn_ext.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=True))
+        parts.append(
+            attn_ext.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], causal=True)
+        )
     torch.testing.assert_close(torch.cat(parts, dim=2), full, rtol=1e-12, atol=1e-12)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
+from attn_ext.testing.attention import attention_reference, window_keep
 from attn_ext.testing.numerics import (
     assert_error_rule,
     assert_lse_close,
@@ -26,7 +27,6 @@ from attn_ext.testing.numerics import (
     random_bool_mask,
     random_float_mask,
 )
-from attn_ext.testing.attention import attention_reference, window_keep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 
@@ -44,12 +44,14 @@ def plain_chunked(q, k, v, causal, dtype=torch.float64):
     out = torch.empty(*q.shape[:3], v.shape[3], dtype=dtype, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[3])
     for i0 in range(0, sq, TRUTH_CHUNK):
-        s = (q2[:, :, i0:i0 + TRUTH_CHUNK] @ k2.transpose(-2, -1)) * scale
+        s = (q2[:, :, i0 : i0 + TRUTH_CHUNK] @ k2.transpose(-2, -1)) * scale
         if causal:
-            i = torch.arange(i0, min(sq, i0 + TRUTH_CHUNK), device=q.device).unsqueeze(1) + (sk - sq)
+            i = torch.arange(i0, min(sq, i0 + TRUTH_CHUNK), device=q.device).unsqueeze(1) + (
+                sk - sq
+            )
             s = s.masked_fill(torch.arange(sk, device=q.device) > i, float("-inf"))
         p = torch.softmax(s.float() if dtype in (torch.bfloat16, torch.float16) else s, dim=-1)
-        out[:, :, i0:i0 + TRUTH_CHUNK] = p.to(dtype) @ v2
+        out[:, :, i0 : i0 + TRUTH_CHUNK] = p.to(dtype) @ v2
     return out
 
 
@@ -58,7 +60,10 @@ def less_exact(a, b, truth):
     torch's own error at this dtype, from its fused kernel (SDPA) or its plain matmul path,
     whichever is larger (fp32 SDPA on a GPU is exact to ~1 ulp, tighter than any blocked
     fp32 accumulation)."""
-    err = lambda x: (x.double() - truth).abs().max().item()
+
+    def err(x):
+        return (x.double() - truth).abs().max().item()
+
     return a if err(a) >= err(b) else b
 
 
@@ -92,13 +97,23 @@ def check_grads(q, k, v, **kw):
 # --------------------------------------------------------------------------- #
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("S,D,causal", [(2048, 64, False), (4096, 128, True), (16384, 128, True),
-                                        (16384, 64, False), (8192, 256, True)])
+@pytest.mark.parametrize(
+    "S,D,causal",
+    [
+        (2048, 64, False),
+        (4096, 128, True),
+        (16384, 128, True),
+        (16384, 64, False),
+        (8192, 256, True),
+    ],
+)
 def test_large_forward_vs_sdpa(dtype, S, D, causal):
     q, k, v = make_qkv(1, 2, 2, S, S, D, dtype=dtype, device=DEV)
     out = attn_ext.attention(q, k, v, causal=causal)
     tru = plain_chunked(q, k, v, causal)
-    assert_error_rule(out, less_exact(sdpa(q, k, v, causal), plain_chunked(q, k, v, causal, dtype), tru), tru)
+    assert_error_rule(
+        out, less_exact(sdpa(q, k, v, causal), plain_chunked(q, k, v, causal, dtype), tru), tru
+    )
 
 
 @pytest.mark.slow
@@ -110,7 +125,9 @@ def test_large_backward_vs_sdpa(dtype, causal):
     g = torch.randn(1, 2, S, D, device=DEV).to(dtype)
     got = autograd_grads(lambda a, b, c: attn_ext.attention(a, b, c, causal=causal), [q, k, v], g)
     ref = autograd_grads(lambda a, b, c: sdpa(a, b, c, causal), [q, k, v], g)
-    tru = autograd_grads(lambda a, b, c: sdpa(a, b, c, causal), [x.double() for x in (q, k, v)], g.double())
+    tru = autograd_grads(
+        lambda a, b, c: sdpa(a, b, c, causal), [x.double() for x in (q, k, v)], g.double()
+    )
     for name, a, r, t in zip(("dq", "dk", "dv"), got, ref, tru):
         assert_error_rule(a, r, t, name=name, slack_ulps=grad_slack_ulps(a.dtype))
 
@@ -131,8 +148,20 @@ def test_odd_lengths(dtype, sq, sk, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (256, 256), (40, 40), (96, 96), (200, 200),
-                                  (72, 136), (320, 320), (512, 64)])
+@pytest.mark.parametrize(
+    "D,Dv",
+    [
+        (64, 64),
+        (128, 128),
+        (256, 256),
+        (40, 40),
+        (96, 96),
+        (200, 200),
+        (72, 136),
+        (320, 320),
+        (512, 64),
+    ],
+)
 def test_head_dims(dtype, D, Dv):
     q, k, v = make_qkv(1, 3, 3, 130, 150, D, Dv, dtype=dtype, device=DEV)
     check_vs_truth(q, k, v)
@@ -254,10 +283,17 @@ def test_dropout_statistics(p):
 def test_dropout_forward_backward(dtype, causal):
     B, H, Hkv, Sq, Sk, D, p = 2, 4, 2, 130, 200, 64, 0.3
     q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
-    keep = attn_ext.dropout_keep_mask(B, H, Sq, Sk, p, generator=torch.Generator().manual_seed(3)).to(DEV)
+    keep = attn_ext.dropout_keep_mask(
+        B, H, Sq, Sk, p, generator=torch.Generator().manual_seed(3)
+    ).to(DEV)
     kw = dict(causal=causal, dropout_p=p)
-    fn = lambda a, b, c: attn_ext.attention(a, b, c, generator=torch.Generator().manual_seed(3), **kw)
-    ref_fn = lambda a, b, c, **extra: attention_reference(a, b, c, dropout_keep=keep, **kw, **extra)
+
+    def fn(a, b, c):
+        return attn_ext.attention(a, b, c, generator=torch.Generator().manual_seed(3), **kw)
+
+    def ref_fn(a, b, c, **extra):
+        return attention_reference(a, b, c, dropout_keep=keep, **kw, **extra)
+
     assert_error_rule(fn(q, k, v), ref_fn(q, k, v), ground_truth(ref_fn, q, k, v))
     g = torch.randn(B, H, Sq, D, device=DEV).to(dtype)
     got = autograd_grads(fn, [q, k, v], g)
@@ -302,6 +338,11 @@ def test_cpu_and_cuda_agree():
     mask = random_bool_mask((1, 1, 100, 120), "cpu")
     kw = dict(causal=True, attn_mask=mask, dropout_p=0.2)
     cpu = attn_ext.attention(q, k, v, generator=torch.Generator().manual_seed(9), **kw)
-    gpu = attn_ext.attention(q.to(DEV), k.to(DEV), v.to(DEV), generator=torch.Generator().manual_seed(9),
-                             **{**kw, "attn_mask": mask.to(DEV)})
+    gpu = attn_ext.attention(
+        q.to(DEV),
+        k.to(DEV),
+        v.to(DEV),
+        generator=torch.Generator().manual_seed(9),
+        **{**kw, "attn_mask": mask.to(DEV)},
+    )
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)

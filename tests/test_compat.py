@@ -10,6 +10,7 @@ O(1) values). Then: eval-mode determinism, train-mode dropout (exact, with the k
 kernel applies, and statistically), torch.compile(fullgraph=True) on a few classes, and clear
 errors on bad input.
 """
+
 import math
 
 import pytest
@@ -31,37 +32,168 @@ TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-
 # Cases: (id, document factory, our factory, constructor args, input shapes, plain-class flag)
 # --------------------------------------------------------------------------------------------- #
 MODULE_CASES = [
-    ("001.SelfAttention_v1", doc001.SelfAttention_v1, lfs.SelfAttention_v1, (16, 8), [(7, 16)], False),
-    ("001.SelfAttention_v2", doc001.SelfAttention_v2, lfs.SelfAttention_v2, (16, 8), [(7, 16)], False),
-    ("001.CausalAttention", doc001.CausalAttention, lfs.CausalAttention, (16, 8, 12, 0.0), [(2, 7, 16)], False),
-    ("001.CausalAttention.bias", doc001.CausalAttention, lfs.CausalAttention, (16, 8, 12, 0.0, True),
-     [(2, 7, 16)], False),
-    ("001.MultiHeadAttentionWrapper", doc001.MultiHeadAttentionWrapper, lfs.MultiHeadAttentionWrapper,
-     (16, 8, 12, 0.0, 3), [(2, 7, 16)], False),
-    ("001.MultiHeadAttentionWrapper.bias", doc001.MultiHeadAttentionWrapper, lfs.MultiHeadAttentionWrapper,
-     (16, 8, 12, 0.0, 2, True), [(2, 7, 16)], False),
-    ("001.MultiHeadAttention", doc001.MultiHeadAttention, lfs.MultiHeadAttention, (16, 12, 12, 0.0, 3),
-     [(2, 7, 16)], False),
-    ("001.MultiHeadAttention.bias.full", doc001.MultiHeadAttention, lfs.MultiHeadAttention,
-     (16, 12, 7, 0.0, 3, True), [(2, 7, 16)], False),
-    ("000.MultiHeadAttention", doc000.MultiHeadAttention, tc.MultiHeadAttention, (16, 4),
-     [(2, 7, 16), (2, 5, 16), (2, 5, 16)], True),
-    ("000.MultiHeadCrossAttention", doc000.MultiHeadCrossAttention, tc.MultiHeadCrossAttention, (16, 4),
-     [(2, 7, 16), (2, 5, 16)], False),
-    ("000.GroupQueryAttention", doc000.GroupQueryAttention, tc.GroupQueryAttention, (16, 8, 2), [(2, 7, 16)], True),
-    ("000.GroupQueryAttention.mqa", doc000.GroupQueryAttention, tc.GroupQueryAttention, (16, 4, 1),
-     [(2, 7, 16)], True),
+    (
+        "001.SelfAttention_v1",
+        doc001.SelfAttention_v1,
+        lfs.SelfAttention_v1,
+        (16, 8),
+        [(7, 16)],
+        False,
+    ),
+    (
+        "001.SelfAttention_v2",
+        doc001.SelfAttention_v2,
+        lfs.SelfAttention_v2,
+        (16, 8),
+        [(7, 16)],
+        False,
+    ),
+    (
+        "001.CausalAttention",
+        doc001.CausalAttention,
+        lfs.CausalAttention,
+        (16, 8, 12, 0.0),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "001.CausalAttention.bias",
+        doc001.CausalAttention,
+        lfs.CausalAttention,
+        (16, 8, 12, 0.0, True),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "001.MultiHeadAttentionWrapper",
+        doc001.MultiHeadAttentionWrapper,
+        lfs.MultiHeadAttentionWrapper,
+        (16, 8, 12, 0.0, 3),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "001.MultiHeadAttentionWrapper.bias",
+        doc001.MultiHeadAttentionWrapper,
+        lfs.MultiHeadAttentionWrapper,
+        (16, 8, 12, 0.0, 2, True),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "001.MultiHeadAttention",
+        doc001.MultiHeadAttention,
+        lfs.MultiHeadAttention,
+        (16, 12, 12, 0.0, 3),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "001.MultiHeadAttention.bias.full",
+        doc001.MultiHeadAttention,
+        lfs.MultiHeadAttention,
+        (16, 12, 7, 0.0, 3, True),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "000.MultiHeadAttention",
+        doc000.MultiHeadAttention,
+        tc.MultiHeadAttention,
+        (16, 4),
+        [(2, 7, 16), (2, 5, 16), (2, 5, 16)],
+        True,
+    ),
+    (
+        "000.MultiHeadCrossAttention",
+        doc000.MultiHeadCrossAttention,
+        tc.MultiHeadCrossAttention,
+        (16, 4),
+        [(2, 7, 16), (2, 5, 16)],
+        False,
+    ),
+    (
+        "000.GroupQueryAttention",
+        doc000.GroupQueryAttention,
+        tc.GroupQueryAttention,
+        (16, 8, 2),
+        [(2, 7, 16)],
+        True,
+    ),
+    (
+        "000.GroupQueryAttention.mqa",
+        doc000.GroupQueryAttention,
+        tc.GroupQueryAttention,
+        (16, 4, 1),
+        [(2, 7, 16)],
+        True,
+    ),
     ("004.SelfAttention", doc004.SelfAttention, zoo.SelfAttention, (16, 6), [(2, 7, 16)], False),
     ("004.SelfAttention.2d", doc004.SelfAttention, zoo.SelfAttention, (16, 6), [(7, 16)], False),
-    ("004.SelfAttention.4d", doc004.SelfAttention, zoo.SelfAttention, (16, 6), [(2, 3, 7, 16)], False),
-    ("004.MultiHeadAttention", doc004.MultiHeadAttention, zoo.MultiHeadAttention, (16, 4, 24), [(2, 7, 16)], False),
-    ("004.CrossAttention", doc004.CrossAttention, zoo.CrossAttention, (16, 6), [(2, 7, 16), (2, 5, 16)], False),
-    ("004.CrossAttention.broadcast", doc004.CrossAttention, zoo.CrossAttention, (16, 6),
-     [(2, 7, 16), (1, 5, 16)], False),
-    ("004.GroupedAttention.g2", doc004.GroupedAttention, zoo.GroupedAttention, (16, 24, 6, 2), [(2, 7, 16)], False),
-    ("004.GroupedAttention.g3", doc004.GroupedAttention, zoo.GroupedAttention, (16, 24, 6, 3), [(3, 7, 16)], False),
-    ("004.GroupedAttention.g1", doc004.GroupedAttention, zoo.GroupedAttention, (16, 24, 6, 1), [(2, 7, 16)], False),
-    ("004.GroupedAttention.g6", doc004.GroupedAttention, zoo.GroupedAttention, (16, 24, 6, 6), [(2, 7, 16)], False),
+    (
+        "004.SelfAttention.4d",
+        doc004.SelfAttention,
+        zoo.SelfAttention,
+        (16, 6),
+        [(2, 3, 7, 16)],
+        False,
+    ),
+    (
+        "004.MultiHeadAttention",
+        doc004.MultiHeadAttention,
+        zoo.MultiHeadAttention,
+        (16, 4, 24),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "004.CrossAttention",
+        doc004.CrossAttention,
+        zoo.CrossAttention,
+        (16, 6),
+        [(2, 7, 16), (2, 5, 16)],
+        False,
+    ),
+    (
+        "004.CrossAttention.broadcast",
+        doc004.CrossAttention,
+        zoo.CrossAttention,
+        (16, 6),
+        [(2, 7, 16), (1, 5, 16)],
+        False,
+    ),
+    (
+        "004.GroupedAttention.g2",
+        doc004.GroupedAttention,
+        zoo.GroupedAttention,
+        (16, 24, 6, 2),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "004.GroupedAttention.g3",
+        doc004.GroupedAttention,
+        zoo.GroupedAttention,
+        (16, 24, 6, 3),
+        [(3, 7, 16)],
+        False,
+    ),
+    (
+        "004.GroupedAttention.g1",
+        doc004.GroupedAttention,
+        zoo.GroupedAttention,
+        (16, 24, 6, 1),
+        [(2, 7, 16)],
+        False,
+    ),
+    (
+        "004.GroupedAttention.g6",
+        doc004.GroupedAttention,
+        zoo.GroupedAttention,
+        (16, 24, 6, 6),
+        [(2, 7, 16)],
+        False,
+    ),
 ]
 CASE_IDS = [c[0] for c in MODULE_CASES]
 CASES = dict((c[0], c) for c in MODULE_CASES)
@@ -107,12 +239,16 @@ def assert_same_forward_backward(doc_fn, our_fn, inputs, doc_params, our_params,
     for i, (a, b) in enumerate(zip(xo, xd)):
         if b.requires_grad:
             assert a.grad is not None and b.grad is not None, f"input {i} has no gradient"
-            torch.testing.assert_close(a.grad, b.grad, **TOL[dtype], msg=lambda m: f"input {i}: {m}")
+            torch.testing.assert_close(
+                a.grad, b.grad, **TOL[dtype], msg=lambda m, i=i: f"input {i}: {m}"
+            )
     assert set(our_params) == set(doc_params)
     for name, p in doc_params.items():
         q = our_params[name]
         assert q.grad is not None and p.grad is not None, f"parameter {name} has no gradient"
-        torch.testing.assert_close(q.grad, p.grad, **TOL[dtype], msg=lambda m: f"parameter {name}: {m}")
+        torch.testing.assert_close(
+            q.grad, p.grad, **TOL[dtype], msg=lambda m, name=name: f"parameter {name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -120,8 +256,14 @@ def assert_same_forward_backward(doc_fn, our_fn, inputs, doc_params, our_params,
 def test_module_matches_document(case_id, dtype, device):
     doc, ours = build(case_id, device, dtype)
     plain = CASES[case_id][5]
-    assert_same_forward_backward(doc.forward, ours.forward, make_inputs(case_id, device, dtype),
-                                 _doc_params(doc, plain), dict(ours.named_parameters()), dtype)
+    assert_same_forward_backward(
+        doc.forward,
+        ours.forward,
+        make_inputs(case_id, device, dtype),
+        _doc_params(doc, plain),
+        dict(ours.named_parameters()),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -156,27 +298,92 @@ def _qkv(shapes, device, dtype):
 
 
 FUNCTION_CASES = [
-    ("000.sdpa.3d", doc000.scaled_dot_product_attention, tc.scaled_dot_product_attention,
-     [(2, 7, 8), (2, 9, 8), (2, 9, 5)], {}),
-    ("000.sdpa.4d", doc000.scaled_dot_product_attention, tc.scaled_dot_product_attention,
-     [(2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5)], {}),
-    ("000.sdpa.2d", doc000.scaled_dot_product_attention, tc.scaled_dot_product_attention,
-     [(7, 8), (9, 8), (9, 5)], {}),
-    ("000.sdpa.5d.broadcast", doc000.scaled_dot_product_attention, tc.scaled_dot_product_attention,
-     [(2, 2, 3, 7, 8), (1, 2, 3, 9, 8), (2, 2, 3, 9, 5)], {}),
+    (
+        "000.sdpa.3d",
+        doc000.scaled_dot_product_attention,
+        tc.scaled_dot_product_attention,
+        [(2, 7, 8), (2, 9, 8), (2, 9, 5)],
+        {},
+    ),
+    (
+        "000.sdpa.4d",
+        doc000.scaled_dot_product_attention,
+        tc.scaled_dot_product_attention,
+        [(2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5)],
+        {},
+    ),
+    (
+        "000.sdpa.2d",
+        doc000.scaled_dot_product_attention,
+        tc.scaled_dot_product_attention,
+        [(7, 8), (9, 8), (9, 5)],
+        {},
+    ),
+    (
+        "000.sdpa.5d.broadcast",
+        doc000.scaled_dot_product_attention,
+        tc.scaled_dot_product_attention,
+        [(2, 2, 3, 7, 8), (1, 2, 3, 9, 8), (2, 2, 3, 9, 5)],
+        {},
+    ),
     ("000.causal.square", doc000.causal_attention, tc.causal_attention, [(2, 3, 9, 8)] * 3, {}),
-    ("000.causal.sq<sk", doc000.causal_attention, tc.causal_attention, [(2, 6, 8), (2, 9, 8), (2, 9, 4)], {}),
-    ("000.causal.sq>sk", doc000.causal_attention, tc.causal_attention, [(2, 9, 8), (2, 6, 8), (2, 6, 4)], {}),
-    ("000.sliding.w0", doc000.sliding_window_attention, tc.sliding_window_attention, [(2, 9, 8)] * 3,
-     dict(window_size=0)),
-    ("000.sliding.w2", doc000.sliding_window_attention, tc.sliding_window_attention,
-     [(2, 9, 8), (2, 9, 8), (2, 9, 5)], dict(window_size=2)),
-    ("000.sliding.wide", doc000.sliding_window_attention, tc.sliding_window_attention, [(2, 9, 8)] * 3,
-     dict(window_size=20)),
-    ("000.flash", doc000.flash_attention, tc.flash_attention, [(2, 37, 8)] * 3, dict(block_size=16)),
+    (
+        "000.causal.sq<sk",
+        doc000.causal_attention,
+        tc.causal_attention,
+        [(2, 6, 8), (2, 9, 8), (2, 9, 4)],
+        {},
+    ),
+    (
+        "000.causal.sq>sk",
+        doc000.causal_attention,
+        tc.causal_attention,
+        [(2, 9, 8), (2, 6, 8), (2, 6, 4)],
+        {},
+    ),
+    (
+        "000.sliding.w0",
+        doc000.sliding_window_attention,
+        tc.sliding_window_attention,
+        [(2, 9, 8)] * 3,
+        dict(window_size=0),
+    ),
+    (
+        "000.sliding.w2",
+        doc000.sliding_window_attention,
+        tc.sliding_window_attention,
+        [(2, 9, 8), (2, 9, 8), (2, 9, 5)],
+        dict(window_size=2),
+    ),
+    (
+        "000.sliding.wide",
+        doc000.sliding_window_attention,
+        tc.sliding_window_attention,
+        [(2, 9, 8)] * 3,
+        dict(window_size=20),
+    ),
+    (
+        "000.flash",
+        doc000.flash_attention,
+        tc.flash_attention,
+        [(2, 37, 8)] * 3,
+        dict(block_size=16),
+    ),
     ("000.flash.default_block", doc000.flash_attention, tc.flash_attention, [(2, 9, 8)] * 3, {}),
-    ("001.simplified", doc001.simplified_self_attention, lfs.simplified_self_attention, [(6, 3)], {}),
-    ("003.attention.nomask", doc003.attention, tb.attention, [(2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5)], {}),
+    (
+        "001.simplified",
+        doc001.simplified_self_attention,
+        lfs.simplified_self_attention,
+        [(6, 3)],
+        {},
+    ),
+    (
+        "003.attention.nomask",
+        doc003.attention,
+        tb.attention,
+        [(2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5)],
+        {},
+    ),
 ]
 
 
@@ -185,13 +392,23 @@ FUNCTION_CASES = [
 def test_function_matches_document(case, dtype, device):
     _, doc_fn, our_fn, shapes, kw = case
     xs = _qkv(shapes, device, dtype)
-    assert_same_forward_backward(lambda *a: doc_fn(*a, **kw), lambda *a: our_fn(*a, **kw), xs, {}, {}, dtype)
+    assert_same_forward_backward(
+        lambda *a: doc_fn(*a, **kw), lambda *a: our_fn(*a, **kw), xs, {}, {}, dtype
+    )
 
 
 def test_simplified_self_attention_document_example():
     """The document's six-token example; its printed context vector for "journey" row."""
-    inputs = torch.tensor([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
-                           [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
+    inputs = torch.tensor(
+        [
+            [0.43, 0.15, 0.89],
+            [0.55, 0.87, 0.66],
+            [0.57, 0.85, 0.64],
+            [0.22, 0.58, 0.33],
+            [0.77, 0.25, 0.10],
+            [0.05, 0.80, 0.55],
+        ]
+    )
     out = lfs.simplified_self_attention(inputs)
     torch.testing.assert_close(out[1], torch.tensor([0.4419, 0.6515, 0.5683]), atol=1e-4, rtol=0)
     torch.testing.assert_close(out, doc001.simplified_self_attention(inputs), atol=1e-6, rtol=1e-5)
@@ -199,14 +416,18 @@ def test_simplified_self_attention_document_example():
 
 def test_sliding_window_zero_returns_v(device):
     Q = K = V = torch.randn(1, 8, 16, device=device)
-    torch.testing.assert_close(tc.sliding_window_attention(Q, K, V, window_size=0), V, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        tc.sliding_window_attention(Q, K, V, window_size=0), V, atol=1e-6, rtol=0
+    )
 
 
 def test_flash_attention_block_size_does_not_change_result(device):
     Q, K, V = (torch.randn(2, 50, 8, device=device, dtype=torch.float64) for _ in range(3))
     a = tc.flash_attention(Q, K, V, block_size=7)
     torch.testing.assert_close(a, tc.flash_attention(Q, K, V, block_size=64), rtol=0, atol=1e-14)
-    torch.testing.assert_close(a, doc000.flash_attention(Q, K, V, block_size=7), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        a, doc000.flash_attention(Q, K, V, block_size=7), rtol=1e-10, atol=1e-10
+    )
 
 
 MASK_LAYOUTS = {  # q shape, mask shape (k: Tk = 9, Dh = 8; v: Dv = 5)
@@ -228,12 +449,20 @@ def test_textbook_attention_mask_matches_document(layout, dtype, device):
     mask[..., 0] = True
     empty_row = (0,) * (len(ms) - 2) + (2,)
     mask[empty_row] = False  # a row with no visible key
-    assert_same_forward_backward(lambda *a: doc003.attention(*a, mask=mask),
-                                 lambda *a: tb.attention(*a, mask=mask), [q, k, v], {}, {}, dtype)
+    assert_same_forward_backward(
+        lambda *a: doc003.attention(*a, mask=mask),
+        lambda *a: tb.attention(*a, mask=mask),
+        [q, k, v],
+        {},
+        {},
+        dtype,
+    )
     out = tb.attention(q, k, v, mask)
     empty = (~mask.any(-1)).expand(out.shape[:-1])
     assert empty.any()
-    torch.testing.assert_close(out[empty], v.mean(-2, keepdim=True).expand_as(out)[empty], **TOL[dtype])
+    torch.testing.assert_close(
+        out[empty], v.mean(-2, keepdim=True).expand_as(out)[empty], **TOL[dtype]
+    )
 
 
 def test_textbook_repeat_kv(device):
@@ -250,8 +479,12 @@ def test_textbook_repeat_kv_agrees_with_grouped_attention(device):
     q = torch.randn(2, 6, 7, 8, device=device, dtype=torch.float64)
     k = torch.randn(2, 2, 9, 8, device=device, dtype=torch.float64)
     v = torch.randn(2, 2, 9, 8, device=device, dtype=torch.float64)
-    torch.testing.assert_close(tb.attention(q, tb.repeat_kv(k, 3), tb.repeat_kv(v, 3)),
-                               attn_ext.attention(q, k, v), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        tb.attention(q, tb.repeat_kv(k, 3), tb.repeat_kv(v, 3)),
+        attn_ext.attention(q, k, v),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -284,6 +517,7 @@ def test_document_004_scale_is_float32_sqrt():
     the float64 module comparison (1e-10) would fail on the wrong one. Here: it really differs."""
     assert abs(math.sqrt(6) - float(torch.sqrt(torch.tensor(6).float()))) > 1e-8
     from attn_ext.compat import _float32_sqrt
+
     assert _float32_sqrt(6) == float(torch.sqrt(torch.tensor(6).float()))
 
 
@@ -307,7 +541,9 @@ class _KeepMaskDropout(nn.Module):
         return w * self.keep.view(w.shape).to(w.dtype) / (1.0 - self.p)
 
 
-@pytest.mark.parametrize("case_id,heads", [("001.CausalAttention", 1), ("001.MultiHeadAttention", 3)])
+@pytest.mark.parametrize(
+    "case_id,heads", [("001.CausalAttention", 1), ("001.MultiHeadAttention", 3)]
+)
 def test_train_mode_dropout_is_the_kernels_keep_mask(case_id, heads, device):
     """Exact: the document's module with its dropout replaced by the keep-mask that attn_ext
     applies for the same RNG state must give our train-mode output and gradients."""
@@ -326,8 +562,14 @@ def test_train_mode_dropout_is_the_kernels_keep_mask(case_id, heads, device):
         torch.manual_seed(1234)
         return ours(*a)
 
-    assert_same_forward_backward(doc.forward, ours_seeded, [x], dict(doc.named_parameters()),
-                                 dict(ours.named_parameters()), torch.float64)
+    assert_same_forward_backward(
+        doc.forward,
+        ours_seeded,
+        [x],
+        dict(doc.named_parameters()),
+        dict(ours.named_parameters()),
+        torch.float64,
+    )
 
 
 def test_textbook_dropout_is_the_kernels_keep_mask(device):
@@ -340,8 +582,12 @@ def test_textbook_dropout_is_the_kernels_keep_mask(device):
     w = doc003.attention(q, k, torch.eye(9, device=device, dtype=torch.float64).expand(2, 3, 9, 9))
     torch.testing.assert_close(out, (w * keep / (1 - p)) @ v, rtol=1e-10, atol=1e-10)
     # training=False: no dropout at all, whatever dropout_p says
-    torch.testing.assert_close(tb.attention(q, k, v, dropout_p=p, training=False), doc003.attention(q, k, v),
-                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        tb.attention(q, k, v, dropout_p=p, training=False),
+        doc003.attention(q, k, v),
+        rtol=1e-10,
+        atol=1e-10,
+    )
 
 
 def test_dropout_statistics(device):
@@ -362,7 +608,9 @@ def test_dropout_statistics(device):
     assert not torch.equal(kept, tb.attention(q, k, eye, dropout_p=p, training=True) != 0)
 
 
-@pytest.mark.parametrize("case_id", ["001.CausalAttention", "001.MultiHeadAttentionWrapper", "001.MultiHeadAttention"])
+@pytest.mark.parametrize(
+    "case_id", ["001.CausalAttention", "001.MultiHeadAttentionWrapper", "001.MultiHeadAttention"]
+)
 def test_module_dropout_train_vs_eval(case_id, device):
     """Train mode: random, unbiased (mean over draws -> eval output); eval: no dropout, equal to
     the document's module in eval mode."""
@@ -395,10 +643,15 @@ def test_dropout_one_drops_everything(device):
 # Inductor for the flagship class (about 12 s on a 2-core CPU); aot_eager (the same dynamo
 # capture with fullgraph=True and the same AOT-autograd trace through the fake kernels, without
 # code generation) for the others, to keep the suite short.
-@pytest.mark.parametrize("case_id,backend", [("001.MultiHeadAttention", "inductor"),
-                                             ("004.GroupedAttention.g2", "aot_eager"),
-                                             ("000.GroupQueryAttention", "aot_eager"),
-                                             ("001.MultiHeadAttentionWrapper", "aot_eager")])
+@pytest.mark.parametrize(
+    "case_id,backend",
+    [
+        ("001.MultiHeadAttention", "inductor"),
+        ("004.GroupedAttention.g2", "aot_eager"),
+        ("000.GroupQueryAttention", "aot_eager"),
+        ("001.MultiHeadAttentionWrapper", "aot_eager"),
+    ],
+)
 def test_compile_fullgraph(case_id, backend, device):
     torch._dynamo.reset()
     _, ours = build(case_id, device, torch.float32)
@@ -434,7 +687,9 @@ def test_compile_fullgraph_train_mode_dropout(device):
 # Low precision: error against a float64 ground truth at most the document's own error (x2)
 # --------------------------------------------------------------------------------------------- #
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case_id", ["001.MultiHeadAttention", "000.GroupQueryAttention", "004.GroupedAttention.g3"])
+@pytest.mark.parametrize(
+    "case_id", ["001.MultiHeadAttention", "000.GroupQueryAttention", "004.GroupedAttention.g3"]
+)
 def test_low_precision_error_rule(case_id, dtype, device):
     doc, ours = build(case_id, device, torch.float64)
     plain = CASES[case_id][5]
@@ -454,8 +709,14 @@ def test_low_precision_error_rule(case_id, dtype, device):
 # --------------------------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------------------------- #
-@pytest.mark.parametrize("case_id", [c for c in CASE_IDS if not c.startswith("004.SelfAttention")
-                                     and not c.startswith("004.CrossAttention")])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        c
+        for c in CASE_IDS
+        if not c.startswith("004.SelfAttention") and not c.startswith("004.CrossAttention")
+    ],
+)
 def test_wrong_rank_is_a_clear_error(case_id):
     _, ours = build(case_id, "cpu", torch.float32)
     xs = make_inputs(case_id, "cpu", torch.float32, requires_grad=False)
@@ -483,9 +744,16 @@ def test_zoo_rank_one_is_a_clear_error():
         zoo.CrossAttention(16, 6)(torch.randn(3, 16), torch.randn(16))
 
 
-@pytest.mark.parametrize("case_id", ["001.CausalAttention", "001.MultiHeadAttention",
-                                     "001.MultiHeadAttentionWrapper", "000.MultiHeadCrossAttention",
-                                     "004.GroupedAttention.g2"])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        "001.CausalAttention",
+        "001.MultiHeadAttention",
+        "001.MultiHeadAttentionWrapper",
+        "000.MultiHeadCrossAttention",
+        "004.GroupedAttention.g2",
+    ],
+)
 def test_state_dict_missing_or_extra_keys(case_id):
     doc, ours = build(case_id, "cpu", torch.float32)
     state = doc.state_dict()
@@ -510,8 +778,9 @@ def test_mask_buffer_is_required_for_strict_loading():
         ours.load_state_dict(state, strict=True)
 
 
-@pytest.mark.parametrize("case_id", ["001.CausalAttention", "001.MultiHeadAttention",
-                                     "001.MultiHeadAttentionWrapper"])
+@pytest.mark.parametrize(
+    "case_id", ["001.CausalAttention", "001.MultiHeadAttention", "001.MultiHeadAttentionWrapper"]
+)
 def test_sequence_longer_than_context_length(case_id):
     _, ours = build(case_id, "cpu", torch.float32)
     ours(torch.randn(2, 12, 16))  # exactly context_length is fine

@@ -43,7 +43,9 @@ class NoRecompile:
         if self.after_first is None:
             self.after_first = self.counter.frame_count
         assert self.counter.frame_count == self.after_first, (
-            f"recompiled: {self.counter.frame_count} compilations, {self.after_first} after the first call")
+            f"recompiled: {self.counter.frame_count} compilations, {self.after_first} after the "
+            "first call"
+        )
 
 
 def _close(a, b):
@@ -100,6 +102,7 @@ def test_compile_attention_3d_float_mask(device):
 def test_compile_attention_dropout_fixed_state(device):
     """Dropout through the op with an explicit rng_state is deterministic, so
     compiled and eager agree exactly in which entries they drop."""
+
     def fn(q, k, v, state):
         out, _ = torch.ops.attn_ext.attention(q, k, v, causal=True, dropout_p=0.3, rng_state=state)
         return out
@@ -122,8 +125,12 @@ def test_compile_sdpa(device):
     for sq, sk in LENGTHS:
         q, k, v = make_qkv(2, 4, 2, sq, sk, 32, device=device)
         _close(cfn(q, k, v), fn(q, k, v))
-        _close(cfn(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                               enable_gqa=True))
+        _close(
+            cfn(q, k, v),
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            ),
+        )
         watch.step()
 
 
@@ -149,6 +156,7 @@ def test_compile_attention_weights(device):
 def test_compile_in_a_module(device):
     """A small attention block (projection, head split via view + transpose,
     attn_ext, merge, projection) compiles as one graph and trains."""
+
     class Block(torch.nn.Module):
         def __init__(self, d=32, h=4):
             super().__init__()
@@ -187,8 +195,8 @@ def test_compile_rope_offsets_and_backward(device):
         out = cfn(x, pos, offset)
         ref = fn(x, pos, offset)
         _close(out, ref)
-        g, = torch.autograd.grad(out.sum(), x)
-        g_ref, = torch.autograd.grad(ref.sum(), x)
+        (g,) = torch.autograd.grad(out.sum(), x)
+        (g_ref,) = torch.autograd.grad(ref.sum(), x)
         _close(g, g_ref)
         watch.step()
 
@@ -206,12 +214,12 @@ def test_compile_decode_loop(device):
     cstep, counter = _compile(step)
     with torch.no_grad():
         ref_cache = m.new_cache(2, 40)
-        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t:t + 1], ref_cache) for t in range(23, 30)]
+        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t : t + 1], ref_cache) for t in range(23, 30)]
         c = m.new_cache(2, 40)
         outs = [cstep(x[:, :23], c)]
         first = None
         for t in range(23, 30):
-            outs.append(cstep(x[:, t:t + 1], c))
+            outs.append(cstep(x[:, t : t + 1], c))
             if t == 24:  # the prefill graph and the single-token graph exist now
                 first = counter.frame_count
     assert counter.frame_count == first, f"recompiled: {counter.frame_count} vs {first}"
@@ -301,10 +309,14 @@ def test_compile_temporal_attention(device):
         _close(out, ref)
         torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
         watch.step()
+
+
 def test_compile_tpa_expand_and_backward(device):
     def fn(a, b, pos):
         q = attn_ext.tpa_expand(a, b, positions=pos, rope=True, rope_interleaved=True)
-        return attn_ext.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), causal=True)
+        return attn_ext.attention(
+            q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), causal=True
+        )
 
     cfn, counter = _compile(fn)
     watch = NoRecompile(counter)
@@ -314,13 +326,16 @@ def test_compile_tpa_expand_and_backward(device):
         pos = torch.randint(0, 1000, (2, s), device=device)
         out, ref = cfn(a, b, pos), fn(a, b, pos)
         _close(out, ref)
-        for g, g_ref in zip(torch.autograd.grad(out.sum(), (a, b)), torch.autograd.grad(ref.sum(), (a, b))):
+        for g, g_ref in zip(
+            torch.autograd.grad(out.sum(), (a, b)), torch.autograd.grad(ref.sum(), (a, b))
+        ):
             _close(g, g_ref)
         watch.step()
 
 
 def test_compile_tpa_decode_attention(device):
     """Factor-cache attention with its backward: one graph, no recompile across cache lengths."""
+
     def fn(q, a_k, b_k, a_v, b_v, lengths):
         out, lse = attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, lengths, return_lse=True)
         return out.sum() + lse.sum()
@@ -329,12 +344,16 @@ def test_compile_tpa_decode_attention(device):
     watch = NoRecompile(counter)
     for n in (23, 40, 57):
         q = torch.randn(2, 4, 1, 16, device=device, requires_grad=True)
-        factors = [torch.randn(2, n, r, x, device=device, requires_grad=True)
-                   for r, x in ((2, 4), (2, 16), (3, 4), (3, 16))]
+        factors = [
+            torch.randn(2, n, r, x, device=device, requires_grad=True)
+            for r, x in ((2, 4), (2, 16), (3, 4), (3, 16))
+        ]
         lengths = torch.tensor([n, n - 5], device=device)
         out, ref = cfn(q, *factors, lengths), fn(q, *factors, lengths)
         _close(out, ref)
-        for g, g_ref in zip(torch.autograd.grad(out, (q, *factors)), torch.autograd.grad(ref, (q, *factors))):
+        for g, g_ref in zip(
+            torch.autograd.grad(out, (q, *factors)), torch.autograd.grad(ref, (q, *factors))
+        ):
             torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
         watch.step()
 
@@ -343,18 +362,25 @@ def test_compile_mla_prefill_and_absorbed_decode(device):
     """MLA prefill into a LatentKVCache and absorbed single-token steps compile without a graph
     break, and later steps reuse the single-token graph."""
     torch.manual_seed(0)
-    m = attn_ext.nn.MultiHeadLatentAttention(64, 4, kv_lora_rank=32, qk_nope_head_dim=16,
-                                             qk_rope_head_dim=8, v_head_dim=12, device=device)
+    m = attn_ext.nn.MultiHeadLatentAttention(
+        64,
+        4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        device=device,
+    )
     x = torch.randn(2, 30, 64, device=device)
     cstep, counter = _compile(lambda x_t, cache: m(x_t, cache))
     with torch.no_grad():
         ref_cache = m.new_cache(2, 40)
-        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t:t + 1], ref_cache) for t in range(23, 30)]
+        ref = [m(x[:, :23], ref_cache)] + [m(x[:, t : t + 1], ref_cache) for t in range(23, 30)]
         c = m.new_cache(2, 40)
         outs = [cstep(x[:, :23], c)]
         first = None
         for t in range(23, 30):
-            outs.append(cstep(x[:, t:t + 1], c))
+            outs.append(cstep(x[:, t : t + 1], c))
             if t == 24:
                 first = counter.frame_count
     assert counter.frame_count == first, f"recompiled: {counter.frame_count} vs {first}"

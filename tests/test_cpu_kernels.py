@@ -24,8 +24,9 @@ def _cpu_flags():
 
 
 HAS_AVX512 = "avx512f" in _cpu_flags()
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
-                                reason="the block products are x86-64 kernels")
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the block products are x86-64 kernels"
+)
 
 # Shapes that reach every tile path: query blocks whose rows end in each micro-tile remainder
 # (37 = 24 + 7 + 6 on AVX-512, 131 = 128 + 3), key counts that end mid-panel and mid panel
@@ -51,7 +52,9 @@ torch.save(results, sys.argv[1])
 
 def _run(kernels, *args):
     env = dict(os.environ, ATTN_EXT_CPU_KERNELS=kernels)
-    return subprocess.run([sys.executable, "-c", _SCRIPT, *args], env=env, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", _SCRIPT, *args], env=env, capture_output=True, text=True
+    )
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="needs a CPU with AVX-512F")
@@ -64,7 +67,9 @@ def test_avx512_products_match_avx2_bitwise(tmp_path):
         outputs[kernels] = torch.load(path)
     names = ("out", "dq", "dk", "dv")
     for i, (a, b) in enumerate(zip(outputs["avx2"], outputs["avx512"])):
-        assert torch.equal(a, b), f"case {i // 4} {names[i % 4]}: max diff {(a.float() - b.float()).abs().max()}"
+        assert torch.equal(a, b), (
+            f"case {i // 4} {names[i % 4]}: max diff {(a.float() - b.float()).abs().max()}"
+        )
 
 
 def test_unknown_kernel_choice_raises(tmp_path):
@@ -131,11 +136,26 @@ def emulated(tmp_path_factory):
     (work / "wrapper.cpp").write_text(_WRAPPER)
     lib = work / "libemulated.so"
     shim = os.path.join(root, "tests", "avx512_emulation.h")
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c",
-           "-ffp-contract=off", f'-DATTN_EXT_AVX512_EMULATION="{shim}"', f"-I{csrc}"]
+    cmd = [
+        cxx,
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-ffp-contract=off",
+        f'-DATTN_EXT_AVX512_EMULATION="{shim}"',
+        f"-I{csrc}",
+    ]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [os.path.join(csrc, "attention", "cpu", "avx512_block_products.cpp"),
-            str(work / "wrapper.cpp"), "-o", str(lib)]
+    cmd += [
+        os.path.join(csrc, "attention", "cpu", "avx512_block_products.cpp"),
+        str(work / "wrapper.cpp"),
+        "-o",
+        str(lib),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(lib))
@@ -193,8 +213,18 @@ def test_emulated_avx512_scores_match_avx2(emulated, d):
             lds = _round16(n) + 5
             out = [torch.full((m, lds), 12345.0) for _ in range(2)]
             for wide in (0, 1):
-                emulated.scores(wide, _ptr(q), _i(d + 1), _i(m), _ptr(kp), _i(n), _i(d),
-                                ctypes.c_float(0.37), _ptr(out[wide]), _i(lds))
+                emulated.scores(
+                    wide,
+                    _ptr(q),
+                    _i(d + 1),
+                    _i(m),
+                    _ptr(kp),
+                    _i(n),
+                    _i(d),
+                    ctypes.c_float(0.37),
+                    _ptr(out[wide]),
+                    _i(lds),
+                )
             assert torch.equal(out[0], out[1]), f"scores m={m} n={n} d={d}"
 
 
@@ -213,8 +243,19 @@ def test_emulated_avx512_pv_matches_avx2(emulated, with_factor):
                 o0 = torch.randn(m, dv + 3, generator=g)
                 out = [o0.clone(), o0.clone()]
                 for wide in (0, 1):
-                    emulated.pv(wide, _ptr(p), _i(n + 3), _i(m), _ptr(vp), _i(stride), _i(n), _i(dv),
-                                _ptr(factor) if factor is not None else None, _ptr(out[wide]), _i(dv + 3))
+                    emulated.pv(
+                        wide,
+                        _ptr(p),
+                        _i(n + 3),
+                        _i(m),
+                        _ptr(vp),
+                        _i(stride),
+                        _i(n),
+                        _i(dv),
+                        _ptr(factor) if factor is not None else None,
+                        _ptr(out[wide]),
+                        _i(dv + 3),
+                    )
                 assert torch.equal(out[0], out[1]), f"pv m={m} n={n} dv={dv}"
 
 
@@ -231,8 +272,18 @@ def test_emulated_avx512_atb_matches_avx2(emulated):
                 c0 = torch.randn(n, dc + 1, generator=g)
                 out = [c0.clone(), c0.clone()]
                 for wide in (0, 1):
-                    emulated.atb(wide, _ptr(a), _i(n + 2), _i(m), _i(n), _ptr(bp), _i(stride), _i(dc),
-                                 _ptr(out[wide]), _i(dc + 1))
+                    emulated.atb(
+                        wide,
+                        _ptr(a),
+                        _i(n + 2),
+                        _i(m),
+                        _i(n),
+                        _ptr(bp),
+                        _i(stride),
+                        _i(dc),
+                        _ptr(out[wide]),
+                        _i(dc + 1),
+                    )
                 assert torch.equal(out[0], out[1]), f"atb m={m} n={n} dc={dc}"
 
 
@@ -245,7 +296,10 @@ def test_reports_the_kernels_it_runs():
 
 
 def test_report_raises_for_an_unknown_choice():
-    code = "import attn_ext\ntry:\n    attn_ext._C.cpu_block_kernels()\nexcept RuntimeError as e:\n    print(e)\n"
+    code = (
+        "import attn_ext\ntry:\n    attn_ext._C.cpu_block_kernels()\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
     env = dict(os.environ, ATTN_EXT_CPU_KERNELS="sse")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -14,8 +14,11 @@ NO_TOOLKIT = 2  # tools/check_cuda_compile.py's exit status when nvcc is missing
 
 @pytest.mark.slow
 def test_cuda_sources_compile():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_cuda_compile.py")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_cuda_compile.py")],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode == NO_TOOLKIT:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -25,8 +28,11 @@ def test_cuda_instantiations_are_generated():
     """csrc/attention/cuda/instantiations is exactly what tools/gen_cuda_instantiations.py writes
     from instantiations.json (a kernel template change that needs new instantiations, a new
     head dim, or a hand edit, fails here)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_cuda_instantiations.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gen_cuda_instantiations.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -37,9 +43,14 @@ def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
     import json
     import re
 
-    kernel_set = json.loads((ROOT / "csrc" / "attention" / "cuda" / "instantiations.json").read_text())
-    dtypes, mma_dtypes, head_dims = (list(kernel_set["dtypes"]), kernel_set["mma_dtypes"],
-                                     kernel_set["mma_head_dims"])
+    kernel_set = json.loads(
+        (ROOT / "csrc" / "attention" / "cuda" / "instantiations.json").read_text()
+    )
+    dtypes, mma_dtypes, head_dims = (
+        list(kernel_set["dtypes"]),
+        kernel_set["mma_dtypes"],
+        kernel_set["mma_head_dims"],
+    )
     header = (ROOT / "csrc" / "attention" / "cuda" / "instantiations" / "kernel_set.h").read_text()
     dims = re.search(r"kMmaHeadDims\[\] = \{([^}]*)\}", header).group(1)
     assert [int(d) for d in dims.split(",")] == head_dims
@@ -62,8 +73,9 @@ def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(hd))
     monkeypatch.setenv("ATTN_EXT_CUDA_BACKWARD", "0")
     keep, defines = setup_py._cuda_attention_selection()
-    assert sorted(Path(k).name for k in keep) == sorted([f"fwd_generic_{dtype}.cu",
-                                                         f"fwd_mma_{dtype}_hd{hd}.cu"])
+    assert sorted(Path(k).name for k in keep) == sorted(
+        [f"fwd_generic_{dtype}.cu", f"fwd_mma_{dtype}_hd{hd}.cu"]
+    )
     assert f"-DATTN_EXT_CUDA_DTYPE_MASK={1 << dtypes.index(dtype)}" in defines
     assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={1 << head_dims.index(hd)}" in defines
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(head_dims[0] + 1))

@@ -8,6 +8,12 @@ import torch
 
 import attn_ext
 from attn_ext.compat import torchcode
+from attn_ext.testing.decoding import (
+    Doc000KVCacheAttention,
+    decode_reference,
+    doc000_apply_rope,
+    rope_reference,
+)
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
@@ -15,8 +21,6 @@ from attn_ext.testing.numerics import (
     ground_truth,
     rand,
 )
-from attn_ext.testing.decoding import (Doc000KVCacheAttention, decode_reference, doc000_apply_rope,
-                                rope_reference)
 
 ops = torch.ops.attn_ext
 
@@ -31,14 +35,22 @@ def _truth_rope(x, **kw):
 def test_state_classes_live_in_caches_and_keep_their_old_paths():
     from attn_ext import caches, decoding
     from attn_ext.nn import linear_attention, tensor_product_attention
+
     for name in ("KVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"):
         cls = getattr(caches, name)
         assert cls.__module__ == "attn_ext.caches" and getattr(attn_ext, name) is cls
     # where users could import them from before they moved
     assert decoding.KVCache is caches.KVCache and decoding.LatentKVCache is caches.LatentKVCache
-    assert attn_ext.nn.TPAFactorCache is tensor_product_attention.TPAFactorCache is caches.TPAFactorCache
-    assert (attn_ext.nn.LinearAttentionState is linear_attention.LinearAttentionState
-            is caches.LinearAttentionState)
+    assert (
+        attn_ext.nn.TPAFactorCache
+        is tensor_product_attention.TPAFactorCache
+        is caches.TPAFactorCache
+    )
+    assert (
+        attn_ext.nn.LinearAttentionState
+        is linear_attention.LinearAttentionState
+        is caches.LinearAttentionState
+    )
     with pytest.raises(AttributeError, match="no attribute 'KVCach'"):
         decoding.KVCach  # noqa: B018
 
@@ -101,8 +113,8 @@ def test_rope_preserves_norm_and_relative_position(device):
     q = torch.randn(1, 1, 1, D, dtype=torch.float64, device=device)
     k = torch.randn(1, 1, 1, D, dtype=torch.float64, device=device)
     for interleaved in (True, False):
-        rq = lambda p: attn_ext.rope(q, offset=p, interleaved=interleaved)  # noqa: E731
-        rk = lambda p: attn_ext.rope(k, offset=p, interleaved=interleaved)  # noqa: E731
+        rq = lambda p, il=interleaved: attn_ext.rope(q, offset=p, interleaved=il)  # noqa: E731
+        rk = lambda p, il=interleaved: attn_ext.rope(k, offset=p, interleaved=il)  # noqa: E731
         torch.testing.assert_close(rq(1234).norm(), q.norm())
         # <rope(q, i), rope(k, j)> depends on i - j only, up to the fp32 rounding of the
         # angles (relative 2^-24 of each angle, at most position * inv_freq <= position)
@@ -124,11 +136,11 @@ def test_rope_inplace_and_backward(device):
     back = ops.rope_backward(out, pos, interleaved=False)
     torch.testing.assert_close(back, x)
     xg = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: attn_ext.rope(t, positions=pos, rotary_dim=16), (xg,))
     assert torch.autograd.gradcheck(
-        lambda t: attn_ext.rope(t, positions=pos, rotary_dim=16), (xg,))
-    assert torch.autograd.gradcheck(lambda t: attn_ext.rope(t.transpose(1, 2), offset=7),
-                                    (torch.randn(1, 5, 2, 8, dtype=torch.float64, device=device,
-                                                 requires_grad=True),))
+        lambda t: attn_ext.rope(t.transpose(1, 2), offset=7),
+        (torch.randn(1, 5, 2, 8, dtype=torch.float64, device=device, requires_grad=True),),
+    )
     with pytest.raises(RuntimeError, match="not differentiable"):
         attn_ext.rope_(xg)
     with pytest.raises(RuntimeError, match="memory location|internal overlap|overlap"):
@@ -137,8 +149,9 @@ def test_rope_inplace_and_backward(device):
 
 def test_rope_3d_and_empty(device):
     x = torch.randn(2, 5, 8, device=device)
-    torch.testing.assert_close(attn_ext.rope(x, offset=3),
-                               attn_ext.rope(x.unsqueeze(1), offset=3).squeeze(1))
+    torch.testing.assert_close(
+        attn_ext.rope(x, offset=3), attn_ext.rope(x.unsqueeze(1), offset=3).squeeze(1)
+    )
     assert attn_ext.rope(torch.randn(0, 2, 3, 8, device=device)).shape == (0, 2, 3, 8)
     y = torch.randn(1, 1, 4, 8, device=device)
     torch.testing.assert_close(attn_ext.rope(y, rotary_dim=0), y, rtol=0, atol=0)
@@ -149,7 +162,10 @@ def test_rope_bad_input(device):
     cases = [
         (dict(rotary_dim=5), "rotary_dim must be even"),
         (dict(rotary_dim=10), r"rotary_dim must be even and in \[0, head_dim = 8\]"),
-        (dict(positions=torch.zeros(4, dtype=torch.long, device=device)), r"positions must have shape \(S,\)"),
+        (
+            dict(positions=torch.zeros(4, dtype=torch.long, device=device)),
+            r"positions must have shape \(S,\)",
+        ),
         (dict(positions=torch.zeros(3, device=device)), "positions must be int32 or int64"),
         (dict(positions=torch.zeros(3, dtype=torch.long, device=device), offset=2), "not both"),
         (dict(base=0.0), "base must be positive"),
@@ -193,8 +209,11 @@ def test_kv_cache_append_layout_and_rope(device, rope):
 
 def test_kv_cache_append_left_padded(device):
     c = _cache(device)
-    c.append(torch.randn(3, 2, 7, 8, device=device), torch.randn(3, 2, 7, 8, device=device),
-             new_lengths=torch.tensor([0, 3, 7], device=device))
+    c.append(
+        torch.randn(3, 2, 7, 8, device=device),
+        torch.randn(3, 2, 7, 8, device=device),
+        new_lengths=torch.tensor([0, 3, 7], device=device),
+    )
     c.k[:, :, :7].zero_()  # only the positions matter below
     k = torch.randn(3, 2, 4, 8, device=device)
     v = torch.randn(3, 2, 4, 8, device=device)
@@ -217,14 +236,37 @@ def test_kv_cache_errors_leave_cache_untouched(device):
     before = _snapshot(c)
     k7, v7 = torch.randn(3, 2, 7, 8, device=device), torch.randn(3, 2, 7, 8, device=device)
     bad = [
-        ((k7, v7), {}, "sequence 0 would overflow the cache: length 10 \\+ 7 new tokens > capacity 16"),
+        (
+            (k7, v7),
+            {},
+            "sequence 0 would overflow the cache: length 10 \\+ 7 new tokens > capacity 16",
+        ),
         ((k7.double(), v7.double()), {}, "k must have k_cache's dtype"),
-        ((torch.randn(3, 4, 1, 8, device=device), torch.randn(3, 4, 1, 8, device=device)), {}, "k heads"),
-        ((torch.randn(3, 2, 1, 6, device=device), torch.randn(3, 2, 1, 8, device=device)), {}, "k head dim"),
-        ((torch.randn(2, 2, 1, 8, device=device), torch.randn(2, 2, 1, 8, device=device)), {}, "k batch size"),
-        ((torch.randn(3, 2, 1, 8, device=device), torch.randn(3, 2, 2, 8, device=device)), {}, "v length"),
-        ((k7[:, :, :1], v7[:, :, :1]), dict(new_lengths=torch.tensor([1, 2, 0], device=device)),
-         r"new_lengths\[1\] must be in \[0, 1\]"),
+        (
+            (torch.randn(3, 4, 1, 8, device=device), torch.randn(3, 4, 1, 8, device=device)),
+            {},
+            "k heads",
+        ),
+        (
+            (torch.randn(3, 2, 1, 6, device=device), torch.randn(3, 2, 1, 8, device=device)),
+            {},
+            "k head dim",
+        ),
+        (
+            (torch.randn(2, 2, 1, 8, device=device), torch.randn(2, 2, 1, 8, device=device)),
+            {},
+            "k batch size",
+        ),
+        (
+            (torch.randn(3, 2, 1, 8, device=device), torch.randn(3, 2, 2, 8, device=device)),
+            {},
+            "v length",
+        ),
+        (
+            (k7[:, :, :1], v7[:, :, :1]),
+            dict(new_lengths=torch.tensor([1, 2, 0], device=device)),
+            r"new_lengths\[1\] must be in \[0, 1\]",
+        ),
         ((k7[:, :, :1], v7[:, :, :1]), dict(rope=True, rotary_dim=3), "rotary_dim must be even"),
     ]
     for (k, v), kw, msg in bad:
@@ -272,7 +314,9 @@ def test_decode_attention(device, dtype, num_splits, case):
     v_view = extra.pop("v_view", False)
     k, v, lens = _filled_cache(device, B, Hkv, L, D, Dv, dtype, lengths, v_view)
     q = rand((B, H, Sq, D), dtype, device, layout="bshd")
-    out, lse = attn_ext.decode_attention(q, k, v, lens, num_splits=num_splits, return_lse=True, **extra)
+    out, lse = attn_ext.decode_attention(
+        q, k, v, lens, num_splits=num_splits, return_lse=True, **extra
+    )
     ref_out, ref_lse = decode_reference(q, k, v, lens, **extra)
     t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **extra)
     assert_error_rule(out, ref_out, t_out, name="decode out")
@@ -294,15 +338,24 @@ def test_decode_bad_input(device):
     cases = [
         ((q, k, v, lens[:1]), {}, r"cache_seqlens must have shape \(B,\)"),
         ((q, k.double(), v, lens), {}, "k_cache must have q's dtype"),
-        ((torch.randn(2, 3, 1, 8, device=device), k, v, lens), {}, "multiple of the cache's kv heads"),
+        (
+            (torch.randn(2, 3, 1, 8, device=device), k, v, lens),
+            {},
+            "multiple of the cache's kv heads",
+        ),
         ((torch.randn(2, 4, 1, 4, device=device), k, v, lens), {}, "k_cache head dim"),
         ((q, k, v[:, :, :5], lens), {}, "v_cache capacity"),
         ((q, k, v, lens), dict(num_splits=-1), "num_splits must be >= 0"),
         ((q, k, v, lens), dict(window_left=-2), "window_size\\[0\\]"),
     ]
     if device == "cpu":  # a GPU op cannot read the lengths without a sync: its kernel clamps
-        cases.append(((q, k, v, torch.tensor([3, 11], device=device)), {},
-                      r"cache_seqlens\[1\] must be in \[0, 10\], got 11"))
+        cases.append(
+            (
+                (q, k, v, torch.tensor([3, 11], device=device)),
+                {},
+                r"cache_seqlens\[1\] must be in \[0, 10\], got 11",
+            )
+        )
     for args, kw, msg in cases:
         with pytest.raises(RuntimeError, match=msg):
             attn_ext.decode_attention(*args, **kw)
@@ -315,13 +368,14 @@ def test_decode_bad_input(device):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_decoder_incremental_equals_full(device, heads, interleaved):
     H, Hkv = heads
-    m = attn_ext.nn.DecoderAttention(64, H, Hkv, rope_interleaved=interleaved, device=device,
-                                     dtype=torch.float64)
+    m = attn_ext.nn.DecoderAttention(
+        64, H, Hkv, rope_interleaved=interleaved, device=device, dtype=torch.float64
+    )
     x = torch.randn(2, 40, 64, dtype=torch.float64, device=device)
     full = m(x)
     with torch.no_grad():
         c = m.new_cache(2, 64)
-        outs = [m(x[:, :9], c)] + [m(x[:, t:t + 1], c) for t in range(9, 40)]
+        outs = [m(x[:, :9], c)] + [m(x[:, t : t + 1], c) for t in range(9, 40)]
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-12)
     assert c.lengths.tolist() == [40, 40]
 
@@ -350,16 +404,16 @@ def test_decoder_ragged_left_padded(device):
     y = torch.randn(3, 12, 64, dtype=torch.float64, device=device)
     xp = torch.zeros_like(x)
     for b, n in enumerate(lens):
-        xp[b, 17 - n:] = x[b, :n]
+        xp[b, 17 - n :] = x[b, :n]
     with torch.no_grad():
         c = m.new_cache(3, 40)
         pre = m(xp, c, new_lengths=torch.tensor(lens, device=device))
-        steps = torch.cat([m(y[:, t:t + 1], c) for t in range(12)], 1)
+        steps = torch.cat([m(y[:, t : t + 1], c) for t in range(12)], 1)
     assert c.lengths.tolist() == [n + 12 for n in lens]
     for b, n in enumerate(lens):
-        full = m(torch.cat([x[b:b + 1, :n], y[b:b + 1]], 1))
-        torch.testing.assert_close(pre[b:b + 1, 17 - n:], full[:, :n], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(steps[b:b + 1], full[:, n:], rtol=1e-10, atol=1e-12)
+        full = m(torch.cat([x[b : b + 1, :n], y[b : b + 1]], 1))
+        torch.testing.assert_close(pre[b : b + 1, 17 - n :], full[:, :n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(steps[b : b + 1], full[:, n:], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -375,7 +429,11 @@ def test_decoder_low_precision_generation(device, dtype):
     with torch.no_grad():
         full = m(x.to(dtype))
         c = m.new_cache(2, 512)
-        inc = torch.cat([m(x[:, :200].to(dtype), c)] + [m(x[:, t:t + 1].to(dtype), c) for t in range(200, 300)], 1)
+        inc = torch.cat(
+            [m(x[:, :200].to(dtype), c)]
+            + [m(x[:, t : t + 1].to(dtype), c) for t in range(200, 300)],
+            1,
+        )
     err_full = (full.double() - truth).abs().max().item()
     err_inc = (inc.double() - truth).abs().max().item()
     assert err_inc <= 2 * err_full + torch.finfo(dtype).eps, (err_inc, err_full)
@@ -422,16 +480,26 @@ def test_kv_cache_attention_matches_document(device):
 # pairs, checked in test_apply_rope_matches_document) and MultiHeadLatentAttention (DeepSeek-V2's
 # checkpoints are interleaved).
 
-ROPE_FLAG_OPS = {"rope": "interleaved", "rope_": "interleaved", "rope_backward": "interleaved",
-                 "kv_cache_append": "rope_interleaved", "latent_cache_append": "rope_interleaved",
-                 "tpa_expand": "rope_interleaved", "tpa_expand_backward": "rope_interleaved"}
+ROPE_FLAG_OPS = {
+    "rope": "interleaved",
+    "rope_": "interleaved",
+    "rope_backward": "interleaved",
+    "kv_cache_append": "rope_interleaved",
+    "latent_cache_append": "rope_interleaved",
+    "tpa_expand": "rope_interleaved",
+    "tpa_expand_backward": "rope_interleaved",
+}
 
 
 def test_op_schemas_default_to_halves():
     # Every attn_ext schema with a layout flag, so that a new op with the old default fails too.
-    flags = {s.name.split("::")[1]: (a.name, a.default_value)
-             for s in torch._C._jit_get_all_schemas() if s.name.startswith("attn_ext::")
-             for a in s.arguments if a.name in ("interleaved", "rope_interleaved")}
+    flags = {
+        s.name.split("::")[1]: (a.name, a.default_value)
+        for s in torch._C._jit_get_all_schemas()
+        if s.name.startswith("attn_ext::")
+        for a in s.arguments
+        if a.name in ("interleaved", "rope_interleaved")
+    }
     assert set(ROPE_FLAG_OPS) <= set(flags)
     assert flags == {op: (flag, False) for op, (flag, _) in flags.items()}
     assert all(flags[op][0] == flag for op, flag in ROPE_FLAG_OPS.items())
@@ -450,6 +518,7 @@ def _layout_entry_points(device):
             y = x.clone()
             op(y, pos, **kw)
             return y
+
         return run
 
     def cache_append(**kw):
@@ -478,8 +547,10 @@ def _layout_entry_points(device):
 
     return {
         "attn_ext.rope": ("interleaved", lambda **kw: attn_ext.rope(x, positions=pos, **kw)),
-        "attn_ext.rope_": ("interleaved",
-                           in_place(lambda y, p, **kw: attn_ext.rope_(y, positions=p, **kw))),
+        "attn_ext.rope_": (
+            "interleaved",
+            in_place(lambda y, p, **kw: attn_ext.rope_(y, positions=p, **kw)),
+        ),
         "ops.rope": ("interleaved", lambda **kw: ops.rope(x, pos, **kw)),
         "ops.rope_": ("interleaved", in_place(ops.rope_)),
         "ops.rope_backward": ("interleaved", lambda **kw: ops.rope_backward(x, pos, **kw)),
@@ -487,8 +558,10 @@ def _layout_entry_points(device):
         "ops.kv_cache_append": ("rope_interleaved", op_cache_append),
         "LatentKVCache.append": ("rope_interleaved", latent_append),
         "ops.latent_cache_append": ("rope_interleaved", op_latent_append),
-        "attn_ext.tpa_expand": ("rope_interleaved",
-                                lambda **kw: attn_ext.tpa_expand(a, b, rope=True, **kw)),
+        "attn_ext.tpa_expand": (
+            "rope_interleaved",
+            lambda **kw: attn_ext.tpa_expand(a, b, rope=True, **kw),
+        ),
         "ops.tpa_expand": ("rope_interleaved", lambda **kw: ops.tpa_expand(a, b, rope=True, **kw)),
         "ops.tpa_expand_backward": ("rope_interleaved", tpa_backward),
     }
@@ -502,8 +575,13 @@ def test_default_rope_layout_is_halves(device, entry):
     torch.testing.assert_close(fn(), halves, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("module, interleaved", [(attn_ext.nn.DecoderAttention, False),
-                                                 (attn_ext.nn.TensorProductAttention, False),
-                                                 (attn_ext.nn.MultiHeadLatentAttention, True)])
+@pytest.mark.parametrize(
+    "module, interleaved",
+    [
+        (attn_ext.nn.DecoderAttention, False),
+        (attn_ext.nn.TensorProductAttention, False),
+        (attn_ext.nn.MultiHeadLatentAttention, True),
+    ],
+)
 def test_module_rope_layout_defaults(module, interleaved):
     assert inspect.signature(module).parameters["rope_interleaved"].default is interleaved

@@ -14,20 +14,20 @@ import pytest
 import torch
 
 import attn_ext
+from attn_ext.testing.attention import (
+    attention_reference,
+    doc001_causal_attention,
+    doc003_masked_stable_attention,
+)
 from attn_ext.testing.numerics import (
     assert_error_rule,
-    grad_slack_ulps,
     autograd_grads,
+    grad_slack_ulps,
     ground_truth,
     ground_truth_grads,
     make_qkv,
     rand,
     random_bool_mask,
-)
-from attn_ext.testing.attention import (
-    attention_reference,
-    doc001_causal_attention,
-    doc003_masked_stable_attention,
 )
 
 
@@ -116,8 +116,12 @@ def test_attention_applies_the_returned_mask(device):
 # --------------------------------------------------------------------------- #
 # attention with dropout
 # --------------------------------------------------------------------------- #
-DTYPES = [pytest.param(torch.float64, id="float64"), pytest.param(torch.float32, id="float32"),
-          pytest.param(torch.bfloat16, id="bfloat16"), pytest.param(torch.float16, id="float16")]
+DTYPES = [
+    pytest.param(torch.float64, id="float64"),
+    pytest.param(torch.float32, id="float32"),
+    pytest.param(torch.bfloat16, id="bfloat16"),
+    pytest.param(torch.float16, id="float16"),
+]
 
 CASES = {
     "plain": dict(shape=(2, 2, 2, 17, 17, 32)),
@@ -166,11 +170,19 @@ def test_dropout_backward_matches_reference(device, dtype, case):
     Sk = k.shape[2]
     keep = keep_mask(B, H, Sq, Sk, p, 9, device)
     g = torch.randn(B, H, Sq, v.shape[-1], device=device).to(dtype)
-    got = autograd_grads(lambda a, b, c: attn_ext.attention(a, b, c, dropout_p=p, generator=gen(9), **kw),
-                         [q, k, v], g)
-    ref = autograd_grads(lambda a, b, c: attention_reference(a, b, c, dropout_p=p, dropout_keep=keep, **kw),
-                         [q, k, v], g)
-    tru = ground_truth_grads(attention_reference, [q, k, v], g, dropout_p=p, dropout_keep=keep, **kw)
+    got = autograd_grads(
+        lambda a, b, c: attn_ext.attention(a, b, c, dropout_p=p, generator=gen(9), **kw),
+        [q, k, v],
+        g,
+    )
+    ref = autograd_grads(
+        lambda a, b, c: attention_reference(a, b, c, dropout_p=p, dropout_keep=keep, **kw),
+        [q, k, v],
+        g,
+    )
+    tru = ground_truth_grads(
+        attention_reference, [q, k, v], g, dropout_p=p, dropout_keep=keep, **kw
+    )
     for name, a, r, t in zip(("dq", "dk", "dv"), got, ref, tru):
         assert_error_rule(a, r, t, name=name, slack_ulps=grad_slack_ulps(a.dtype))
 
@@ -189,8 +201,11 @@ def test_backward_does_not_reread_the_generator(device):
     attn_ext.dropout_keep_mask(4, 4, 32, 32, 0.5, generator=g)
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, grad_out)
-    ref = autograd_grads(lambda a, b, c: attention_reference(a, b, c, dropout_p=p, dropout_keep=keep, causal=True),
-                         [q, k, v], grad_out)
+    ref = autograd_grads(
+        lambda a, b, c: attention_reference(a, b, c, dropout_p=p, dropout_keep=keep, causal=True),
+        [q, k, v],
+        grad_out,
+    )
     for a, r in zip(got, ref):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
 
@@ -311,5 +326,7 @@ def test_doc003_masked_attention_with_dropout(device, dtype):
     keep = keep_mask(2, 2, 14, 14, p, 31, device)
     out = attn_ext.attention(q, k, v, attn_mask=mask, dropout_p=p, generator=gen(31))
     ref = doc003_masked_stable_attention(q, k, v, mask, dropout_keep=keep, dropout_p=p)
-    tru = ground_truth(doc003_masked_stable_attention, q, k, v, mask, dropout_keep=keep, dropout_p=p)
+    tru = ground_truth(
+        doc003_masked_stable_attention, q, k, v, mask, dropout_keep=keep, dropout_p=p
+    )
     assert_error_rule(out, ref, tru)

@@ -55,14 +55,18 @@ def test_gqa_message_gives_both_head_counts(device):
     assert "4" in str(e.value) and "3" in str(e.value)
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (3, 4, 5, 6), (2, 3, 5, 6), (5, 7), (1, 2, 2, 4, 5, 6)])
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 5, 7), (3, 4, 5, 6), (2, 3, 5, 6), (5, 7), (1, 2, 2, 4, 5, 6)]
+)
 def test_bad_mask_shape(device, shape):
     q, k, v = qkv(device)  # broadcast target (2, 4, 5, 6)
     mask = torch.ones(shape, dtype=torch.bool, device=device)
     with pytest.raises(ERRORS, match=names("attn_mask")) as e:
         attn_ext.attention(q, k, v, attn_mask=mask)
     # the message says what it got
-    assert str(tuple(shape)).replace(" ", "").strip("(),") in str(e.value).replace(" ", "").replace("[", "(").replace("]", ")")
+    assert str(tuple(shape)).replace(" ", "").strip("(),") in str(e.value).replace(" ", "").replace(
+        "[", "("
+    ).replace("]", ")")
     with pytest.raises(ERRORS, match=names("attn_mask")):
         attn_ext.attention_weights(q, k, attn_mask=mask)
 

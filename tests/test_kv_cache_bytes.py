@@ -19,12 +19,21 @@ def test_bytes_match_the_caches(dtype):
         return sum(t.nbytes for t in tensors) // L
 
     kw = dict(dtype=dtype)
-    assert attn_ext.kv_cache_bytes("mha", num_heads=16, head_dim=128, **kw) == per_token(mha.k, mha.v)
-    assert attn_ext.kv_cache_bytes("gqa", num_heads=16, num_kv_heads=4, head_dim=128, **kw) == per_token(gqa.k, gqa.v)
-    assert attn_ext.kv_cache_bytes("mqa", head_dim=128, head_dim_v=96, **kw) == per_token(mqa.k, mqa.v)
-    assert attn_ext.kv_cache_bytes("mla", kv_lora_rank=512, qk_rope_head_dim=64, **kw) == per_token(mla.kv)
-    assert attn_ext.kv_cache_bytes("tpa", num_heads=16, head_dim=128, r_k=2, r_v=3, **kw) == \
-        per_token(tpa.a_k, tpa.b_k, tpa.a_v, tpa.b_v)
+    assert attn_ext.kv_cache_bytes("mha", num_heads=16, head_dim=128, **kw) == per_token(
+        mha.k, mha.v
+    )
+    assert attn_ext.kv_cache_bytes(
+        "gqa", num_heads=16, num_kv_heads=4, head_dim=128, **kw
+    ) == per_token(gqa.k, gqa.v)
+    assert attn_ext.kv_cache_bytes("mqa", head_dim=128, head_dim_v=96, **kw) == per_token(
+        mqa.k, mqa.v
+    )
+    assert attn_ext.kv_cache_bytes("mla", kv_lora_rank=512, qk_rope_head_dim=64, **kw) == per_token(
+        mla.kv
+    )
+    assert attn_ext.kv_cache_bytes(
+        "tpa", num_heads=16, head_dim=128, r_k=2, r_v=3, **kw
+    ) == per_token(tpa.a_k, tpa.b_k, tpa.a_v, tpa.b_v)
 
 
 def test_paper_numbers():

@@ -1,8 +1,8 @@
 """attn_ext.linear_attention (issue 6) against the references of attn_ext/testing/linear.py.
 
-Numerics follow attn_ext/testing/attention.py's rule: the kernel's error against a float64 ground truth
-is at most 2x the error of the plain reference run at the same dtype (plus one rounding unit of
-the result), and float64 matches the truth to ~1e-10. The "plain reference" is document 000's
+Numerics follow attn_ext/testing/numerics.py's rule: the kernel's error against a float64 ground
+truth is at most 2x the error of the plain reference run at the same dtype (plus one rounding unit
+of the result), and float64 matches the truth to ~1e-10. The "plain reference" is document 000's
 function for non-causal elu+1, the masked quadratic form otherwise; its float16/bfloat16 run
 rounds after every step while the kernel accumulates in float32, so there the rule is loose for
 the kernel, never for the reference.
@@ -11,6 +11,7 @@ On CUDA the ops run csrc/linear/linear_attention_composite.cpp (ATen ops, no fus
 That composite is registered for CUDA in every build, so the last section below runs it on CPU
 tensors (redispatched to the CUDA key) against the CPU kernel, also where there is no GPU.
 """
+
 import math
 
 import pytest
@@ -20,6 +21,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
 from attn_ext.compat import torchcode
+from attn_ext.testing.linear import (
+    doc000_linear_attention,
+    final_state,
+    linear_attention_quadratic,
+    linear_attention_recurrent,
+)
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
@@ -29,8 +36,6 @@ from attn_ext.testing.numerics import (
     ground_truth_grads,
     rand,
 )
-from attn_ext.testing.linear import (doc000_linear_attention, final_state, linear_attention_quadratic,
-                              linear_attention_recurrent)
 
 ops = torch.ops.attn_ext
 
@@ -44,7 +49,9 @@ def dev(device):
     return device
 
 
-def _inputs(dev, B=2, H=3, S=17, D=16, Dv=24, dtype=torch.float32, layout="contiguous", Sk=None, grad=False):
+def _inputs(
+    dev, B=2, H=3, S=17, D=16, Dv=24, dtype=torch.float32, layout="contiguous", Sk=None, grad=False
+):
     Sk = S if Sk is None else Sk
     q = rand((B, H, S, D), dtype, dev, layout, grad)
     k = rand((B, H, Sk, D), dtype, dev, layout, grad)
@@ -55,10 +62,12 @@ def _inputs(dev, B=2, H=3, S=17, D=16, Dv=24, dtype=torch.float32, layout="conti
 def _plain_reference(causal, feature_map="elu+1", initial_state=None):
     """The reference a user would run at their dtype (document 000's when it applies)."""
     if not causal and feature_map == "elu+1" and initial_state is None:
-        return lambda q, k, v: doc000_linear_attention(q.flatten(0, 1), k.flatten(0, 1),
-                                                       v.flatten(0, 1)).unflatten(0, q.shape[:2])
-    return lambda q, k, v: linear_attention_quadratic(q, k, v, causal=causal, feature_map=feature_map,
-                                                      initial_state=initial_state)
+        return lambda q, k, v: doc000_linear_attention(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        ).unflatten(0, q.shape[:2])
+    return lambda q, k, v: linear_attention_quadratic(
+        q, k, v, causal=causal, feature_map=feature_map, initial_state=initial_state
+    )
 
 
 def _state(dev, B, H, D, Dv, dtype, grad=False):
@@ -70,6 +79,7 @@ def _state(dev, B, H, D, Dv, dtype, grad=False):
 
 
 # ----------------------------------------------------------------------------- forward
+
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("S", LENGTHS)
@@ -113,15 +123,19 @@ def test_sq_differs_from_sk(dev):
 def test_eps(dev):
     q, k, v = _inputs(dev, dtype=torch.float64)
     for eps in (0.0, 0.5):
-        torch.testing.assert_close(attn_ext.linear_attention(q, k, v, causal=True, eps=eps),
-                                   linear_attention_quadratic(q, k, v, causal=True, eps=eps))
+        torch.testing.assert_close(
+            attn_ext.linear_attention(q, k, v, causal=True, eps=eps),
+            linear_attention_quadratic(q, k, v, causal=True, eps=eps),
+        )
 
 
 def test_empty_sequence_returns_initial_state(dev):
     q, k, v = _inputs(dev, S=0, dtype=torch.float64)
     init = _state(dev, 2, 3, 16, 24, torch.float64)
     for causal in (False, True):
-        out, (kv, ks) = attn_ext.linear_attention(q, k, v, causal=causal, initial_state=init, return_state=True)
+        out, (kv, ks) = attn_ext.linear_attention(
+            q, k, v, causal=causal, initial_state=init, return_state=True
+        )
         assert out.shape == (2, 3, 0, 24)
         assert torch.equal(kv, init[0]) and torch.equal(ks, init[1])
         _, (kv, ks) = attn_ext.linear_attention(q, k, v, causal=causal, return_state=True)
@@ -130,12 +144,15 @@ def test_empty_sequence_returns_initial_state(dev):
 
 # ----------------------------------------------------------------------------- state
 
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_initial_and_final_state(dev, dtype, causal):
     q, k, v = _inputs(dev, S=65, dtype=dtype)
     init = _state(dev, 2, 3, 16, 24, dtype)
-    out, (kv, ks) = attn_ext.linear_attention(q, k, v, causal=causal, initial_state=init, return_state=True)
+    out, (kv, ks) = attn_ext.linear_attention(
+        q, k, v, causal=causal, initial_state=init, return_state=True
+    )
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     assert kv.dtype == ks.dtype == acc and kv.shape == (2, 3, 16, 24) and ks.shape == (2, 3, 16)
     ref = _plain_reference(causal, initial_state=init)
@@ -152,7 +169,9 @@ def test_initial_and_final_state(dev, dtype, causal):
 def test_causal_chunked_equals_recurrence(dev, S):
     q, k, v = _inputs(dev, S=S, dtype=torch.float64)
     init = _state(dev, 2, 3, 16, 24, torch.float64)
-    out, (kv, ks) = attn_ext.linear_attention(q, k, v, causal=True, initial_state=init, return_state=True)
+    out, (kv, ks) = attn_ext.linear_attention(
+        q, k, v, causal=True, initial_state=init, return_state=True
+    )
     ref_out, (ref_kv, ref_k) = linear_attention_recurrent(q, k, v, initial_state=init)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(kv, ref_kv, rtol=1e-10, atol=1e-10)
@@ -167,8 +186,14 @@ def test_pieces_with_state_equal_one_call(dev, splits):
     full, (kv_full, k_full) = attn_ext.linear_attention(q, k, v, causal=True, return_state=True)
     state, outs, i = None, [], 0
     for n in splits + [7]:
-        o, state = attn_ext.linear_attention(q[:, :, i:i + n], k[:, :, i:i + n], v[:, :, i:i + n],
-                                             causal=True, initial_state=state, return_state=True)
+        o, state = attn_ext.linear_attention(
+            q[:, :, i : i + n],
+            k[:, :, i : i + n],
+            v[:, :, i : i + n],
+            causal=True,
+            initial_state=state,
+            return_state=True,
+        )
         outs.append(o)
         i += n
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
@@ -187,15 +212,26 @@ def test_decode_step_is_causal_or_not(dev):
 
 # ----------------------------------------------------------------------------- layouts
 
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_3d_inputs(dev, causal):
     q, k, v = _inputs(dev, H=1, S=70)
     init = _state(dev, 2, 1, 16, 24, torch.float32)
-    out4, (kv4, k4) = attn_ext.linear_attention(q, k, v, causal=causal, initial_state=init, return_state=True)
-    out3, (kv3, k3) = attn_ext.linear_attention(q[:, 0], k[:, 0], v[:, 0], causal=causal,
-                                                initial_state=(init[0][:, 0], init[1][:, 0]), return_state=True)
+    out4, (kv4, k4) = attn_ext.linear_attention(
+        q, k, v, causal=causal, initial_state=init, return_state=True
+    )
+    out3, (kv3, k3) = attn_ext.linear_attention(
+        q[:, 0],
+        k[:, 0],
+        v[:, 0],
+        causal=causal,
+        initial_state=(init[0][:, 0], init[1][:, 0]),
+        return_state=True,
+    )
     assert out3.shape == (2, 70, 24) and kv3.shape == (2, 16, 24) and k3.shape == (2, 16)
-    assert torch.equal(out3, out4[:, 0]) and torch.equal(kv3, kv4[:, 0]) and torch.equal(k3, k4[:, 0])
+    assert (
+        torch.equal(out3, out4[:, 0]) and torch.equal(kv3, kv4[:, 0]) and torch.equal(k3, k4[:, 0])
+    )
 
 
 @pytest.mark.parametrize("layout", ["bshd", "noncontig", "expand_b"])
@@ -216,6 +252,7 @@ def test_strided_inputs(dev, layout, causal):
 
 # ----------------------------------------------------------------------------- gradients
 
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("S", [17, 65, 300])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -223,7 +260,9 @@ def test_backward_numerics(dev, dtype, S, causal):
     q, k, v = _inputs(dev, S=S, dtype=dtype)
     g = rand((2, 3, S, 24), dtype, dev)
     ref = _plain_reference(causal)
-    grads = autograd_grads(lambda q, k, v: attn_ext.linear_attention(q, k, v, causal=causal), (q, k, v), g)
+    grads = autograd_grads(
+        lambda q, k, v: attn_ext.linear_attention(q, k, v, causal=causal), (q, k, v), g
+    )
     ref_grads = autograd_grads(ref, (q, k, v), g)
     truth = ground_truth_grads(ref, (q, k, v), g)
     for name, a, r, t in zip("qkv", grads, ref_grads, truth):
@@ -239,7 +278,9 @@ def test_state_gradients(dev, causal):
     gkv, gk = torch.randn_like(init[0]), torch.randn_like(init[1])
 
     def ours(q, k, v, s0, z0):
-        out, (kv, ks) = attn_ext.linear_attention(q, k, v, causal=causal, initial_state=(s0, z0), return_state=True)
+        out, (kv, ks) = attn_ext.linear_attention(
+            q, k, v, causal=causal, initial_state=(s0, z0), return_state=True
+        )
         return (out * g).sum() + (kv * gkv).sum() + (ks * gk).sum()
 
     def reference(q, k, v, s0, z0):
@@ -264,7 +305,10 @@ def test_state_gradients(dev, causal):
 def test_gradcheck(dev, feature_map, causal):
     # 70 positions cross a causal chunk boundary; D != Dv; a state in and out.
     S = 70 if causal else 9
-    q, k = (torch.randn(1, 2, S, 4, dtype=torch.float64, device=dev, requires_grad=True) for _ in range(2))
+    q, k = (
+        torch.randn(1, 2, S, 4, dtype=torch.float64, device=dev, requires_grad=True)
+        for _ in range(2)
+    )
     v = torch.randn(1, 2, S, 3, dtype=torch.float64, device=dev, requires_grad=True)
     s0 = torch.randn(1, 2, 4, 3, dtype=torch.float64, device=dev, requires_grad=True)
     z0 = (torch.rand(1, 2, 4, dtype=torch.float64, device=dev) + 1).requires_grad_()
@@ -275,12 +319,15 @@ def test_gradcheck(dev, feature_map, causal):
         q, k = (x.detach().abs().requires_grad_() for x in (q, k))
 
     def fn(q, k, v, s0, z0):
-        return ops.linear_attention(q, k, v, s0, z0, causal=causal, eps=eps, feature_map=feature_map)
+        return ops.linear_attention(
+            q, k, v, s0, z0, causal=causal, eps=eps, feature_map=feature_map
+        )
 
     assert torch.autograd.gradcheck(fn, (q, k, v, s0, z0))
 
 
 # ----------------------------------------------------------------------------- opcheck
+
 
 def _samples(dev):
     s = []
@@ -317,11 +364,15 @@ def test_opcheck_linear_attention_backward(dev, idx):
     out, kv, ks = ops.linear_attention(q, k, v, *state, **kwargs)
     state += [None] * (2 - len(state))
     grad_state = [torch.randn_like(kv), torch.randn_like(ks)] if idx % 2 else [None, None]
-    torch.library.opcheck(ops.linear_attention_backward.default,
-                          (torch.randn_like(out), q, k, v, *state, *grad_state), kwargs)
+    torch.library.opcheck(
+        ops.linear_attention_backward.default,
+        (torch.randn_like(out), q, k, v, *state, *grad_state),
+        kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------- torch.compile
+
 
 def test_compile_no_recompile(dev):
     torch._dynamo.reset()
@@ -354,20 +405,25 @@ def test_compile_no_recompile(dev):
 
 # ----------------------------------------------------------------------------- modules
 
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("Sq,Sk,D,Dv", [(1024, 1024, 64, 64), (17, 65, 16, 24), (1, 3, 8, 8)])
 def test_compat_torchcode_linear_attention(dev, dtype, Sq, Sk, D, Dv):
     Q, K, V = (rand((2, s, d), dtype, dev) for s, d in ((Sq, D), (Sk, D), (Sk, Dv)))
     out = torchcode.linear_attention(Q, K, V)
     assert out.dtype == dtype and out.shape == (2, Sq, Dv)
-    assert_error_rule(out, doc000_linear_attention(Q, K, V), ground_truth(doc000_linear_attention, Q, K, V))
+    assert_error_rule(
+        out, doc000_linear_attention(Q, K, V), ground_truth(doc000_linear_attention, Q, K, V)
+    )
 
 
 def test_compat_torchcode_linear_attention_grad_and_rank(dev):
     Q, K, V = (torch.randn(2, 33, 8, dtype=torch.float64, device=dev) for _ in range(3))
     g = torch.randn(2, 33, 8, dtype=torch.float64, device=dev)
-    for a, b in zip(autograd_grads(torchcode.linear_attention, (Q, K, V), g),
-                    autograd_grads(doc000_linear_attention, (Q, K, V), g)):
+    for a, b in zip(
+        autograd_grads(torchcode.linear_attention, (Q, K, V), g),
+        autograd_grads(doc000_linear_attention, (Q, K, V), g),
+    ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match=r"linear_attention: expected a 3-D input"):
         torchcode.linear_attention(Q.unsqueeze(1), K.unsqueeze(1), V.unsqueeze(1))
@@ -396,7 +452,7 @@ def test_nn_linear_attention_recurrent_decoding(dev):
     assert state.kv.shape == (2, 4, 8, 8) and state.k.shape == (2, 4, 8)
     steps = [y]
     for t in range(66, 75):
-        y_t, state = m(x[:, t:t + 1], state, return_state=True)
+        y_t, state = m(x[:, t : t + 1], state, return_state=True)
         steps.append(y_t)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state.kv, full_state.kv, rtol=1e-10, atol=1e-10)
@@ -410,11 +466,14 @@ def test_nn_linear_attention_float32_and_errors(dev):
         m(torch.randn(3, 5, 8, device=dev))
     with pytest.raises(ValueError, match=r"must be divisible by num_heads"):
         attn_ext.nn.LinearAttention(10, 3)
-    with pytest.raises(ValueError, match=r"feature_map must be one of 'elu\+1', 'relu', 'identity'"):
+    with pytest.raises(
+        ValueError, match=r"feature_map must be one of 'elu\+1', 'relu', 'identity'"
+    ):
         attn_ext.nn.LinearAttention(16, 2, feature_map="softmax")
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 def _bad_cases(dev):
     q, k, v = _inputs(dev, S=8, D=8, Dv=4)
@@ -425,18 +484,50 @@ def _bad_cases(dev):
         ("heads", (q, k[:, :1], v[:, :1]), {}, r"k and v must have q's number of heads 3"),
         ("batch", (q, k[:1], v[:1]), {}, r"k and v batch size must equal q's 2"),
         ("dtype", (q, k.double(), v), {}, r"k must have q's dtype Float, got Double"),
-        ("causal_lengths", (q, k[:, :, :5], v[:, :, :5]), dict(causal=True),
-         r"causal linear attention needs Sq == Sk, got Sq=8 and Sk=5"),
-        ("feature_map", (q, k, v), dict(feature_map="softmax"),
-         r'feature_map must be one of "elu\+1", "relu", "identity", got "softmax"'),
+        (
+            "causal_lengths",
+            (q, k[:, :, :5], v[:, :, :5]),
+            dict(causal=True),
+            r"causal linear attention needs Sq == Sk, got Sq=8 and Sk=5",
+        ),
+        (
+            "feature_map",
+            (q, k, v),
+            dict(feature_map="softmax"),
+            r'feature_map must be one of "elu\+1", "relu", "identity", got "softmax"',
+        ),
         ("eps", (q, k, v), dict(eps=-1.0), r"eps must be finite and >= 0, got -1"),
-        ("state_shape", (q, k, v, kv[..., :3], ks), {},
-         r"initial_state_kv must have shape \[2, 3, 8, 4\], got \[2, 3, 8, 3\]"),
-        ("state_k_shape", (q, k, v, kv, ks[:1]), {}, r"initial_state_k must have shape \[2, 3, 8\], got \[1, 3, 8\]"),
-        ("state_dtype", (q, k, v, kv.double(), ks), {}, r"initial_state_kv must have dtype Float, got Double"),
-        ("state_half", (q, k, v, kv, None), {}, r"initial_state_kv and initial_state_k must be given together"),
+        (
+            "state_shape",
+            (q, k, v, kv[..., :3], ks),
+            {},
+            r"initial_state_kv must have shape \[2, 3, 8, 4\], got \[2, 3, 8, 3\]",
+        ),
+        (
+            "state_k_shape",
+            (q, k, v, kv, ks[:1]),
+            {},
+            r"initial_state_k must have shape \[2, 3, 8\], got \[1, 3, 8\]",
+        ),
+        (
+            "state_dtype",
+            (q, k, v, kv.double(), ks),
+            {},
+            r"initial_state_kv must have dtype Float, got Double",
+        ),
+        (
+            "state_half",
+            (q, k, v, kv, None),
+            {},
+            r"initial_state_kv and initial_state_k must be given together",
+        ),
         ("rank", (q[0], k, v), {}, r"q must be 4-D \(B, H, Sq, D\), got 3-D"),
-        ("int", (q.long(), k.long(), v.long()), {}, r"q must be float32, float64, bfloat16 or float16, got Long"),
+        (
+            "int",
+            (q.long(), k.long(), v.long()),
+            {},
+            r"q must be float32, float64, bfloat16 or float16, got Long",
+        ),
     ]
 
 
@@ -452,12 +543,26 @@ def test_bad_input(dev, idx):
 
 def test_bad_input_backward_and_wrapper(dev):
     q, k, v = _inputs(dev, S=8, D=8, Dv=4)
-    with pytest.raises(RuntimeError, match=r"linear_attention_backward: grad_out must have shape \[2, 3, 8, 4\]"):
+    with pytest.raises(
+        RuntimeError, match=r"linear_attention_backward: grad_out must have shape \[2, 3, 8, 4\]"
+    ):
         ops.linear_attention_backward(torch.randn(2, 3, 8, 5, device=dev), q, k, v)
-    with pytest.raises(RuntimeError, match=r"grad_state_kv and grad_state_k must be given together"):
-        ops.linear_attention_backward(torch.randn(2, 3, 8, 4, device=dev), q, k, v, None, None,
-                                      torch.zeros(2, 3, 8, 4, device=dev), None)
-    with pytest.raises(ValueError, match=r"q must be 3-D \(B, S, D\) or 4-D \(B, H, S, D\), got 2-D"):
+    with pytest.raises(
+        RuntimeError, match=r"grad_state_kv and grad_state_k must be given together"
+    ):
+        ops.linear_attention_backward(
+            torch.randn(2, 3, 8, 4, device=dev),
+            q,
+            k,
+            v,
+            None,
+            None,
+            torch.zeros(2, 3, 8, 4, device=dev),
+            None,
+        )
+    with pytest.raises(
+        ValueError, match=r"q must be 3-D \(B, S, D\) or 4-D \(B, H, S, D\), got 2-D"
+    ):
         attn_ext.linear_attention(q[0, 0], k[0, 0], v[0, 0])
     with pytest.raises(ValueError, match=r"initial_state must be a pair \(kv_state, k_state\)"):
         attn_ext.linear_attention(q, k, v, initial_state=torch.zeros(3))
@@ -493,7 +598,10 @@ def test_composite_equals_cpu_kernel_float64(S, causal, feature_map, with_state)
     q, k, v = _inputs("cpu", S=S, dtype=torch.float64)
     init = _state("cpu", 2, 3, 16, 24, torch.float64) if with_state else (None, None)
     kw = dict(causal=causal, eps=1e-6, feature_map=feature_map)
-    for a, b in zip(ops.linear_attention(q, k, v, *init, **kw), _composite("linear_attention", q, k, v, *init, **kw)):
+    for a, b in zip(
+        ops.linear_attention(q, k, v, *init, **kw),
+        _composite("linear_attention", q, k, v, *init, **kw),
+    ):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12 * max(1.0, a.abs().max().item()))
     g = rand((2, 3, S, 24), torch.float64, "cpu")
     gs = _state("cpu", 2, 3, 16, 24, torch.float64) if with_state else (None, None)
@@ -501,7 +609,9 @@ def test_composite_equals_cpu_kernel_float64(S, causal, feature_map, with_state)
     got = _composite("linear_attention_backward", g, q, k, v, *init, *gs, **kw)
     for name, a, b in zip(("dq", "dk", "dv", "d_init_kv", "d_init_k"), want, got):
         assert b.shape == a.shape and b.dtype == a.dtype and b.is_contiguous(), name
-        torch.testing.assert_close(b, a, rtol=1e-11, atol=1e-11 * max(1.0, a.abs().max().item()), msg=name)
+        torch.testing.assert_close(
+            b, a, rtol=1e-11, atol=1e-11 * max(1.0, a.abs().max().item()), msg=name
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -523,9 +633,19 @@ def test_composite_shapes_and_errors():
     e = [torch.randn(1, 2, 0, d, dtype=torch.float64) for d in (4, 4, 3)]
     out, kv, ks = _composite("linear_attention", *e, causal=True)
     assert out.shape == (1, 2, 0, 3) and kv.abs().max() == 0 and ks.abs().max() == 0
-    grads = _composite("linear_attention_backward", torch.randn(1, 2, 0, 3, dtype=torch.float64), *e, causal=True)
-    assert [tuple(t.shape) for t in grads] == [(1, 2, 0, 4), (1, 2, 0, 4), (1, 2, 0, 3), (1, 2, 4, 3), (1, 2, 4)]
+    grads = _composite(
+        "linear_attention_backward", torch.randn(1, 2, 0, 3, dtype=torch.float64), *e, causal=True
+    )
+    assert [tuple(t.shape) for t in grads] == [
+        (1, 2, 0, 4),
+        (1, 2, 0, 4),
+        (1, 2, 0, 3),
+        (1, 2, 4, 3),
+        (1, 2, 4),
+    ]
     with pytest.raises(RuntimeError, match=r"attn_ext\.linear_attention: "):
         _composite("linear_attention", q, k, v, causal=True)  # causal needs Sq == Sk
     with pytest.raises(RuntimeError, match=r"grad_out must have shape"):
-        _composite("linear_attention_backward", torch.randn(2, 3, 5, 4, dtype=torch.float64), q, k, v)
+        _composite(
+            "linear_attention_backward", torch.randn(2, 3, 5, 4, dtype=torch.float64), q, k, v
+        )

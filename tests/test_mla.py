@@ -1,6 +1,6 @@
 """Multi-head Latent Attention (attn_ext.nn.MultiHeadLatentAttention, attn_ext.LatentKVCache)
-against the plain reference of DeepSeek-V2's equations (attn_ext/testing/mla.py): prefill, gradients,
-and the weight-absorbed decode step by step against the decompressed attention."""
+against the plain reference of DeepSeek-V2's equations (attn_ext/testing/mla.py): prefill,
+gradients, and the weight-absorbed decode step by step against the decompressed attention."""
 
 import math
 
@@ -9,8 +9,8 @@ import torch
 
 import attn_ext
 from attn_ext.nn import MultiHeadLatentAttention
-from attn_ext.testing.numerics import assert_error_rule, grad_slack_ulps
 from attn_ext.testing.mla import mla_reference, paper_weights
+from attn_ext.testing.numerics import assert_error_rule, grad_slack_ulps
 
 # Small dims with every width distinct (so a swapped axis cannot pass), and the paper's.
 SMALL = dict(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
@@ -27,13 +27,20 @@ def _layer(device, dtype, d_model=40, heads=3, q_lora_rank=None, dims=SMALL, **k
 
 
 def _truth(m, x, **kw):
-    return mla_reference(x.detach(), paper_weights(m), compute_dtype=torch.float64,
-                         rope_base=m.rope_base, interleaved=m.rope_interleaved, **kw)
+    return mla_reference(
+        x.detach(),
+        paper_weights(m),
+        compute_dtype=torch.float64,
+        rope_base=m.rope_base,
+        interleaved=m.rope_interleaved,
+        **kw,
+    )
 
 
 def _plain(m, x, **kw):
-    return mla_reference(x.detach(), paper_weights(m), rope_base=m.rope_base,
-                         interleaved=m.rope_interleaved, **kw)
+    return mla_reference(
+        x.detach(), paper_weights(m), rope_base=m.rope_base, interleaved=m.rope_interleaved, **kw
+    )
 
 
 # ------------------------------------------------------------------------------------ prefill
@@ -87,9 +94,13 @@ def test_prefill_gradients(device, q_lora_rank):
     for mod, dt in ((m64, torch.float64), (m, dtype)):
         xx = x.detach().to(dt).requires_grad_(True)
         ps = list(mod.parameters())
-        out = mla_reference(xx, paper_weights(mod), rope_base=mod.rope_base,
-                            interleaved=mod.rope_interleaved,
-                            compute_dtype=torch.float64 if dt == torch.float64 else None)
+        out = mla_reference(
+            xx,
+            paper_weights(mod),
+            rope_base=mod.rope_base,
+            interleaved=mod.rope_interleaved,
+            compute_dtype=torch.float64 if dt == torch.float64 else None,
+        )
         ref = torch.autograd.grad(out, [xx, *ps], g.to(dt))
         if dt == torch.float64:
             truth = ref
@@ -100,12 +111,18 @@ def test_prefill_gradients(device, q_lora_rank):
 
 
 def test_prefill_gradcheck():
-    m = _layer("cpu", torch.float64, d_model=8, heads=2,
-               dims=dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=3))
+    m = _layer(
+        "cpu",
+        torch.float64,
+        d_model=8,
+        heads=2,
+        dims=dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=3),
+    )
     x = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
     w = m.kv_b_proj.weight
-    torch.autograd.gradcheck(lambda x, w: torch.func.functional_call(m, {"kv_b_proj.weight": w}, (x,)),
-                             (x, w))
+    torch.autograd.gradcheck(
+        lambda x, w: torch.func.functional_call(m, {"kv_b_proj.weight": w}, (x,)), (x, w)
+    )
 
 
 # ------------------------------------------------------------------------------------- decode
@@ -115,7 +132,7 @@ def _step_by_step(m, x, prompt, chunk=1, absorb=True):
     cache = m.new_cache(x.size(0), x.size(1) + 3)
     outs = [m(x[:, :prompt], cache, absorb=absorb)]
     for t in range(prompt, x.size(1), chunk):
-        outs.append(m(x[:, t:t + chunk], cache, absorb=absorb))
+        outs.append(m(x[:, t : t + chunk], cache, absorb=absorb))
     return torch.cat(outs, dim=1), cache
 
 
@@ -157,7 +174,9 @@ def test_absorbed_equals_decompressed(device):
     # Both are float32 sums of the same terms in different orders (tolerance: ~1e3 ulps of
     # outputs of size ~1, far below any indexing or scale error).
     torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-4)
-    assert_error_rule(absorbed, _plain(m, x), _truth(m, x), name="absorbed (paper dims)", factor=4.0)
+    assert_error_rule(
+        absorbed, _plain(m, x), _truth(m, x), name="absorbed (paper dims)", factor=4.0
+    )
 
 
 def test_decode_left_padded_batch(device):
@@ -167,7 +186,7 @@ def test_decode_left_padded_batch(device):
     cache = m.new_cache(2, 16)
     with torch.no_grad():
         m(x[:, :5], cache, new_lengths=torch.tensor([5, 3], device=device))
-        steps = torch.cat([m(x[:, t:t + 1], cache) for t in range(5, 8)], dim=1)
+        steps = torch.cat([m(x[:, t : t + 1], cache) for t in range(5, 8)], dim=1)
     assert cache.lengths.tolist() == [8, 6]
     assert_error_rule(steps[0], None, _truth(m, x[:1])[0, 5:], name="sequence 0")
     assert_error_rule(steps[1], None, _truth(m, x[1:, 2:])[0, 3:], name="sequence 1 (padded)")
@@ -203,8 +222,12 @@ def test_latent_cache_append_op(device):
     torch.testing.assert_close(cache.latent[1, :, 2:3], c_kv[1, :, 2:])
     rotated = attn_ext.rope(k_rope, positions=torch.tensor([[2, 3, 4], [0, 1, 2]], device=device))
     torch.testing.assert_close(cache.rope_key[0, :, 2:5], rotated[0])
-    with pytest.raises(RuntimeError, match=r"row width \(dim 3\) must be c_kv's \+ k_rope's = 6 \+ 5"):
-        torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv, k_rope.new_zeros(2, 1, 3, 5))
+    with pytest.raises(
+        RuntimeError, match=r"row width \(dim 3\) must be c_kv's \+ k_rope's = 6 \+ 5"
+    ):
+        torch.ops.attn_ext.latent_cache_append(
+            cache.kv, cache.lengths, c_kv, k_rope.new_zeros(2, 1, 3, 5)
+        )
     # messages name the latent op's own arguments, not kv_cache_append's k / v
     with pytest.raises(RuntimeError, match=r"c_kv length \(dim 2\) must be 2"):
         torch.ops.attn_ext.latent_cache_append(cache.kv, cache.lengths, c_kv, k_rope[:, :, :2])
@@ -227,8 +250,9 @@ def test_errors():
         m(torch.randn(2, 5, 41))
     with pytest.raises(TypeError, match="LatentKVCache"):
         m(torch.randn(2, 1, 40), attn_ext.KVCache(2, 1, 8, 32))
-    other = MultiHeadLatentAttention(40, 3, kv_lora_rank=16, qk_nope_head_dim=12,
-                                     qk_rope_head_dim=8, v_head_dim=10)
+    other = MultiHeadLatentAttention(
+        40, 3, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10
+    )
     with pytest.raises(ValueError, match="kv_lora_rank=16"):
         m(torch.randn(2, 1, 40), other.new_cache(2, 8))
     with pytest.raises(ValueError, match="do not pass positions"):

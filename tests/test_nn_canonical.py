@@ -78,7 +78,12 @@ CASES = {
     "causal_bool_mask": (dict(causal=True), (2, 7, 7), False, "bool"),
     "no_bias": (dict(bias=False, num_heads=4, num_kv_heads=1), (2, 5, 5), False, None),
     "seq_first": (dict(batch_first=False, causal=True), (3, 6, 6), False, None),
-    "seq_first_cross": (dict(batch_first=False, kdim=6, num_heads=4, num_kv_heads=2), (3, 5, 7), True, "bool"),
+    "seq_first_cross": (
+        dict(batch_first=False, kdim=6, num_heads=4, num_kv_heads=2),
+        (3, 5, 7),
+        True,
+        "bool",
+    ),
 }
 EMBED = 16
 
@@ -129,9 +134,12 @@ def _check(case, device, dtype, tol, need_weights):
         torch.testing.assert_close(w, ref_w, **tol)
     else:
         ref_w = None
-    for name, a, b in zip([f"input{i}" for i in range(len(args))] + [n for n, _ in m.named_parameters()],
-                          _grads(out, w, leaves), _grads(ref_out, ref_w, leaves)):
-        torch.testing.assert_close(a, b, **tol, msg=lambda s: f"grad of {name}: {s}")
+    for name, a, b in zip(
+        [f"input{i}" for i in range(len(args))] + [n for n, _ in m.named_parameters()],
+        _grads(out, w, leaves),
+        _grads(ref_out, ref_w, leaves),
+    ):
+        torch.testing.assert_close(a, b, **tol, msg=lambda s, name=name: f"grad of {name}: {s}")
     return m, out
 
 
@@ -162,15 +170,30 @@ def test_parameters_and_shapes(device):
     m = MultiHeadAttention(16, 4, num_kv_heads=2, kdim=6, vdim=10, device=device)
     assert m.head_dim == 4
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
-    assert shapes == {"q_proj.weight": (16, 16), "q_proj.bias": (16,), "k_proj.weight": (8, 6), "k_proj.bias": (8,),
-                      "v_proj.weight": (8, 10), "v_proj.bias": (8,), "out_proj.weight": (16, 16),
-                      "out_proj.bias": (16,)}
+    assert shapes == {
+        "q_proj.weight": (16, 16),
+        "q_proj.bias": (16,),
+        "k_proj.weight": (8, 6),
+        "k_proj.bias": (8,),
+        "v_proj.weight": (8, 10),
+        "v_proj.bias": (8,),
+        "out_proj.weight": (16, 16),
+        "out_proj.bias": (16,),
+    }
     m2 = MultiHeadAttention(16, 4, num_kv_heads=2, kdim=6, vdim=10, device=device)
     m2.load_state_dict(m.state_dict(), strict=True)
-    assert all(isinstance(getattr(m, n), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    assert all(
+        isinstance(getattr(m, n), torch.nn.Linear)
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj")
+    )
     assert len(dict(MultiHeadAttention(16, 4, bias=False).named_parameters())) == 4
     x = torch.randn(3, 5, 16, device=device)
-    out, w = m(x, torch.randn(3, 7, 6, device=device), torch.randn(3, 7, 10, device=device), need_weights=True)
+    out, w = m(
+        x,
+        torch.randn(3, 7, 6, device=device),
+        torch.randn(3, 7, 10, device=device),
+        need_weights=True,
+    )
     assert out.shape == (3, 5, 16) and w.shape == (3, 4, 5, 7)
 
 
@@ -198,7 +221,7 @@ def test_eval_deterministic_train_dropout(device):
         w = torch.stack([m(x, need_weights=True)[1] for _ in range(20)])
     assert not torch.allclose(samples[0], ref) and not torch.equal(samples[0], samples[1])
     mean, std = samples.mean(0), samples.std(0)
-    assert ((mean - ref).abs() <= 5 * std / runs ** 0.5 + 1e-6).float().mean() > 0.99
+    assert ((mean - ref).abs() <= 5 * std / runs**0.5 + 1e-6).float().mean() > 0.99
     visible = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
     frac = (w[..., visible] == 0).double().mean().item()
     assert abs(frac - p) < 0.05, frac  # 1680 visible weights: std of frac ~0.011
@@ -207,9 +230,18 @@ def test_eval_deterministic_train_dropout(device):
 BAD_FORWARD = {
     "query_2d": (lambda x, y, z: (x[0],), "query must be 3-D"),
     "query_4d": (lambda x, y, z: (x[None],), "query must be 3-D"),
-    "query_embed": (lambda x, y, z: (torch.randn(2, 5, 15),), r"query must have 16 features \(embed_dim\).*got 15"),
-    "key_kdim": (lambda x, y, z: (x, torch.randn(2, 7, 5), z), r"key must have 6 features \(kdim\).*got 5"),
-    "value_vdim": (lambda x, y, z: (x, y, torch.randn(2, 7, 6)), r"value must have 10 features \(vdim\).*got 6"),
+    "query_embed": (
+        lambda x, y, z: (torch.randn(2, 5, 15),),
+        r"query must have 16 features \(embed_dim\).*got 15",
+    ),
+    "key_kdim": (
+        lambda x, y, z: (x, torch.randn(2, 7, 5), z),
+        r"key must have 6 features \(kdim\).*got 5",
+    ),
+    "value_vdim": (
+        lambda x, y, z: (x, y, torch.randn(2, 7, 6)),
+        r"value must have 10 features \(vdim\).*got 6",
+    ),
     "value_2d": (lambda x, y, z: (x, y, z[0]), "value must be 3-D"),
     "batch": (lambda x, y, z: (x, y[:1], z[:1]), "same batch size, got 2, 1 and 1"),
     "key_value_len": (lambda x, y, z: (x, y, z[:, :6]), "same sequence length, got 7 and 6"),
@@ -225,13 +257,19 @@ def test_bad_forward_input(case):
         m(*make(x, y, z))
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(embed_dim=16, num_heads=3), r"embed_dim \(16\) must be divisible by num_heads \(3\)"),
-    (dict(embed_dim=16, num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a positive multiple of num_kv_heads \(3\)"),
-    (dict(embed_dim=0, num_heads=4), "embed_dim and num_heads must be > 0"),
-    (dict(embed_dim=16, num_heads=4, dropout=1.0), r"dropout must be in \[0, 1\)"),
-    (dict(embed_dim=16, num_heads=4, window_size=3), "window_size must be a pair"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(embed_dim=16, num_heads=3), r"embed_dim \(16\) must be divisible by num_heads \(3\)"),
+        (
+            dict(embed_dim=16, num_heads=4, num_kv_heads=3),
+            r"num_heads \(4\) must be a positive multiple of num_kv_heads \(3\)",
+        ),
+        (dict(embed_dim=0, num_heads=4), "embed_dim and num_heads must be > 0"),
+        (dict(embed_dim=16, num_heads=4, dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(embed_dim=16, num_heads=4, window_size=3), "window_size must be a pair"),
+    ],
+)
 def test_bad_constructor(kw, msg):
     with pytest.raises(ValueError, match=msg):
         MultiHeadAttention(**kw)

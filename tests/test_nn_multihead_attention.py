@@ -17,8 +17,8 @@ import torch._dynamo
 import attn_ext
 import attn_ext.nn  # noqa: F401  (in case the package does not import it)
 
-E, H = 8, 2          # embed_dim, num_heads (head_dim 4)
-N, L, S = 3, 5, 7    # batch, target length, source length
+E, H = 8, 2  # embed_dim, num_heads (head_dim 4)
+N, L, S = 3, 5, 7  # batch, target length, source length
 KDIM, VDIM = 6, 10
 
 F64 = dict(rtol=1e-10, atol=1e-10)
@@ -42,6 +42,7 @@ def _pair(device, dtype, **kw):
 
 def _inputs(kv_mode, batch_first, device, dtype, unbatched=False):
     """query, key, value leaves (the same object where the mode shares them)."""
+
     def t(seq, width):
         if unbatched:
             shape = (seq, width)
@@ -116,7 +117,9 @@ def _run(mod, query, key, value, grad_seed=1, **kw):
         if not any(x is y for y in leaves):
             leaves.append(x)
     names, params = zip(*mod.named_parameters())
-    grads = torch.autograd.grad(loss, leaves + list(params), allow_unused=True, materialize_grads=True)
+    grads = torch.autograd.grad(
+        loss, leaves + list(params), allow_unused=True, materialize_grads=True
+    )
     return out, w, dict(zip([f"input{i}" for i in range(len(leaves))] + list(names), grads))
 
 
@@ -131,15 +134,19 @@ def _compare(theirs, ours, args, kw, tol):
         torch.testing.assert_close(o_w, t_w, **tol)
     assert o_g.keys() == t_g.keys()
     for name in t_g:
-        torch.testing.assert_close(o_g[name], t_g[name], **tol, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            o_g[name], t_g[name], **tol, msg=lambda m, name=name: f"grad of {name}: {m}"
+        )
     return o_out, o_w
 
 
 KV_MODES = ["self", "kv_same", "cross", "kdim_vdim"]
 MASKS = ["none", "kpmb", "kpmf", "am2b", "am2f", "am3b", "am3f", "am2b+kpmb", "am3f+kpmf"]
-WEIGHTS = {"no_weights": dict(need_weights=False),
-           "avg_weights": dict(need_weights=True),
-           "head_weights": dict(need_weights=True, average_attn_weights=False)}
+WEIGHTS = {
+    "no_weights": dict(need_weights=False),
+    "avg_weights": dict(need_weights=True),
+    "head_weights": dict(need_weights=True, average_attn_weights=False),
+}
 
 
 def _module_kw(kv_mode):
@@ -149,9 +156,13 @@ def _module_kw(kv_mode):
 # Every (kv_mode, mask) pair with every weights mode; the layout alternates so that each
 # kv_mode and each mask case runs both batch_first=True and False (the full product would
 # double the suite's time for little: the layout is handled before masks and heads).
-MATRIX = [pytest.param(bf, kv, mask, wts, id=f"{'batch_first' if bf else 'seq_first'}-{kv}-{mask}-{wts}")
-          for i, kv in enumerate(KV_MODES) for j, mask in enumerate(MASKS) for wts in WEIGHTS
-          for bf in [(i + j) % 2 == 0]]
+MATRIX = [
+    pytest.param(bf, kv, mask, wts, id=f"{'batch_first' if bf else 'seq_first'}-{kv}-{mask}-{wts}")
+    for i, kv in enumerate(KV_MODES)
+    for j, mask in enumerate(MASKS)
+    for wts in WEIGHTS
+    for bf in [(i + j) % 2 == 0]
+]
 
 
 @pytest.mark.parametrize("batch_first,kv_mode,mask_case,weights", MATRIX)
@@ -169,26 +180,39 @@ def test_matches_torch_float64(device, batch_first, kv_mode, mask_case, weights)
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
 @pytest.mark.parametrize("mask_case", ["none", "am2b+kpmb", "am3f", "kpmf"])
-@pytest.mark.parametrize("add_bias_kv,add_zero_attn", [(True, False), (False, True), (True, True)],
-                         ids=["bias_kv", "zero_attn", "both"])
+@pytest.mark.parametrize(
+    "add_bias_kv,add_zero_attn",
+    [(True, False), (False, True), (True, True)],
+    ids=["bias_kv", "zero_attn", "both"],
+)
 def test_bias_kv_zero_attn_float64(device, add_bias_kv, add_zero_attn, mask_case, need_weights):
-    theirs, ours = _pair(device, torch.float64, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                         batch_first=True)
+    theirs, ours = _pair(
+        device,
+        torch.float64,
+        add_bias_kv=add_bias_kv,
+        add_zero_attn=add_zero_attn,
+        batch_first=True,
+    )
     args = _inputs("cross", True, device, torch.float64)
     am, kpm = _masks(mask_case, S, device, torch.float64)
-    kw = dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
+    kw = dict(
+        attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False
+    )
     _, w = _compare(theirs, ours, args, kw, F64)
     if w is not None:
         assert w.shape == (N, H, L, S + add_bias_kv + add_zero_attn)
 
 
-@pytest.mark.parametrize("case", ["plain", "weights", "kpm", "cross", "zero_attn", "bias_kv_weights",
-                                  "not_causal_mask"])
+@pytest.mark.parametrize(
+    "case", ["plain", "weights", "kpm", "cross", "zero_attn", "bias_kv_weights", "not_causal_mask"]
+)
 def test_is_causal_float64(device, case):
     """torch's is_causal hint: with need_weights=False and no key_padding_mask the attn_mask is
     replaced by a top-left causal mask (even a mask that is not causal, case not_causal_mask);
     otherwise the mask is used."""
-    mod_kw = dict(batch_first=True, add_zero_attn=case == "zero_attn", add_bias_kv=case == "bias_kv_weights")
+    mod_kw = dict(
+        batch_first=True, add_zero_attn=case == "zero_attn", add_bias_kv=case == "bias_kv_weights"
+    )
     theirs, ours = _pair(device, torch.float64, **mod_kw)
     kv_mode = "cross" if case == "cross" else "self"
     s = _src_len(kv_mode)
@@ -216,7 +240,9 @@ def test_unbatched_float64(device, mask_case, need_weights):
     theirs, ours = _pair(device, torch.float64, batch_first=True)
     args = _inputs("cross", True, device, torch.float64, unbatched=True)
     am, kpm = _masks(mask_case, S, device, torch.float64, unbatched=True)
-    kw = dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
+    kw = dict(
+        attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False
+    )
     out, w = _compare(theirs, ours, args, kw, F64)
     assert out.shape == (L, E)
     if need_weights:
@@ -229,7 +255,9 @@ def test_no_bias_float64(device, need_weights):
     assert ours.in_proj_bias is None and ours.out_proj.bias is None
     args = _inputs("kdim_vdim", False, device, torch.float64)
     am, kpm = _masks("am2b+kpmb", S, device, torch.float64)
-    _compare(theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights), F64)
+    _compare(
+        theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights), F64
+    )
 
 
 def test_mismatched_mask_types_warn_and_match(device):
@@ -242,21 +270,33 @@ def test_mismatched_mask_types_warn_and_match(device):
             mod(*args, attn_mask=am, key_padding_mask=kpm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _compare(theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=False), F64)
+        _compare(
+            theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=False), F64
+        )
 
 
 @pytest.mark.parametrize("kv_mode", ["self", "kdim_vdim"])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
 def test_matches_torch_float32(device, kv_mode, need_weights):
-    theirs, ours = _pair(device, torch.float32, batch_first=True, add_bias_kv=True, **_module_kw(kv_mode))
+    theirs, ours = _pair(
+        device, torch.float32, batch_first=True, add_bias_kv=True, **_module_kw(kv_mode)
+    )
     args = _inputs(kv_mode, True, device, torch.float32)
     am, kpm = _masks("am3b+kpmb", _src_len(kv_mode), device, torch.float32)
-    _compare(theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights), F32)
+    _compare(
+        theirs, ours, args, dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights), F32
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(kdim=KDIM, vdim=VDIM, bias=False),
-                                dict(add_bias_kv=True, add_zero_attn=True, batch_first=True)],
-                         ids=["packed", "separate_no_bias", "bias_kv"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(kdim=KDIM, vdim=VDIM, bias=False),
+        dict(add_bias_kv=True, add_zero_attn=True, batch_first=True),
+    ],
+    ids=["packed", "separate_no_bias", "bias_kv"],
+)
 def test_same_parameters_init_and_state_dict(device, kw):
     torch.manual_seed(123)
     theirs = torch.nn.MultiheadAttention(E, H, device=device, **kw)
@@ -284,12 +324,42 @@ def _error_cases(device):
         "2d_key_3d_query": (x, torch.randn(L, E, **d), x, {}),
         "embed_dim": (torch.randn(N, L, E + 1, **d),) * 3 + ({},),
         "key_value_shape": (x, torch.randn(N, S, E, **d), torch.randn(N, S + 1, E, **d), {}),
-        "attn_mask_2d_shape": (x, x, x, dict(attn_mask=torch.zeros(L, L + 1, dtype=torch.bool, device=device))),
-        "attn_mask_3d_shape": (x, x, x, dict(attn_mask=torch.zeros(N, L, L, dtype=torch.bool, device=device))),
-        "attn_mask_4d": (x, x, x, dict(attn_mask=torch.zeros(1, 1, L, L, dtype=torch.bool, device=device))),
-        "attn_mask_int": (x, x, x, dict(attn_mask=torch.zeros(L, L, dtype=torch.int64, device=device))),
-        "kpm_shape": (x, x, x, dict(key_padding_mask=torch.zeros(N, L + 1, dtype=torch.bool, device=device))),
-        "kpm_3d": (x, x, x, dict(key_padding_mask=torch.zeros(N, 1, L, dtype=torch.bool, device=device))),
+        "attn_mask_2d_shape": (
+            x,
+            x,
+            x,
+            dict(attn_mask=torch.zeros(L, L + 1, dtype=torch.bool, device=device)),
+        ),
+        "attn_mask_3d_shape": (
+            x,
+            x,
+            x,
+            dict(attn_mask=torch.zeros(N, L, L, dtype=torch.bool, device=device)),
+        ),
+        "attn_mask_4d": (
+            x,
+            x,
+            x,
+            dict(attn_mask=torch.zeros(1, 1, L, L, dtype=torch.bool, device=device)),
+        ),
+        "attn_mask_int": (
+            x,
+            x,
+            x,
+            dict(attn_mask=torch.zeros(L, L, dtype=torch.int64, device=device)),
+        ),
+        "kpm_shape": (
+            x,
+            x,
+            x,
+            dict(key_padding_mask=torch.zeros(N, L + 1, dtype=torch.bool, device=device)),
+        ),
+        "kpm_3d": (
+            x,
+            x,
+            x,
+            dict(key_padding_mask=torch.zeros(N, 1, L, dtype=torch.bool, device=device)),
+        ),
     }
 
 
@@ -371,7 +441,7 @@ def test_train_dropout_statistics(device, need_weights):
     assert not torch.equal(samples[0], samples[1])
     mean, std = samples.mean(0), samples.std(0)
     # 5 standard errors per element (plus a little for the std estimate itself).
-    bound = 5 * std / runs ** 0.5 + 1e-6
+    bound = 5 * std / runs**0.5 + 1e-6
     assert ((mean - ref).abs() <= bound).float().mean() > 0.99, (mean - ref).abs().max()
     assert (mean - ref).abs().max() < 0.25 * ref.abs().max()
     if need_weights:

@@ -18,10 +18,22 @@ from attn_ext.testing.numerics import make_qkv, random_bool_mask, random_float_m
 ops = torch.ops.attn_ext
 
 
-def _qkv(device, B=2, H=4, Hkv=2, Sq=7, Sk=9, D=16, Dv=None, dtype=torch.float32,
-         layout="contiguous", grad=False):
-    return make_qkv(B, H, Hkv, Sq, Sk, D, Dv, dtype=dtype, device=device, layout=layout,
-                    requires_grad=grad)
+def _qkv(
+    device,
+    B=2,
+    H=4,
+    Hkv=2,
+    Sq=7,
+    Sk=9,
+    D=16,
+    Dv=None,
+    dtype=torch.float32,
+    layout="contiguous",
+    grad=False,
+):
+    return make_qkv(
+        B, H, Hkv, Sq, Sk, D, Dv, dtype=dtype, device=device, layout=layout, requires_grad=grad
+    )
 
 
 def attention_samples(device):
@@ -31,16 +43,28 @@ def attention_samples(device):
     q, k, v = _qkv(device, grad=True)
     s.append(("grad_causal", (q, k, v), dict(causal=True)))
     q, k, v = _qkv(device, layout="bshd", grad=True)
-    s.append(("strided_gqa_bool_mask", (q, k, v),
-              dict(attn_mask=random_bool_mask((2, 1, 7, 9), device))))
+    s.append(
+        ("strided_gqa_bool_mask", (q, k, v), dict(attn_mask=random_bool_mask((2, 1, 7, 9), device)))
+    )
     q, k, v = _qkv(device, Hkv=1, Dv=24, grad=True)
-    s.append(("mqa_float_mask_window_scale", (q, k, v),
-              dict(attn_mask=random_float_mask((1, 4, 1, 9), torch.float32, device),
-                   window_left=3, window_right=2, scale=0.3)))
+    s.append(
+        (
+            "mqa_float_mask_window_scale",
+            (q, k, v),
+            dict(
+                attn_mask=random_float_mask((1, 4, 1, 9), torch.float32, device),
+                window_left=3,
+                window_right=2,
+                scale=0.3,
+            ),
+        )
+    )
     q, k, v = _qkv(device, Sq=9, Sk=5, grad=True)
     s.append(("empty_rows", (q, k, v), dict(causal=True)))
     q, k, v = _qkv(device, grad=True)
-    s.append(("dropout", (q, k, v), dict(dropout_p=0.3, rng_state=torch.tensor([1234, 0]), causal=True)))
+    s.append(
+        ("dropout", (q, k, v), dict(dropout_p=0.3, rng_state=torch.tensor([1234, 0]), causal=True))
+    )
     q, k, v = _qkv(device, dtype=torch.float64, grad=True)
     s.append(("float64_key_offset", (q, k, v), dict(causal=True, key_offset=0)))
     q, k, v = _qkv(device, dtype=torch.bfloat16, grad=True)
@@ -70,8 +94,13 @@ def backward_samples(device):
         s.append((name, (g, q, k, v, out, lse), kw))
     q, k, v = _qkv(device)
     out, lse = ops.attention(q, k, v, causal=True)
-    s.append(("grad_lse", (torch.randn_like(out), q, k, v, out, lse),
-              dict(causal=True, grad_lse=torch.randn_like(lse))))
+    s.append(
+        (
+            "grad_lse",
+            (torch.randn_like(out), q, k, v, out, lse),
+            dict(causal=True, grad_lse=torch.randn_like(lse)),
+        )
+    )
     return s
 
 
@@ -93,9 +122,18 @@ def weights_samples(device):
     q, k, _ = _qkv(device, layout="bshd", grad=True)
     s.append(("strided_gqa_mask", (q, k), dict(attn_mask=random_bool_mask((7, 9), device))))
     q, k, _ = _qkv(device, Sq=9, Sk=5, grad=True)
-    s.append(("window_float_mask_empty_rows", (q, k),
-              dict(window_left=1, window_right=0,
-                   attn_mask=random_float_mask((2, 4, 9, 5), torch.float32, device), scale=0.5)))
+    s.append(
+        (
+            "window_float_mask_empty_rows",
+            (q, k),
+            dict(
+                window_left=1,
+                window_right=0,
+                attn_mask=random_float_mask((2, 4, 9, 5), torch.float32, device),
+                scale=0.5,
+            ),
+        )
+    )
     return s
 
 
@@ -113,11 +151,16 @@ def test_opcheck_attention_weights_backward(device, idx):
     _, (q, k), kw = weights_samples(device)[idx]
     q, k = q.detach(), k.detach()
     w = ops.attention_weights(q, k, **kw)
-    torch.library.opcheck(ops.attention_weights_backward.default,
-                          (torch.randn_like(w), w, q, k), dict(scale=kw.get("scale")))
+    torch.library.opcheck(
+        ops.attention_weights_backward.default,
+        (torch.randn_like(w), w, q, k),
+        dict(scale=kw.get("scale")),
+    )
 
 
-@pytest.mark.parametrize("shape,p", [((2, 3, 5, 7), 0.25), ((1, 1, 16, 33), 0.5), ((0, 2, 3, 4), 0.1)])
+@pytest.mark.parametrize(
+    "shape,p", [((2, 3, 5, 7), 0.25), ((1, 1, 16, 33), 0.5), ((0, 2, 3, 4), 0.1)]
+)
 def test_opcheck_dropout_mask(shape, p):
     torch.library.opcheck(ops.dropout_mask.default, (torch.tensor([99, 0]), *shape, p))
 
@@ -147,9 +190,12 @@ def rope_samples(device):
     pos = torch.randint(0, 50, (2, 5), device=device)
     return [
         ("plain", (x,), {}),
-        ("grad_strided_interleaved", (xs.requires_grad_(True),),
-         dict(interleaved=True, offset=3)),
-        ("positions_partial", (x.double().requires_grad_(True), pos), dict(rotary_dim=4, base=500.0)),
+        ("grad_strided_interleaved", (xs.requires_grad_(True),), dict(interleaved=True, offset=3)),
+        (
+            "positions_partial",
+            (x.double().requires_grad_(True), pos),
+            dict(rotary_dim=4, base=500.0),
+        ),
         ("shared_positions_bf16", (x.bfloat16(), pos[0].int()), {}),
     ]
 
@@ -174,10 +220,18 @@ def test_opcheck_kv_cache_append(device):
     v = torch.randn(2, 2, 3, 6, device=device)
     # opcheck runs the op several times on copies; leave room for every run
     torch.library.opcheck(ops.kv_cache_append.default, (kc, vc, lens, k, v), {})
-    torch.library.opcheck(ops.kv_cache_append.default,
-                          (kc.clone(), vc.clone(), torch.zeros(2, dtype=torch.long, device=device), k, v,
-                           torch.tensor([3, 1], device=device)),
-                          dict(rope=True, rope_interleaved=True))
+    torch.library.opcheck(
+        ops.kv_cache_append.default,
+        (
+            kc.clone(),
+            vc.clone(),
+            torch.zeros(2, dtype=torch.long, device=device),
+            k,
+            v,
+            torch.tensor([3, 1], device=device),
+        ),
+        dict(rope=True, rope_interleaved=True),
+    )
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -186,8 +240,9 @@ def test_opcheck_decode_attention(device, splits):
     kc = torch.randn(2, 2, 40, 16, device=device)
     vc = torch.randn(2, 2, 40, 24, device=device)[..., :12]
     lens = torch.tensor([40, 7], dtype=torch.int32, device=device)
-    torch.library.opcheck(ops.decode_attention.default, (q, kc, vc, lens),
-                          dict(num_splits=splits, window_left=5))
+    torch.library.opcheck(
+        ops.decode_attention.default, (q, kc, vc, lens), dict(num_splits=splits, window_left=5)
+    )
 
 
 # ------------------------------------------------------------------------- spatial (CBAM) ops
@@ -218,18 +273,25 @@ def test_opcheck_spatial_ops(device, idx):
     xd, gd = x.detach(), gate.detach()
     pooled, argmax = ops.channel_pool(xd)
     cl = (not xd.is_contiguous()) and xd.is_contiguous(memory_format=torch.channels_last)
-    torch.library.opcheck(ops.channel_pool_backward.default, (torch.randn_like(pooled), argmax, C),
-                          dict(channels_last=cl))
+    torch.library.opcheck(
+        ops.channel_pool_backward.default,
+        (torch.randn_like(pooled), argmax, C),
+        dict(channels_last=cl),
+    )
     torch.library.opcheck(ops.spatial_gate_backward.default, (torch.randn_like(xd), xd, gd))
     dense = xd.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-    torch.library.opcheck(ops.channel_pool_backward_accumulate_.default,
-                          (torch.randn_like(dense), torch.randn_like(pooled), argmax))
+    torch.library.opcheck(
+        ops.channel_pool_backward_accumulate_.default,
+        (torch.randn_like(dense), torch.randn_like(pooled), argmax),
+    )
 
 
 def test_opcheck_spatial_gate_float32_gate(device):
     x = torch.randn(2, 6, 5, 5, device=device).bfloat16().requires_grad_(True)
     gate = torch.randn(2, 1, 5, 5, device=device, requires_grad=True)
     torch.library.opcheck(ops.spatial_gate.default, (x, gate))
+
+
 # ------------------------------------------------------------------ tensor product attention
 
 
@@ -239,10 +301,16 @@ def tpa_samples(device):
     pos = torch.randint(0, 50, (2, 5), device=device)
     return [
         ("plain", (a, b), dict(scale=1 / 3)),
-        ("grad_rope_positions", (a.clone().requires_grad_(True), b.clone().requires_grad_(True), pos),
-         dict(scale=0.5, rope=True, rope_interleaved=True)),
-        ("grad_rope_partial_f64", (a.double().requires_grad_(True), b.double().requires_grad_(True)),
-         dict(rope=True, rotary_dim=4, rope_base=500.0)),
+        (
+            "grad_rope_positions",
+            (a.clone().requires_grad_(True), b.clone().requires_grad_(True), pos),
+            dict(scale=0.5, rope=True, rope_interleaved=True),
+        ),
+        (
+            "grad_rope_partial_f64",
+            (a.double().requires_grad_(True), b.double().requires_grad_(True)),
+            dict(rope=True, rotary_dim=4, rope_base=500.0),
+        ),
         ("shared_positions_bf16", (a.bfloat16(), b.bfloat16(), pos[0].int()), dict(rope=True)),
     ]
 
@@ -261,22 +329,48 @@ def test_opcheck_tpa_expand(device, idx):
 
 def tpa_decode_samples(device):
     def cache(B, N, rk, rv, H, D, dtype=torch.float32, grad=False):
-        ts = [torch.randn(B, N, rk, H, device=device, dtype=dtype),
-              torch.randn(B, N, rk, D, device=device, dtype=dtype),
-              torch.randn(B, N, rv, H, device=device, dtype=dtype),
-              torch.randn(B, rv, N, D, device=device, dtype=dtype).transpose(1, 2)]  # strided b_v
+        ts = [
+            torch.randn(B, N, rk, H, device=device, dtype=dtype),
+            torch.randn(B, N, rk, D, device=device, dtype=dtype),
+            torch.randn(B, N, rv, H, device=device, dtype=dtype),
+            torch.randn(B, rv, N, D, device=device, dtype=dtype).transpose(1, 2),
+        ]  # strided b_v
         return [t.requires_grad_(grad) for t in ts]
 
     lengths = torch.tensor([9, 4], device=device, dtype=torch.int32)
     return [
-        ("decode_step", (torch.randn(2, 4, 1, 8, device=device), *cache(2, 9, 2, 2, 4, 8), lengths), {}),
-        ("grad_chunk_strided_q",
-         (torch.randn(2, 3, 4, 8, device=device).transpose(1, 2).requires_grad_(True),
-          *cache(2, 9, 1, 3, 4, 8, grad=True), lengths), dict(scale=0.3, k_scale=0.7, v_scale=1.1)),
-        ("grad_f64", (torch.randn(2, 4, 2, 6, device=device, dtype=torch.float64, requires_grad=True),
-                      *cache(2, 9, 2, 2, 4, 6, dtype=torch.float64, grad=True), lengths.long()), {}),
-        ("bf16", (torch.randn(2, 4, 1, 8, device=device).bfloat16(),
-                  *cache(2, 9, 2, 2, 4, 8, dtype=torch.bfloat16), lengths), {}),
+        (
+            "decode_step",
+            (torch.randn(2, 4, 1, 8, device=device), *cache(2, 9, 2, 2, 4, 8), lengths),
+            {},
+        ),
+        (
+            "grad_chunk_strided_q",
+            (
+                torch.randn(2, 3, 4, 8, device=device).transpose(1, 2).requires_grad_(True),
+                *cache(2, 9, 1, 3, 4, 8, grad=True),
+                lengths,
+            ),
+            dict(scale=0.3, k_scale=0.7, v_scale=1.1),
+        ),
+        (
+            "grad_f64",
+            (
+                torch.randn(2, 4, 2, 6, device=device, dtype=torch.float64, requires_grad=True),
+                *cache(2, 9, 2, 2, 4, 6, dtype=torch.float64, grad=True),
+                lengths.long(),
+            ),
+            {},
+        ),
+        (
+            "bf16",
+            (
+                torch.randn(2, 4, 1, 8, device=device).bfloat16(),
+                *cache(2, 9, 2, 2, 4, 8, dtype=torch.bfloat16),
+                lengths,
+            ),
+            {},
+        ),
     ]
 
 
@@ -290,8 +384,12 @@ def test_opcheck_tpa_decode_attention(device, idx):
     q, *factors, lengths = (t.detach() for t in args)
     g = torch.randn_like(q).contiguous()
     glse = torch.randn(q.shape[:3], device=device)
-    torch.library.opcheck(ops.tpa_decode_attention_backward.default, (g, glse, q, *factors, lengths), kwargs)
-    torch.library.opcheck(ops.tpa_decode_attention_backward.default, (g, None, q, *factors, lengths), kwargs)
+    torch.library.opcheck(
+        ops.tpa_decode_attention_backward.default, (g, glse, q, *factors, lengths), kwargs
+    )
+    torch.library.opcheck(
+        ops.tpa_decode_attention_backward.default, (g, None, q, *factors, lengths), kwargs
+    )
 
 
 def test_opcheck_latent_cache_append(device):
@@ -300,7 +398,14 @@ def test_opcheck_latent_cache_append(device):
     k_rope = torch.randn(2, 3, 1, 4, device=device).transpose(1, 2)  # strided
     lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
     torch.library.opcheck(ops.latent_cache_append.default, (cache, lens, c_kv, k_rope), {})
-    torch.library.opcheck(ops.latent_cache_append.default,
-                          (cache.clone(), torch.zeros(2, dtype=torch.long, device=device), c_kv, k_rope,
-                           torch.tensor([3, 1], device=device)),
-                          dict(rope_interleaved=True, rope_base=500.0))
+    torch.library.opcheck(
+        ops.latent_cache_append.default,
+        (
+            cache.clone(),
+            torch.zeros(2, dtype=torch.long, device=device),
+            c_kv,
+            k_rope,
+            torch.tensor([3, 1], device=device),
+        ),
+        dict(rope_interleaved=True, rope_base=500.0),
+    )

@@ -13,18 +13,18 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
+from attn_ext.testing.attention import attention_reference, sdpa_reference, top_left_causal_keep
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
-    grad_slack_ulps,
     autograd_grads,
+    grad_slack_ulps,
     ground_truth,
     make_qkv,
     rand,
     random_bool_mask,
     random_float_mask,
 )
-from attn_ext.testing.attention import attention_reference, sdpa_reference, top_left_causal_keep
 
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 
@@ -40,14 +40,18 @@ def check_sdpa(q, k, v, **kw):
 
 
 def check_sdpa_grads(q, k, v, **kw):
-    g = torch.randn(F.scaled_dot_product_attention(q, k, v, **kw).shape, device=q.device).to(q.dtype)
+    g = torch.randn(F.scaled_dot_product_attention(q, k, v, **kw).shape, device=q.device).to(
+        q.dtype
+    )
     ours = lambda a, b, c: attn_ext.scaled_dot_product_attention(a, b, c, **kw)  # noqa: E731
     theirs = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kw)  # noqa: E731
     got = autograd_grads(ours, [q, k, v], g)
     ref = autograd_grads(theirs, [q, k, v], g)
     # the truth: torch SDPA on float64 copies (float masks converted too)
-    kw64 = {n: (m.double() if isinstance(m, torch.Tensor) and m.is_floating_point() else m)
-            for n, m in kw.items()}
+    kw64 = {
+        n: (m.double() if isinstance(m, torch.Tensor) and m.is_floating_point() else m)
+        for n, m in kw.items()
+    }
     theirs64 = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kw64)  # noqa: E731
     tru = autograd_grads(theirs64, [x.double() for x in (q, k, v)], g.double())
     for name, a, r, t in zip(("dq", "dk", "dv"), got, ref, tru):
@@ -178,7 +182,9 @@ def test_sdpa_fully_masked_row_is_zero(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["plain", "causal", "causal_sq_gt_sk", "bool", "float", "gqa", "scale"])
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "causal_sq_gt_sk", "bool", "float", "gqa", "scale"]
+)
 def test_sdpa_backward(device, dtype, case):
     sq, sk, h, hkv = 13, 17, 2, 2
     kw = {}
@@ -206,7 +212,9 @@ def test_sdpa_gradcheck(device):
     mask = random_bool_mask((5, 7), device)
 
     def masked(q, k, v):
-        return attn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.8)
+        return attn_ext.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True, scale=0.8
+        )
 
     def causal(q, k, v):
         return attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -229,6 +237,12 @@ def test_sdpa_dropout_follows_default_generator(device):
     assert not torch.equal(a, c)  # the generator moved on
     torch.manual_seed(123)
     keep = attn_ext.dropout_keep_mask(2, 2, 9, 11, p).to(device)
-    ref = attention_reference(q, k, v, attn_mask=top_left_causal_keep(9, 11, device=device),
-                              dropout_p=p, dropout_keep=keep)
+    ref = attention_reference(
+        q,
+        k,
+        v,
+        attn_mask=top_left_causal_keep(9, 11, device=device),
+        dropout_p=p,
+        dropout_keep=keep,
+    )
     torch.testing.assert_close(a, ref, rtol=1e-10, atol=1e-10)

@@ -7,6 +7,7 @@ summation order). At float32/bfloat16/float16 the numerics rule applies: the err
 float64 ground truth on the same (rounded) inputs is at most twice the reference's own error at
 that dtype, plus a floor of a few ulps of the dtype (the channel mean sums in another order).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,9 @@ def assert_numerics(ours, ref_lo, truth, dtype, what):
     err = (ours.double() - truth).abs().max().item()
     ref_err = (ref_lo.double() - truth).abs().max().item()
     bound = 2 * ref_err + ULPS * eps_of(dtype) * scale
-    assert err <= bound, f"{what}: error {err:.3e} > bound {bound:.3e} (reference error {ref_err:.3e})"
+    assert err <= bound, (
+        f"{what}: error {err:.3e} > bound {bound:.3e} (reference error {ref_err:.3e})"
+    )
 
 
 def is_layout(t, layout, x_shape=None):
@@ -83,23 +86,25 @@ def test_channel_pool_low_precision(device, shape, dtype, layout):
     assert torch.equal(pooled[:, 1], torch.max(x, dim=1).values)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_channel_pool_ties_and_nan(device, layout, dtype):
     """Ties go to the first maximal channel and a NaN wins (the first NaN), as torch.max; with
     20 channels the CPU kernel's lanes hold channels j, j + 8 and the tail 16..19."""
     nan, inf = float("nan"), float("inf")
     x = torch.zeros(1, 20, 3, 3, device=device, dtype=dtype)
-    x[0, 3, 0, 0] = x[0, 11, 0, 0] = 5.0      # tie within one lane: channel 3
-    x[0, 2, 0, 1] = nan                        # NaN beats a larger number
+    x[0, 3, 0, 0] = x[0, 11, 0, 0] = 5.0  # tie within one lane: channel 3
+    x[0, 2, 0, 1] = nan  # NaN beats a larger number
     x[0, 9, 0, 1] = 7.0
-    x[0, 4, 0, 2] = x[0, 17, 0, 2] = nan       # first NaN: channel 4
-    x[0, :, 1, 0] = -inf                       # all -inf: channel 0
-    x[0, 19, 1, 1] = 1.0                       # max in the last channel (a lane tail)
-    x[0, 6, 2, 0] = x[0, 9, 2, 0] = 5.0        # tie across lanes (6 in lane 6, 9 in lane 1): 6
-    x[0, 18, 2, 1] = nan                       # the only NaN in the tail
+    x[0, 4, 0, 2] = x[0, 17, 0, 2] = nan  # first NaN: channel 4
+    x[0, :, 1, 0] = -inf  # all -inf: channel 0
+    x[0, 19, 1, 1] = 1.0  # max in the last channel (a lane tail)
+    x[0, 6, 2, 0] = x[0, 9, 2, 0] = 5.0  # tie across lanes (6 in lane 6, 9 in lane 1): 6
+    x[0, 18, 2, 1] = nan  # the only NaN in the tail
     x[0, :, 2, 2] = -inf
-    x[0, 1, 2, 2], x[0, 12, 2, 2] = inf, nan   # NaN beats +inf in an earlier lane
+    x[0, 1, 2, 2], x[0, 12, 2, 2] = inf, nan  # NaN beats +inf in an earlier lane
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     pooled, argmax = attn_ext.channel_pool(x, return_argmax=True)
@@ -109,8 +114,9 @@ def test_channel_pool_ties_and_nan(device, layout, dtype):
     assert argmax[0, 0, 1, 0] == 0 and argmax[0, 0, 1, 1] == 19
     assert argmax[0, 0, 2, 0] == 6 and argmax[0, 0, 2, 1] == 18 and argmax[0, 0, 2, 2] == 12
     eps = eps_of(dtype)  # one rounding of the mean
-    torch.testing.assert_close(pooled.double(), ref.channel_pool(x.double()), equal_nan=True,
-                               rtol=eps, atol=0)
+    torch.testing.assert_close(
+        pooled.double(), ref.channel_pool(x.double()), equal_nan=True, rtol=eps, atol=0
+    )
     # the max's gradient reaches only the argmax channel
     xg = x.clone().requires_grad_(True)
     attn_ext.channel_pool(xg)[:, 1].sum().backward()
@@ -137,7 +143,9 @@ def test_spatial_gate_float64(device, shape, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("shape", [(2, 5, 7, 9), (2, 37, 9, 7), (2, 20, 23, 29)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(2, 5, 7, 9), (2, 37, 9, 7), (2, 20, 23, 29)], ids=lambda s: "x".join(map(str, s))
+)
 def test_spatial_gate_low_precision(device, shape, dtype, layout):
     x = make_x(shape, dtype, layout, device, requires_grad=True)
     a = torch.randn(shape[0], 1, *shape[2:], device=device).to(dtype).requires_grad_(True)
@@ -197,7 +205,11 @@ def test_channel_pool_backward_accumulate(device, layout, dtype):
     ops.channel_pool_backward_accumulate_(acc, gp, argmax)
     fresh = ops.channel_pool_backward(gp, argmax, 11, channels_last=layout == "channels_last")
     expect = base.double() + fresh.double()
-    tol = dict(rtol=1e-13, atol=1e-13) if dtype == torch.float64 else dict(rtol=eps_of(dtype), atol=eps_of(dtype))
+    tol = (
+        dict(rtol=1e-13, atol=1e-13)
+        if dtype == torch.float64
+        else dict(rtol=eps_of(dtype), atol=eps_of(dtype))
+    )
     torch.testing.assert_close(acc.double(), expect, **tol)
     with pytest.raises(RuntimeError, match="grad_x must be dense NCHW or channels-last"):
         ops.channel_pool_backward_accumulate_(base[:, :, :, :5], gp[..., :5], argmax[..., :5])
@@ -210,20 +222,27 @@ def test_gradcheck(device, layout):
     torch.autograd.gradcheck(lambda t: attn_ext.channel_pool(t), (x,))
     torch.autograd.gradcheck(attn_ext.spatial_gate, (x, a))
     conv = torch.randn(1, 2, 3, 3, dtype=torch.float64, device=device, requires_grad=True)
-    torch.autograd.gradcheck(lambda t, w: attn_ext.spatial_gate(t, F.conv2d(attn_ext.channel_pool(t), w, padding=1)),
-                             (x, conv))
+    torch.autograd.gradcheck(
+        lambda t, w: attn_ext.spatial_gate(t, F.conv2d(attn_ext.channel_pool(t), w, padding=1)),
+        (x, conv),
+    )
     # the module's fused backward (gate and pooling gradients in one pass)
     sa = attn_ext.nn.SpatialAttention(3).to(device=device, dtype=torch.float64)
-    torch.autograd.gradcheck(lambda t, w: torch.func.functional_call(sa, {"conv.weight": w}, (t,)),
-                             (x, conv))
+    torch.autograd.gradcheck(
+        lambda t, w: torch.func.functional_call(sa, {"conv.weight": w}, (t,)), (x, conv)
+    )
 
 
 def test_strided_input_is_copied_not_misread(device):
     base = torch.randn(2, 10, 6, 8, dtype=torch.float64, device=device)
     x = base[:, ::2, :, 1:7]  # neither dense layout
     a = torch.randn(2, 1, 6, 6, dtype=torch.float64, device=device)
-    torch.testing.assert_close(attn_ext.channel_pool(x), ref.channel_pool(x), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(attn_ext.spatial_gate(x, a), ref.spatial_gate(x, a), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        attn_ext.channel_pool(x), ref.channel_pool(x), rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(
+        attn_ext.spatial_gate(x, a), ref.spatial_gate(x, a), rtol=1e-13, atol=1e-13
+    )
     # a gate given as a channels-last or expanded view
     a_view = torch.randn(2, 1, 1, 6, dtype=torch.float64, device=device).expand(2, 1, 6, 6)
     torch.testing.assert_close(attn_ext.spatial_gate(x, a_view), ref.spatial_gate(x, a_view))
@@ -249,7 +268,9 @@ def load_from(ours, doc):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kernel_size", [7, 3])
-@pytest.mark.parametrize("shape", [(2, 3, 16, 16), (2, 5, 7, 9), (3, 6, 1, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 16, 16), (2, 5, 7, 9), (3, 6, 1, 1)], ids=lambda s: "x".join(map(str, s))
+)
 def test_zoo_spatial_attention_matches_document(device, shape, kernel_size, layout):
     doc = doc004.SpatialAttention(kernel_size).to(device=device, dtype=torch.float64)
     ours = load_from(zoo.SpatialAttention(kernel_size), doc).to(device=device, dtype=torch.float64)
@@ -304,15 +325,20 @@ def test_cbam_matches_paper(device, layout, bias):
     torch.testing.assert_close(ca(x), ref.cbam_channel(x, w0, w1, b0, b1), rtol=1e-12, atol=1e-12)
     sa = cbam.spatial_attention
     torch.testing.assert_close(sa(x), ref.cbam_spatial(x, sa.conv.weight), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(sa.attention_map(x), ref.doc_spatial_map(x, sa.conv.weight), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        sa.attention_map(x), ref.doc_spatial_map(x, sa.conv.weight), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_cbam_state_dict_round_trip(device):
     a = attn_ext.nn.CBAM(64, kernel_size=3).to(device)
     b = attn_ext.nn.CBAM(64, kernel_size=3).to(device)
     b.load_state_dict(a.state_dict(), strict=True)
-    assert sorted(a.state_dict()) == ["channel_attention.mlp.0.weight", "channel_attention.mlp.2.weight",
-                                      "spatial_attention.conv.weight"]
+    assert sorted(a.state_dict()) == [
+        "channel_attention.mlp.0.weight",
+        "channel_attention.mlp.2.weight",
+        "spatial_attention.conv.weight",
+    ]
     x = torch.randn(2, 64, 5, 5, device=device)
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
 
@@ -357,20 +383,33 @@ def test_bad_input_messages(device):
         attn_ext.channel_pool(x.long())
     with pytest.raises(RuntimeError, match="spatial_gate: gate must have shape"):
         attn_ext.spatial_gate(x, torch.randn(2, 2, 5, 5, device=device))
-    with pytest.raises(RuntimeError, match="spatial_gate: gate must have x's dtype Float, got Double"):
+    with pytest.raises(
+        RuntimeError, match="spatial_gate: gate must have x's dtype Float, got Double"
+    ):
         attn_ext.spatial_gate(x, torch.randn(2, 1, 5, 5, device=device, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="spatial_gate: gate must have x's dtype BFloat16 or float32, got Half"):
-        attn_ext.spatial_gate(x.bfloat16(), torch.randn(2, 1, 5, 5, device=device, dtype=torch.half))
+    with pytest.raises(
+        RuntimeError, match="spatial_gate: gate must have x's dtype BFloat16 or float32, got Half"
+    ):
+        attn_ext.spatial_gate(
+            x.bfloat16(), torch.randn(2, 1, 5, 5, device=device, dtype=torch.half)
+        )
     with pytest.raises(RuntimeError, match="spatial_gate: x must be 4-D"):
         attn_ext.spatial_gate(x[0], torch.randn(2, 1, 5, 5, device=device))
     g = torch.randn(2, 2, 5, 5, device=device)
     with pytest.raises(RuntimeError, match="channel_pool_backward: argmax must be an int32 tensor"):
         ops.channel_pool_backward(g, torch.zeros(2, 1, 5, 5, device=device, dtype=torch.long), 4)
-    with pytest.raises(RuntimeError, match="channel_pool_backward: grad_pooled must have 2 channels"):
-        ops.channel_pool_backward(torch.randn(2, 3, 5, 5, device=device),
-                                  torch.zeros(2, 1, 5, 5, device=device, dtype=torch.int32), 4)
+    with pytest.raises(
+        RuntimeError, match="channel_pool_backward: grad_pooled must have 2 channels"
+    ):
+        ops.channel_pool_backward(
+            torch.randn(2, 3, 5, 5, device=device),
+            torch.zeros(2, 1, 5, 5, device=device, dtype=torch.int32),
+            4,
+        )
     with pytest.raises(RuntimeError, match="spatial_gate_backward: grad_out must have x's shape"):
-        ops.spatial_gate_backward(torch.randn(2, 4, 5, 4, device=device), x, torch.randn(2, 1, 5, 5, device=device))
+        ops.spatial_gate_backward(
+            torch.randn(2, 4, 5, 4, device=device), x, torch.randn(2, 1, 5, 5, device=device)
+        )
 
 
 def test_bad_module_input(device):

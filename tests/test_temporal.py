@@ -7,6 +7,7 @@ as sqrt(S) ||E||, the document sums S copies). float32 is loose (2e-4 relative):
 blocked online softmax rounds differently from torch's matmul + softmax, and the scores here are
 scaled up by sqrt(S) by the formula itself.
 """
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,7 +29,9 @@ def build_zoo(device, dtype, args=(24, 16, 8)):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("tp_shape", [(2, 1, 8), (2, 3, 8), (1, 1, 8)], ids=["per_seq", "three_points", "batch1"])
+@pytest.mark.parametrize(
+    "tp_shape", [(2, 1, 8), (2, 3, 8), (1, 1, 8)], ids=["per_seq", "three_points", "batch1"]
+)
 @pytest.mark.parametrize("seq_len", [1, 7, 33])
 def test_zoo_temporal_matches_document(device, dtype, tp_shape, seq_len):
     doc, ours = build_zoo(device, dtype)
@@ -39,7 +42,11 @@ def test_zoo_temporal_matches_document(device, dtype, tp_shape, seq_len):
     out_d, w_d = doc(x, tp)
     out_o, w_o = ours(x, tp)
     tol = TOL64 if dtype == torch.float64 else TOL32
-    assert out_o.shape == out_d.shape == (2, seq_len, 16) and w_o.shape == w_d.shape == (2, seq_len, seq_len)
+    assert out_o.shape == out_d.shape == (2, seq_len, 16) and w_o.shape == w_d.shape == (
+        2,
+        seq_len,
+        seq_len,
+    )
     torch.testing.assert_close(out_o, out_d, **tol)
     torch.testing.assert_close(w_o, w_d, **tol)
     go, gw = torch.randn_like(out_d), torch.randn_like(w_d)
@@ -48,8 +55,12 @@ def test_zoo_temporal_matches_document(device, dtype, tp_shape, seq_len):
     gd = torch.autograd.grad((out_d * go).sum() + (w_d * gw).sum(), leaves_d)
     g_o = torch.autograd.grad((out_o * go).sum() + (w_o * gw).sum(), leaves_o)
     for name, a, b in zip(["x", "time_points"] + [n for n, _ in doc.named_parameters()], g_o, gd):
-        torch.testing.assert_close(a, b, **(TOL64 if dtype == torch.float64 else dict(rtol=1e-3, atol=1e-4)),
-                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            a,
+            b,
+            **(TOL64 if dtype == torch.float64 else dict(rtol=1e-3, atol=1e-4)),
+            msg=lambda m, name=name: f"grad of {name}: {m}",
+        )
 
 
 def test_zoo_temporal_without_weights(device):
@@ -126,7 +137,7 @@ class MaxNumel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
         return out

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import attn_ext
-from attn_ext.compat import attention_zoo
 from attn_ext import TPAFactorCache
+from attn_ext.compat import attention_zoo
 from attn_ext.nn import TensorProductAttention
 from attn_ext.testing.documents import doc004
 from attn_ext.testing.numerics import ALL_DTYPES, assert_error_rule, grad_slack_ulps
@@ -21,7 +21,7 @@ def _factors(device, dtype, B=2, S=11, R=3, H=5, D=12, layout="contiguous", requ
         a = torch.randn(B, S, R, H, device=device, dtype=dtype)
         b = torch.randn(B, S, R, D, device=device, dtype=dtype)
     else:  # views of wider projections, rank-major and not contiguous
-        a = torch.randn(B, S, R, H + 3, device=device, dtype=dtype)[..., 1:H + 1]
+        a = torch.randn(B, S, R, H + 3, device=device, dtype=dtype)[..., 1 : H + 1]
         b = torch.randn(B, R, S, D, device=device, dtype=dtype).transpose(1, 2)
     return a.requires_grad_(requires_grad), b.requires_grad_(requires_grad)
 
@@ -51,11 +51,15 @@ def test_tpa_expand_explicit_scale_and_odd_sizes(device):
     a, b = _factors(device, torch.float64, B=1, S=3, R=1, H=1, D=2)
     out = attn_ext.tpa_expand(a, b, scale=0.25)
     # R = H = 1: out = scale * a * b exactly.
-    torch.testing.assert_close(out, 0.25 * a.squeeze(2).unsqueeze(-1) * b.squeeze(2).unsqueeze(2),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        out, 0.25 * a.squeeze(2).unsqueeze(-1) * b.squeeze(2).unsqueeze(2), rtol=0, atol=0
+    )
     a, b = _factors(device, torch.float32, B=3, S=1, R=7, H=3, D=130)
-    assert_error_rule(attn_ext.tpa_expand(a, b, rope=True), tpa_expand_reference(a, b, rope=True),
-                      tpa_expand_reference(a, b, rope=True, compute_dtype=torch.float64))
+    assert_error_rule(
+        attn_ext.tpa_expand(a, b, rope=True),
+        tpa_expand_reference(a, b, rope=True),
+        tpa_expand_reference(a, b, rope=True, compute_dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,10 +81,16 @@ def test_tpa_expand_backward_against_autograd(device, dtype, rope):
 
 @pytest.mark.parametrize("rope", [False, True])
 def test_tpa_expand_gradcheck(device, rope):
-    a, b = _factors(device, torch.float64, B=2, S=3, R=2, H=3, D=6, layout="strided", requires_grad=True)
+    a, b = _factors(
+        device, torch.float64, B=2, S=3, R=2, H=3, D=6, layout="strided", requires_grad=True
+    )
     pos = torch.tensor([[5, 9, 1000], [0, 1, 2]], device=device) if rope else None
-    torch.autograd.gradcheck(lambda a, b: attn_ext.tpa_expand(a, b, positions=pos, rope=rope,
-                                                              rotary_dim=4 if rope else None), (a, b))
+    torch.autograd.gradcheck(
+        lambda a, b: attn_ext.tpa_expand(
+            a, b, positions=pos, rope=rope, rotary_dim=4 if rope else None
+        ),
+        (a, b),
+    )
 
 
 def test_tpa_expand_feeds_attention_without_copy(device):
@@ -88,8 +98,9 @@ def test_tpa_expand_feeds_attention_without_copy(device):
     q = attn_ext.tpa_expand(a, b).transpose(1, 2)  # (B, H, S, D) view
     assert q.stride(-1) == 1 and not q.is_contiguous()
     out = attn_ext.attention(q, q, q, causal=True)
-    torch.testing.assert_close(out, attn_ext.attention(q.contiguous(), q.contiguous(), q.contiguous(),
-                                                       causal=True))
+    torch.testing.assert_close(
+        out, attn_ext.attention(q.contiguous(), q.contiguous(), q.contiguous(), causal=True)
+    )
 
 
 def test_tpa_expand_errors(device):
@@ -123,8 +134,10 @@ def test_tpa_expand_errors(device):
 
 
 def _factor_cache(B, N, rk, rv, H, D, dtype, device, grad=False):
-    return [torch.randn(B, N, r, x, device=device, dtype=dtype, requires_grad=grad)
-            for r, x in ((rk, H), (rk, D), (rv, H), (rv, D))]
+    return [
+        torch.randn(B, N, r, x, device=device, dtype=dtype, requires_grad=grad)
+        for r, x in ((rk, H), (rk, D), (rv, H), (rv, D))
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
@@ -174,7 +187,8 @@ def test_decode_cuda_composite_equals_cpu_kernel(dtype):
     kw = dict(scale=0.3, k_scale=0.8, v_scale=0.6)
     want = torch.ops.attn_ext.tpa_decode_attention(q, *factors, lengths, **kw)
     got = torch.ops.attn_ext.tpa_decode_attention.default.redispatch(
-        torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA), q, *factors, lengths, **kw)
+        torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA), q, *factors, lengths, **kw
+    )
     # float64: exact up to summation order; lower precision: the two round P and the output
     # differently, so each is held to the float64 truth by the suite's error rule
     if dtype == torch.float64:
@@ -190,16 +204,18 @@ def test_decode_op_gradcheck(device):
     q = torch.randn(2, 3, 2, 5, device=device, dtype=torch.float64, requires_grad=True)
     factors = _factor_cache(2, 7, 2, 3, 3, 5, torch.float64, device, grad=True)
     lengths = torch.tensor([7, 3], device=device)
-    torch.autograd.gradcheck(lambda *ts: attn_ext.tpa_decode_attention(*ts, lengths, scale=0.7),
-                             (q, *factors))
+    torch.autograd.gradcheck(
+        lambda *ts: attn_ext.tpa_decode_attention(*ts, lengths, scale=0.7), (q, *factors)
+    )
     # lse is float32 (as attention's), too coarse for finite differences: its gradient is
     # compared with autograd through the reference instead
     g_lse = torch.randn(2, 3, 2, device=device, dtype=torch.float64)
 
     def lse_grads(fn):
         lse = fn(q, *factors, lengths, scale=0.7)[1]
-        return torch.autograd.grad((lse.double().masked_fill(~torch.isfinite(lse), 0) * g_lse).sum(),
-                                   (q, *factors[:2]))  # lse does not depend on the values
+        return torch.autograd.grad(
+            (lse.double().masked_fill(~torch.isfinite(lse), 0) * g_lse).sum(), (q, *factors[:2])
+        )  # lse does not depend on the values
 
     got = lse_grads(lambda *a, **kw: attn_ext.tpa_decode_attention(*a, return_lse=True, **kw))
     for a, b in zip(got, lse_grads(tpa_decode_reference)):
@@ -211,9 +227,13 @@ def test_decode_op_errors(device):
     factors = _factor_cache(2, 5, 2, 2, 3, 8, torch.float32, device)
     lengths = torch.tensor([5, 5], device=device)
     a_k, b_k, a_v, b_v = factors
-    with pytest.raises(RuntimeError, match=r"b_k must have shape \(B, N, R, D\) = \(2, 5, R >= 1, 8\)"):
+    with pytest.raises(
+        RuntimeError, match=r"b_k must have shape \(B, N, R, D\) = \(2, 5, R >= 1, 8\)"
+    ):
         attn_ext.tpa_decode_attention(q, a_k, b_k[..., :7], a_v, b_v, lengths)
-    with pytest.raises(RuntimeError, match=r"a_v must have shape \(B, N, R, H\) = \(2, 5, R >= 1, 3\)"):
+    with pytest.raises(
+        RuntimeError, match=r"a_v must have shape \(B, N, R, H\) = \(2, 5, R >= 1, 3\)"
+    ):
         attn_ext.tpa_decode_attention(q, a_k, b_k, a_v[..., :2], b_v, lengths)
     with pytest.raises(RuntimeError, match=r"b_v's rank \(dim 2\) must be a_v's 2, got 1"):
         attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v[:, :, :1], lengths)
@@ -238,8 +258,12 @@ def test_module_against_reference(device, dtype, rope, interleaved):
     x = torch.randn(2, 23, 48, device=device, dtype=dtype)
     with torch.no_grad():
         out = m(x)
-    assert_error_rule(out, tpa_reference(m, x, rope=rope),
-                      tpa_reference(m, x, rope=rope, compute_dtype=torch.float64), name="tpa")
+    assert_error_rule(
+        out,
+        tpa_reference(m, x, rope=rope),
+        tpa_reference(m, x, rope=rope, compute_dtype=torch.float64),
+        name="tpa",
+    )
 
 
 def test_module_positions_and_gradients(device):
@@ -258,14 +282,22 @@ def test_module_positions_and_gradients(device):
         # The reference reads detached weights: differentiate x only through it, and the
         # parameters through a float64 copy of the module run by attn_ext below.
         ref[dt] = torch.autograd.grad(out, xx, g.to(dt))[0]
-    assert_error_rule(got[0], ref[torch.float32], ref[torch.float64], name="grad x",
-                      slack_ulps=grad_slack_ulps(torch.float32))
+    assert_error_rule(
+        got[0],
+        ref[torch.float32],
+        ref[torch.float64],
+        name="grad x",
+        slack_ulps=grad_slack_ulps(torch.float32),
+    )
     m64 = _layer(device, torch.float64)
     m64.load_state_dict(m.state_dict())
-    got64 = torch.autograd.grad(m64(x.detach().double(), positions=pos), list(m64.parameters()), g.double())
+    got64 = torch.autograd.grad(
+        m64(x.detach().double(), positions=pos), list(m64.parameters()), g.double()
+    )
     for (name, _), a, t in zip(m.named_parameters(), got[1:], got64):
-        torch.testing.assert_close(a.double(), t, rtol=1e-4, atol=1e-4,
-                                   msg=lambda s, n=name: f"grad {n}: {s}")
+        torch.testing.assert_close(
+            a.double(), t, rtol=1e-4, atol=1e-4, msg=lambda s, n=name: f"grad {n}: {s}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -278,7 +310,7 @@ def test_decode_equals_full_forward(device, dtype, materialize, chunk):
     x = torch.randn(2, 20, 48, device=device, dtype=dtype)
     cache = m.new_cache(2, 24, materialize=materialize)
     with torch.no_grad():
-        outs = [m(x[:, :5], cache)] + [m(x[:, t:t + chunk], cache) for t in range(5, 20, chunk)]
+        outs = [m(x[:, :5], cache)] + [m(x[:, t : t + chunk], cache) for t in range(5, 20, chunk)]
         full = m(x)
     out = torch.cat(outs, dim=1)
     assert cache.lengths.tolist() == [20, 20]
@@ -293,11 +325,17 @@ def test_factor_cache_holds_factors(device):
     cache = m.new_cache(1, 8)
     assert isinstance(cache, TPAFactorCache)
     per_token = cache.nbytes_per_token()
-    assert per_token == attn_ext.kv_cache_bytes("tpa", num_heads=16, head_dim=128, r_k=2, r_v=2,
-                                                dtype=torch.float32) == 2 * 2 * (16 + 128) * 4
+    assert (
+        per_token
+        == attn_ext.kv_cache_bytes(
+            "tpa", num_heads=16, head_dim=128, r_k=2, r_v=2, dtype=torch.float32
+        )
+        == 2 * 2 * (16 + 128) * 4
+    )
     mat = m.new_cache(1, 8, materialize=True)
     assert mat.k[0, :, 0].numel() * 2 * 4 == attn_ext.kv_cache_bytes(
-        "mha", num_heads=16, head_dim=128, dtype=torch.float32)
+        "mha", num_heads=16, head_dim=128, dtype=torch.float32
+    )
     x = torch.randn(1, 3, 2048, device=device)
     with torch.no_grad():
         m(x, cache)
@@ -350,9 +388,15 @@ def test_dropin_computes_the_paper(device, dtype, with_positions):
     pos = torch.arange(17, device=device) + 40 if with_positions else None
     with torch.no_grad():
         out = m(x, pos)
-    kw = dict(positions=pos, rope=with_positions, causal=False, scale=1 / float(torch.tensor(8.0).sqrt()))
-    assert_error_rule(out, tpa_reference(m, x, **kw),
-                      tpa_reference(m, x, compute_dtype=torch.float64, **kw), name="drop-in")
+    kw = dict(
+        positions=pos, rope=with_positions, causal=False, scale=1 / float(torch.tensor(8.0).sqrt())
+    )
+    assert_error_rule(
+        out,
+        tpa_reference(m, x, **kw),
+        tpa_reference(m, x, compute_dtype=torch.float64, **kw),
+        name="drop-in",
+    )
     # The document attends across heads; the paper (and the drop-in) across positions.
     with torch.no_grad():
         literal = doc.to(device=device, dtype=dtype)(x)

@@ -7,6 +7,7 @@ checks that the model really runs attn_ext's kernel with the causal / sliding-wi
 passed as flags rather than as a 4-D mask. Logits of padded positions are not compared: a query
 row that sees no key gives zeros in attn_ext and something else in torch's SDPA.
 """
+
 import copy
 import inspect
 
@@ -15,8 +16,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import attn_ext.functional  # noqa: E402
-from attn_ext.integrations import transformers as attn_ext_hf  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
     ALL_MASK_ATTENTION_FUNCTIONS,
     and_masks,
@@ -27,14 +26,26 @@ from transformers.masking_utils import (  # noqa: E402
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
+import attn_ext.functional  # noqa: E402
+from attn_ext.integrations import transformers as attn_ext_hf  # noqa: E402
+
 VOCAB, WINDOW, LAYERS = 128, 8, 2
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-11, rtol=1e-10)}
 
 
 def _config(kind):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     return transformers.MistralConfig(sliding_window=WINDOW, **common)
@@ -63,7 +74,9 @@ def _models(kind, dtype):
         for impl in ("sdpa", "attn_ext"):
             torch.manual_seed(1234)
             # Each model gets its own config: the attention implementation is stored in it.
-            models.append(cls._from_config(copy.deepcopy(cfg), attn_implementation=impl).to(dtype).eval())
+            models.append(
+                cls._from_config(copy.deepcopy(cfg), attn_implementation=impl).to(dtype).eval()
+            )
         models[1].load_state_dict(models[0].state_dict())
         assert models[0].config._attn_implementation == "sdpa"
         assert models[1].config._attn_implementation == "attn_ext"
@@ -90,9 +103,16 @@ class _Spy:
 
         def spy(q, k, v, **kw):
             m = kw.get("attn_mask")
-            self.calls.append(dict(sq=q.size(-2), sk=k.size(-2), heads=(q.size(1), k.size(1)), causal=kw.get("causal"),
-                                   window=tuple(kw.get("window_size")),
-                                   mask=None if m is None else (tuple(m.shape), m.dtype)))
+            self.calls.append(
+                dict(
+                    sq=q.size(-2),
+                    sk=k.size(-2),
+                    heads=(q.size(1), k.size(1)),
+                    causal=kw.get("causal"),
+                    window=tuple(kw.get("window_size")),
+                    mask=None if m is None else (tuple(m.shape), m.dtype),
+                )
+            )
             return real(q, k, v, **kw)
 
         monkeypatch.setattr(attn_ext.functional, "attention", spy)
@@ -132,13 +152,28 @@ def test_model_calls_attn_ext_with_structure_not_a_4d_mask(kind, monkeypatch):
     with torch.no_grad():
         ours(ids, attention_mask=mask)
     window = (WINDOW - 1, 0) if kind == "mistral" else (-1, -1)
-    assert spy.calls == [dict(sq=20, sk=20, heads=(4, 2), causal=True, window=window,
-                              mask=((2, 1, 1, 20), torch.bool))] * LAYERS
+    assert (
+        spy.calls
+        == [
+            dict(
+                sq=20,
+                sk=20,
+                heads=(4, 2),
+                causal=True,
+                window=window,
+                mask=((2, 1, 1, 20), torch.bool),
+            )
+        ]
+        * LAYERS
+    )
     spy.calls.clear()
     with torch.no_grad():
         ref(ids, attention_mask=mask)  # the sdpa model does not go through attn_ext
         ours(ids)
-    assert spy.calls == [dict(sq=20, sk=20, heads=(4, 2), causal=True, window=window, mask=None)] * LAYERS
+    assert (
+        spy.calls
+        == [dict(sq=20, sk=20, heads=(4, 2), causal=True, window=window, mask=None)] * LAYERS
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -154,7 +189,10 @@ def test_greedy_generate_matches_sdpa(kind, monkeypatch):
     assert torch.equal(got, want)
     # Prefill, then one-token decoding steps on the KV cache, each with at most the padding mask.
     assert len(spy.calls) == 8 * LAYERS
-    assert spy.calls[0]["sq"] == spy.calls[0]["sk"] == 12 and spy.calls[0]["mask"] == ((2, 1, 1, 12), torch.bool)
+    assert spy.calls[0]["sq"] == spy.calls[0]["sk"] == 12 and spy.calls[0]["mask"] == (
+        (2, 1, 1, 12),
+        torch.bool,
+    )
     decode = spy.calls[LAYERS:]
     assert all(c["sq"] == 1 and c["causal"] for c in decode)
     if kind == "mistral":
@@ -177,7 +215,12 @@ def test_chunked_prefill_on_a_cache_matches_sdpa(kind):
     for model in (ref, ours):
         with torch.no_grad():
             first = model(ids[:, :11], attention_mask=mask[:, :11], use_cache=True)
-            rest = model(ids[:, 11:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+            rest = model(
+                ids[:, 11:],
+                attention_mask=mask,
+                past_key_values=first.past_key_values,
+                use_cache=True,
+            )
         logits.append(torch.cat([first.logits, rest.logits], 1))
     keep = mask.bool()
     torch.testing.assert_close(logits[1][keep], logits[0][keep], **TOL[torch.float64])
@@ -189,8 +232,13 @@ def test_generate_with_static_cache_matches_sdpa(kind, monkeypatch):
     # are compileable): there the mask function falls back to the 4-D mask.
     ref, ours = _models(kind, torch.float32)
     ids, mask = _batch(seq=12, pads=(0, 5), seed=2)
-    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                cache_implementation="static")
+    args = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     with torch.no_grad():
         want = ref.generate(ids, **args)
         spy = _Spy(monkeypatch)
@@ -198,7 +246,9 @@ def test_generate_with_static_cache_matches_sdpa(kind, monkeypatch):
     assert torch.equal(got, want)
     assert len(spy.calls) == 6 * LAYERS
     full = spy.calls if kind == "llama" else spy.calls[LAYERS:]  # Mistral's prefill is aligned
-    assert all(not c["causal"] and c["mask"] == ((2, 1, c["sq"], c["sk"]), torch.bool) for c in full)
+    assert all(
+        not c["causal"] and c["mask"] == ((2, 1, c["sq"], c["sk"]), torch.bool) for c in full
+    )
 
 
 def test_user_4d_mask_is_used_as_is():
@@ -208,8 +258,11 @@ def test_user_4d_mask_is_used_as_is():
     keep |= torch.eye(10, dtype=torch.bool)  # no empty row
     for m in (keep, torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))):
         with torch.no_grad():
-            torch.testing.assert_close(ours(ids, attention_mask=m).logits, ref(ids, attention_mask=m).logits,
-                                       **TOL[torch.float64])
+            torch.testing.assert_close(
+                ours(ids, attention_mask=m).logits,
+                ref(ids, attention_mask=m).logits,
+                **TOL[torch.float64],
+            )
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -245,7 +298,9 @@ def test_compiled_model_matches_sdpa():
 
 new_mask_api = pytest.mark.skipif(
     "q_length" not in inspect.signature(sdpa_mask).parameters,
-    reason="sdpa_mask of this transformers takes cache_position (the unit tests use q_length / q_offset)")
+    reason="sdpa_mask of this transformers takes cache_position "
+    "(the unit tests use q_length / q_offset)",
+)
 
 
 def _sdpa_full(**kw):
@@ -257,15 +312,26 @@ def test_mask_function_returns_structure_or_padding():
     pad = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
     m = attn_ext_hf.attn_ext_mask
     assert m(batch_size=2, q_length=5, kv_length=5) is None
-    assert m(batch_size=2, q_length=5, kv_length=5, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    assert (
+        m(batch_size=2, q_length=5, kv_length=5, attention_mask=torch.ones(2, 5, dtype=torch.bool))
+        is None
+    )
     assert torch.equal(m(batch_size=2, q_length=5, kv_length=5, attention_mask=pad), pad)
     # decoding on a dynamic cache: the 2-D mask grows with the cache
     got = m(batch_size=2, q_length=1, kv_length=5, q_offset=4, attention_mask=pad)
     assert torch.equal(got, pad)
     # sliding-window cache layer: keys start at kv_offset; the padding mask is sliced to them
     sw = sliding_window_causal_mask_function(3)
-    got = m(batch_size=2, q_length=1, kv_length=3, q_offset=4, kv_offset=2, mask_function=sw, local_size=3,
-            attention_mask=pad)
+    got = m(
+        batch_size=2,
+        q_length=1,
+        kv_length=3,
+        q_offset=4,
+        kv_offset=2,
+        mask_function=sw,
+        local_size=3,
+        attention_mask=pad,
+    )
     assert torch.equal(got, pad[:, 2:5])
 
 
@@ -277,7 +343,10 @@ def test_mask_function_falls_back_to_the_full_mask(case):
     if case == "static":  # prefill into a longer static cache
         kw.update(q_length=4, kv_length=8, attention_mask=pad[:, :4])
     elif case == "chunked":
-        kw.update(mask_function=chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)), local_size=2)
+        kw.update(
+            mask_function=chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)),
+            local_size=2,
+        )
     elif case == "custom":
         kw.update(mask_function=and_masks(causal_mask_function, lambda b, h, q, k: k != 1))
     elif case == "no_skip":

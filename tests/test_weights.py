@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import attn_ext
+from attn_ext.testing.attention import attention_weights_reference, expand_kv_heads, window_keep
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
-    grad_slack_ulps,
     autograd_grads,
+    grad_slack_ulps,
     ground_truth,
     ground_truth_grads,
     make_qkv,
@@ -16,7 +17,6 @@ from attn_ext.testing.numerics import (
     random_bool_mask,
     random_float_mask,
 )
-from attn_ext.testing.attention import attention_weights_reference, expand_kv_heads, window_keep
 
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 
@@ -37,8 +37,9 @@ CASES = {
 def _setup(case, dtype, device):
     c = dict(CASES[case])
     B, H, Hkv, Sq, Sk, D = c.pop("shape")
-    q, k, _ = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=device,
-                       layout=c.pop("layout", "contiguous"))
+    q, k, _ = make_qkv(
+        B, H, Hkv, Sq, Sk, D, dtype=dtype, device=device, layout=c.pop("layout", "contiguous")
+    )
     mask = c.pop("mask", None)
     if mask == "bool":
         m = random_bool_mask((B, H, Sq, Sk), device)
@@ -69,7 +70,9 @@ def test_weights_forward(device, dtype, case):
     assert (w[empty] == 0).all()
     # masked entries are exactly zero
     if kw.get("causal") or "window_size" in kw:
-        keep = window_keep(Sq, Sk, kw.get("window_size", (-1, -1)), kw.get("causal", False), device=device)
+        keep = window_keep(
+            Sq, Sk, kw.get("window_size", (-1, -1)), kw.get("causal", False), device=device
+        )
         assert (w[..., ~keep] == 0).all()
     if "attn_mask" in kw:
         m = kw["attn_mask"]
@@ -110,8 +113,10 @@ def test_weights_empty(device, B, H, Sq, Sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask",
-                                  "gqa", "mqa_scale", "bshd"])
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask", "gqa", "mqa_scale", "bshd"],
+)
 def test_weights_backward(device, dtype, case):
     q, k, kw = _setup(case, dtype, device)
     g = torch.randn(q.shape[0], q.shape[1], q.shape[2], k.shape[2], device=device).to(dtype)

@@ -38,29 +38,65 @@ print(json.dumps({"file": attn_ext.__file__, "requires": md.requires("attn_ext")
 def test_wheel_installs_into_fresh_venv(tmp_path, setup_py):
     build_temp = Path(setup_py.BUILD_TEMP)
     if not (build_temp / "build.ninja").exists():
-        pytest.skip(f"no persistent build in {build_temp.relative_to(ROOT)} (run "
-                    "tools/bootstrap.sh or setup.py build_ext --inplace first): the wheel would "
-                    "compile everything")
+        pytest.skip(
+            f"no persistent build in {build_temp.relative_to(ROOT)} (run "
+            "tools/bootstrap.sh or setup.py build_ext --inplace first): the wheel would "
+            "compile everything"
+        )
     t0 = time.perf_counter()
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                    "--no-index", "-q", "-w", str(dist), str(ROOT)],
-                   check=True, capture_output=True, text=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     wheels = list(dist.glob("attn_ext-*.whl"))
     assert len(wheels) == 1, wheels
     t_wheel = time.perf_counter() - t0
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+    )
     py = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps",
-                    "--no-index", "-q", str(wheels[0])], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            str(wheels[0]),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(py), "-c", _PROBE], cwd=outside, env=env, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        [str(py), "-c", _PROBE], cwd=outside, env=env, capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
 

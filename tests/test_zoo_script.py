@@ -6,6 +6,7 @@ document's classes, reproduced in attn_ext.testing.documents).
 The script's GroupedAttention call (batch 2, 2 groups) is one the document's broadcasting bug
 lets through, so its shape is compared with the document's literal class.
 """
+
 import pytest
 import torch
 
@@ -38,10 +39,15 @@ def run_script(ns, *, with_tpa):
     input_dim, d_k, time_emb_dim = 768, 64, 32
     x = torch.randn(batch_size, seq_len, input_dim)
     time_points = torch.randn(batch_size, 1, time_emb_dim)
-    output_temporal, attn_weights = ns.TemporalAttention(input_dim, d_k, time_emb_dim)(x, time_points)
+    output_temporal, attn_weights = ns.TemporalAttention(input_dim, d_k, time_emb_dim)(
+        x, time_points
+    )
     assert attn_weights.shape == (batch_size, seq_len, seq_len)
     shapes["Temporal-Attention"] = output_temporal.shape
-    x1, x2 = torch.randn(batch_size, seq_len, input_dim), torch.randn(batch_size, seq_len, input_dim)
+    x1, x2 = (
+        torch.randn(batch_size, seq_len, input_dim),
+        torch.randn(batch_size, seq_len, input_dim),
+    )
     shapes["Cross-Attention"] = ns.CrossAttention(input_dim, d_k)(x1, x2).shape
     grouped = getattr(ns, "GroupedAttentionLiteral", ns.GroupedAttention)
     shapes["Grouped-Attention"] = grouped(input_dim, d_k, 4, 2)(x).shape

@@ -41,7 +41,9 @@ def find_cuda_home():
     if nvcc is None:
         return None
     # Resolve wrapper scripts (e.g. /usr/local/bin/nvcc -> /usr/local/cuda-X/bin/nvcc).
-    out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True)
+    out = subprocess.run(
+        [nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True
+    )
     for line in (out.stdout + out.stderr).splitlines():
         if "TOP=" in line:
             return Path(line.split("TOP=", 1)[1].strip()).resolve()
@@ -60,9 +62,13 @@ def run(cmd):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
-    ap.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+    ap.add_argument(
+        "--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    )
     args = ap.parse_args(argv)
 
     cuda_home = find_cuda_home()
@@ -76,12 +82,17 @@ def main(argv=None) -> int:
     cu = sorted((ROOT / "csrc").rglob("*.cu"))
     # setup.py's rule: the .cpp files of the cuda/ folders are the CUDA build's; the others
     # count when they have a CUDA-only part (under ATTN_EXT_WITH_CUDA)
-    cpp = sorted(p for p in (ROOT / "csrc").rglob("*.cpp")
-                 if "cuda" in p.relative_to(ROOT).parts[:-1] or "ATTN_EXT_WITH_CUDA" in p.read_text())
+    cpp = sorted(
+        p
+        for p in (ROOT / "csrc").rglob("*.cpp")
+        if "cuda" in p.relative_to(ROOT).parts[:-1] or "ATTN_EXT_WITH_CUDA" in p.read_text()
+    )
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True)
-        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        (stub / "cuda_cmake_macros.h").write_text(
+            "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+        )
         jobs = []
         # One nvcc run per source for every architecture: the front end and the host pass run
         # once (about 20% less time than one run per architecture).
@@ -89,24 +100,40 @@ def main(argv=None) -> int:
         for src in cu:
             # named by the path: two families may have kernels of the same file name
             obj = Path(tmp) / ("_".join(src.relative_to(ROOT).parts) + ".o")
-            jobs.append((f"{src.relative_to(ROOT)} [{', '.join(args.arch)}]",
-                         [nvcc, "-c", str(src), "-o", str(obj), *gencodes, *NVCC_FLAGS, *includes]))
+            jobs.append(
+                (
+                    f"{src.relative_to(ROOT)} [{', '.join(args.arch)}]",
+                    [nvcc, "-c", str(src), "-o", str(obj), *gencodes, *NVCC_FLAGS, *includes],
+                )
+            )
         cxx = os.environ.get("CXX", "c++")
         for src in cpp:
-            jobs.append((f"{src.relative_to(ROOT)} [host]",
-                         [cxx, str(src), *CXX_FLAGS, *includes, f"-I{cuda_home / 'include'}",
-                          f"-idirafter{Path(tmp) / 'stub'}"]))
+            jobs.append(
+                (
+                    f"{src.relative_to(ROOT)} [host]",
+                    [
+                        cxx,
+                        str(src),
+                        *CXX_FLAGS,
+                        *includes,
+                        f"-I{cuda_home / 'include'}",
+                        f"-idirafter{Path(tmp) / 'stub'}",
+                    ],
+                )
+            )
         # The host syntax checks are the longest jobs: start them first.
         jobs.sort(key=lambda j: not j[0].endswith("[host]"))
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             results = list(pool.map(lambda j: (j[0], *run(j[1])), jobs))
     failed = [(name, out) for name, rc, out, _ in results if rc != 0]
-    for name, rc, out, secs in results:
+    for name, rc, _, secs in results:
         print(f"{'ok  ' if rc == 0 else 'FAIL'} {secs:6.1f}s  {name}")
     for name, out in failed:
         print(f"\n---- {name}\n{out}")
-    print(f"\n{len(results) - len(failed)}/{len(results)} CUDA compile jobs succeeded "
-          f"(nvcc from {cuda_home}; archs {', '.join(args.arch)})")
+    print(
+        f"\n{len(results) - len(failed)}/{len(results)} CUDA compile jobs succeeded "
+        f"(nvcc from {cuda_home}; archs {', '.join(args.arch)})"
+    )
     return 1 if failed else 0
 
 

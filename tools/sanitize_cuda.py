@@ -30,10 +30,32 @@ CASES = [
     ("mma d128 causal", torch.float16, 1, 2, 1, 90, 70, 128, 128, dict(causal=True)),
     ("mma d256 window", torch.bfloat16, 1, 2, 2, 65, 65, 256, 256, dict(window_size=(9, 3))),
     ("mma padded d40/dv72", torch.bfloat16, 2, 2, 2, 33, 17, 40, 72, {}),
-    ("mma bool mask + dropout", torch.bfloat16, 2, 4, 2, 67, 75, 64, 64, dict(mask="bool", dropout_p=0.3)),
+    (
+        "mma bool mask + dropout",
+        torch.bfloat16,
+        2,
+        4,
+        2,
+        67,
+        75,
+        64,
+        64,
+        dict(mask="bool", dropout_p=0.3),
+    ),
     ("mma additive broadcast", torch.float16, 2, 2, 2, 64, 64, 128, 128, dict(mask="float_b")),
     ("generic f32", torch.float32, 1, 2, 2, 40, 50, 64, 48, dict(causal=True)),
-    ("generic f64 dropout", torch.float64, 1, 2, 1, 21, 33, 32, 32, dict(dropout_p=0.2, mask="bool")),
+    (
+        "generic f64 dropout",
+        torch.float64,
+        1,
+        2,
+        1,
+        21,
+        33,
+        32,
+        32,
+        dict(dropout_p=0.2, mask="bool"),
+    ),
     ("generic bf16 d320", torch.bfloat16, 1, 1, 1, 20, 24, 320, 320, {}),
     ("empty rows", torch.bfloat16, 1, 2, 2, 40, 20, 64, 64, dict(causal=True)),
     ("misaligned rows", torch.float16, 1, 2, 2, 50, 50, 64, 64, dict(misaligned=True)),
@@ -82,11 +104,17 @@ def decoding_cases():
         ok.append(_report(f"rope {dtype} d{d}", [y, x.grad, z]))
 
         cache = attn_ext.KVCache(3, 2, 300, d, dtype=dtype, device=dev)
-        cache.append(torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
-                     torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
-                     new_lengths=torch.tensor([0, 150, 97], device=dev), rope=True)
-        cache.append(torch.randn(3, 2, 3, d, device=dev, dtype=dtype),
-                     torch.randn(3, 2, 3, d, device=dev, dtype=dtype), new_lengths=torch.tensor([3, 3, 1], device=dev))
+        cache.append(
+            torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
+            torch.randn(3, 2, 150, d, device=dev, dtype=dtype),
+            new_lengths=torch.tensor([0, 150, 97], device=dev),
+            rope=True,
+        )
+        cache.append(
+            torch.randn(3, 2, 3, d, device=dev, dtype=dtype),
+            torch.randn(3, 2, 3, d, device=dev, dtype=dtype),
+            new_lengths=torch.tensor([3, 3, 1], device=dev),
+        )
         outs = []
         for sq in (1, 3):
             q = torch.randn(3, 8, sq, d, device=dev, dtype=dtype)
@@ -95,11 +123,16 @@ def decoding_cases():
             outs += cache.attend(q, window_left=40, return_lse=True)
             outs.append(cache.attend(q, causal=False))
         # an empty sequence's rows are zeros and its lse -inf: check the others only
-        ok.append(_report(f"kv_cache_append + decode_attention {dtype} d{d}", [o[1:] for o in outs]))
+        ok.append(
+            _report(f"kv_cache_append + decode_attention {dtype} d{d}", [o[1:] for o in outs])
+        )
 
     latent = attn_ext.LatentKVCache(2, 40, 512, 64, dtype=torch.bfloat16, device=dev)
-    latent.append(torch.randn(2, 1, 9, 512, device=dev, dtype=torch.bfloat16),
-                  torch.randn(2, 1, 9, 64, device=dev, dtype=torch.bfloat16), new_lengths=torch.tensor([9, 4], device=dev))
+    latent.append(
+        torch.randn(2, 1, 9, 512, device=dev, dtype=torch.bfloat16),
+        torch.randn(2, 1, 9, 64, device=dev, dtype=torch.bfloat16),
+        new_lengths=torch.tensor([9, 4], device=dev),
+    )
     q = torch.randn(2, 16, 1, 576, device=dev, dtype=torch.bfloat16)
     out = attn_ext.decode_attention(q, latent.k, latent.v, latent.lengths)
     ok.append(_report("latent_cache_append + absorbed decode", [latent.kv, out]))
@@ -111,7 +144,9 @@ def compression_cases():
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(2, 9, 3, 8, device=dev, dtype=dtype, requires_grad=True)
         b = torch.randn(2, 9, 3, 64, device=dev, dtype=dtype, requires_grad=True)
-        e = attn_ext.tpa_expand(a, b, scale=1 / 3) + attn_ext.tpa_expand(a, b, rope=True, rotary_dim=32)
+        e = attn_ext.tpa_expand(a, b, scale=1 / 3) + attn_ext.tpa_expand(
+            a, b, rope=True, rotary_dim=32
+        )
         e.float().sum().backward()
         ok.append(_report(f"tpa_expand {dtype}", [e, a.grad, b.grad]))
 
@@ -121,9 +156,15 @@ def compression_cases():
         b_k = torch.randn(B, L, rk, D, device=dev, dtype=dtype, requires_grad=True)
         a_v = torch.randn(B, L, rv, H, device=dev, dtype=dtype, requires_grad=True)
         b_v = torch.randn(B, L, rv, D, device=dev, dtype=dtype, requires_grad=True)
-        out = attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, torch.tensor([30, 45], device=dev))
+        out = attn_ext.tpa_decode_attention(
+            q, a_k, b_k, a_v, b_v, torch.tensor([30, 45], device=dev)
+        )
         out.float().square().sum().backward()
-        ok.append(_report(f"tpa_decode_attention {dtype}", [out] + [t.grad for t in (q, a_k, b_k, a_v, b_v)]))
+        ok.append(
+            _report(
+                f"tpa_decode_attention {dtype}", [out] + [t.grad for t in (q, a_k, b_k, a_v, b_v)]
+            )
+        )
     return ok
 
 
@@ -131,13 +172,21 @@ def spatial_cases():
     dev, ok = "cuda", []
     for dtype in (torch.float32, torch.bfloat16):
         for fmt in (torch.contiguous_format, torch.channels_last):
-            x = torch.randn(2, 37, 13, 11, device=dev, dtype=dtype).to(memory_format=fmt).requires_grad_(True)
+            x = (
+                torch.randn(2, 37, 13, 11, device=dev, dtype=dtype)
+                .to(memory_format=fmt)
+                .requires_grad_(True)
+            )
             pooled = attn_ext.channel_pool(x)
             gate = torch.randn(2, 1, 13, 11, device=dev, dtype=dtype, requires_grad=True)
             y = attn_ext.spatial_gate(x, gate)
             (pooled.float().sum() + y.float().square().sum()).backward()
-            ok.append(_report(f"channel_pool + spatial_gate {dtype} {str(fmt).split('.')[-1]}",
-                              [pooled, y, x.grad, gate.grad]))
+            ok.append(
+                _report(
+                    f"channel_pool + spatial_gate {dtype} {str(fmt).split('.')[-1]}",
+                    [pooled, y, x.grad, gate.grad],
+                )
+            )
     return ok
 
 
@@ -146,7 +195,9 @@ def main() -> int:
         print("sanitize_cuda: no CUDA device visible; nothing to check")
         return 0
     torch.manual_seed(0)
-    results = [run_case(*c) for c in CASES] + decoding_cases() + compression_cases() + spatial_cases()
+    results = (
+        [run_case(*c) for c in CASES] + decoding_cases() + compression_cases() + spatial_cases()
+    )
     return 0 if all(results) else 1
 
 

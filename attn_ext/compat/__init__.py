@@ -16,6 +16,7 @@ here materializes the score matrix or takes a softmax itself.
 Where a document's code is wrong (a typo, a broadcasting bug), the drop-in does what the document
 means; each such difference is listed in the docstring of the class concerned.
 """
+
 import math
 import struct
 from typing import Optional
@@ -44,49 +45,87 @@ def _dropout_p(dropout: torch.nn.Module, training: bool) -> float:
 def _check_rank(name: str, x: torch.Tensor, ranks, what: str) -> None:
     if x.dim() not in ranks:
         want = " or ".join(f"{r}-D" for r in ranks)
-        raise ValueError(f"{name}: expected a {want} input {what}, got {x.dim()}-D {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected a {want} input {what}, got {x.dim()}-D {tuple(x.shape)}"
+        )
 
 
 def _check_last(name: str, x: torch.Tensor, size: int, what: str) -> None:
     if x.dim() == 0 or x.size(-1) != size:
-        raise ValueError(f"{name}: {what} must have last dimension {size}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: {what} must have last dimension {size}, got shape {tuple(x.shape)}"
+        )
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-            causal: bool = False, window_size=(-1, -1), attn_mask: Optional[torch.Tensor] = None,
-            dropout_p: float = 0.0, gqa: bool = False, name: str = "attention") -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    gqa: bool = False,
+    name: str = "attention",
+) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` over the last two dimensions, for inputs of any rank
     >= 2 whose leading dimensions broadcast (as ``q @ k.transpose(-2, -1)`` would).
 
     3-D (B, S, D) and 4-D (B, H, S, D) inputs with equal leading dimensions go to
     :func:`attn_ext.attention` as they are; 2-D inputs get a batch axis; other ranks or broadcast
     leading dimensions are flattened into one batch axis. ``gqa=True`` lets 4-D k/v have fewer
-    heads than q (attn_ext's grouped mapping, head h reads kv head h // (H // Hkv)). ``dropout_p == 1`` (``nn.Dropout(1.0)``
-    in training) drops every probability, as torch's dropout does.
+    heads than q (attn_ext's grouped mapping, head h reads kv head h // (H // Hkv)).
+    ``dropout_p == 1`` (``nn.Dropout(1.0)`` in training) drops every probability, as torch's
+    dropout does.
     """
     for n, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() < 2:
-            raise ValueError(f"{name}: {n} must be at least 2-D (..., S, D), got {t.dim()}-D {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: {n} must be at least 2-D (..., S, D), got {t.dim()}-D {tuple(t.shape)}"
+            )
     if q.size(-1) != k.size(-1):
-        raise ValueError(f"{name}: query and key feature sizes differ: {tuple(q.shape)} vs {tuple(k.shape)}")
+        raise ValueError(
+            f"{name}: query and key feature sizes differ: {tuple(q.shape)} vs {tuple(k.shape)}"
+        )
     if k.size(-2) != v.size(-2):
-        raise ValueError(f"{name}: key and value lengths differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        raise ValueError(
+            f"{name}: key and value lengths differ: {tuple(k.shape)} vs {tuple(v.shape)}"
+        )
     p = float(dropout_p)
     drop_all = p >= 1.0
     if drop_all:
         p = 0.0
     lead_q, lead_k, lead_v = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    grouped = (gqa and q.dim() == 4 and k.dim() == 4 and lead_k == lead_v and lead_q[0] == lead_k[0]
-               and k.size(1) > 0 and q.size(1) % k.size(1) == 0)
+    grouped = (
+        gqa
+        and q.dim() == 4
+        and k.dim() == 4
+        and lead_k == lead_v
+        and lead_q[0] == lead_k[0]
+        and k.size(1) > 0
+        and q.size(1) % k.size(1) == 0
+    )
     if (q.dim() in (3, 4) and lead_q == lead_k == lead_v) or grouped:
-        out = _F.attention(q, k, v, scale=scale, causal=causal, window_size=window_size,
-                           attn_mask=attn_mask, dropout_p=p)
+        out = _F.attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window_size=window_size,
+            attn_mask=attn_mask,
+            dropout_p=p,
+        )
     else:
         try:
             lead = torch.broadcast_shapes(lead_q, lead_k, lead_v)
         except RuntimeError:
-            raise ValueError(f"{name}: leading (batch) dimensions do not broadcast: q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}") from None
+            raise ValueError(
+                f"{name}: leading (batch) dimensions do not broadcast: q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            ) from None
         q3 = q.expand(*lead, *q.shape[-2:]).reshape(-1, *q.shape[-2:])
         k3 = k.expand(*lead, *k.shape[-2:]).reshape(-1, *k.shape[-2:])
         v3 = v.expand(*lead, *v.shape[-2:]).reshape(-1, *v.shape[-2:])
@@ -94,8 +133,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optiona
         if attn_mask is not None:
             m = attn_mask.expand(*lead, q.size(-2), k.size(-2)) if len(lead) else attn_mask
             m3 = m.reshape(-1, q.size(-2), k.size(-2))
-        out = _F.attention(q3, k3, v3, scale=scale, causal=causal, window_size=window_size,
-                           attn_mask=m3, dropout_p=p)
+        out = _F.attention(
+            q3,
+            k3,
+            v3,
+            scale=scale,
+            causal=causal,
+            window_size=window_size,
+            attn_mask=m3,
+            dropout_p=p,
+        )
         out = out.view(*lead, q.size(-2), v.size(-1))
     return out * 0.0 if drop_all else out
 

@@ -29,6 +29,7 @@ Differences from the document's code:
   of Q and K. A floating ``(S, d_k)`` ``rope_pos`` (the document's multiplier, what its own
   script passes) is taken as RoPE at positions ``0..S-1``, with a warning.
 """
+
 import math
 import warnings
 
@@ -36,12 +37,19 @@ import torch
 import torch.nn as nn
 
 from .. import functional as _F
+from ..nn.tensor_product_attention import TensorProductAttention as _TPA
 from ..spatial import channel_pool
 from . import _attend, _check_last, _check_rank, _float32_sqrt
-from ..nn.tensor_product_attention import TensorProductAttention as _TPA
 
-__all__ = ["SelfAttention", "MultiHeadAttention", "SpatialAttention", "TemporalAttention", "CrossAttention",
-           "GroupedAttention", "TensorProductAttention"]
+__all__ = [
+    "SelfAttention",
+    "MultiHeadAttention",
+    "SpatialAttention",
+    "TemporalAttention",
+    "CrossAttention",
+    "GroupedAttention",
+    "TensorProductAttention",
+]
 
 
 class SelfAttention(nn.Module):
@@ -56,7 +64,10 @@ class SelfAttention(nn.Module):
     def forward(self, x):
         name = type(self).__name__
         if x.dim() < 2:
-            raise ValueError(f"{name}: x must be at least 2-D (..., S, input_dim), got {x.dim()}-D {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: x must be at least 2-D (..., S, input_dim), got {x.dim()}-D "
+                f"{tuple(x.shape)}"
+            )
         _check_last(name, x, self.W_q.in_features, "x")
         Q = self.W_q(x)
         K = self.W_k(x)
@@ -106,7 +117,10 @@ class CrossAttention(nn.Module):
         name = type(self).__name__
         for n, t in (("x1", x1), ("x2", x2)):
             if t.dim() < 2:
-                raise ValueError(f"{name}: {n} must be at least 2-D (..., S, input_dim), got {t.dim()}-D {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name}: {n} must be at least 2-D (..., S, input_dim), got {t.dim()}-D "
+                    f"{tuple(t.shape)}"
+                )
             _check_last(name, t, self.W_q.in_features, n)
         Q = self.W_q(x1)
         K = self.W_k(x2)
@@ -146,7 +160,9 @@ class GroupedAttention(nn.Module):
         Q = Q.reshape(batch_size, seq_len, H, hd).transpose(1, 2)
         K = self.W_k(x).view(batch_size, seq_len, Hkv, hd).transpose(1, 2)
         V = self.W_v(x).view(batch_size, seq_len, Hkv, hd).transpose(1, 2)
-        output = _attend(Q, K, V, scale=1.0 / _float32_sqrt(hd), gqa=True, name=name)  # (B, H', S, hd)
+        output = _attend(
+            Q, K, V, scale=1.0 / _float32_sqrt(hd), gqa=True, name=name
+        )  # (B, H', S, hd)
         # back to the document's head order h = g * Hkv + r, concatenated over heads
         output = output.transpose(1, 2).reshape(batch_size, seq_len, Hkv, G, hd).transpose(2, 3)
         output = output.reshape(batch_size, seq_len, -1)
@@ -161,7 +177,7 @@ class SpatialAttention(nn.Module):
 
     def __init__(self, kernel_size=7):
         super(SpatialAttention, self).__init__()
-        assert kernel_size in (3, 7), 'kernel size must be 3 or 7'
+        assert kernel_size in (3, 7), "kernel size must be 3 or 7"
         padding = 3 if kernel_size == 7 else 1
         self.conv1 = nn.Conv2d(2, 1, kernel_size, padding=padding, bias=False)
         self.sigmoid = nn.Sigmoid()
@@ -207,18 +223,24 @@ class TemporalAttention(nn.Module):
         name = type(self).__name__
         _check_rank(name, x, (3,), "x (batch_size, seq_len, input_dim)")
         _check_last(name, x, self.input_dim, "x")
-        _check_rank(name, time_points, (3,), "time_points (batch_size, num_time_points, time_emb_dim)")
+        _check_rank(
+            name, time_points, (3,), "time_points (batch_size, num_time_points, time_emb_dim)"
+        )
         _check_last(name, time_points, self.time_emb_dim, "time_points")
         batch_size, seq_len, _ = x.size()
         if time_points.size(0) not in (1, batch_size):
-            raise ValueError(f"{name}: time_points must have batch size 1 or {batch_size} (x's), "
-                             f"got shape {tuple(time_points.shape)}")
+            raise ValueError(
+                f"{name}: time_points must have batch size 1 or {batch_size} (x's), "
+                f"got shape {tuple(time_points.shape)}"
+            )
         Q = self.W_q(x)
         K = self.W_k(x)
         V = self.W_v(x)
         time_emb = self.W_t(time_points)  # (B, n_t, d_k)
         gram = torch.matmul(time_emb.transpose(1, 2), time_emb) * seq_len  # T^T T
-        t_norm = torch.linalg.vector_norm(time_emb, dim=(1, 2), keepdim=True) * math.sqrt(seq_len)  # ||T||_F
+        t_norm = torch.linalg.vector_norm(time_emb, dim=(1, 2), keepdim=True) * math.sqrt(
+            seq_len
+        )  # ||T||_F
         Q = torch.matmul(Q, gram / (t_norm + 1e-8))
         K, V = K.expand(Q.size(0), -1, -1), V.expand(Q.size(0), -1, -1)
         scale = 1.0 / _float32_sqrt(self.d_k)
@@ -240,8 +262,9 @@ class TensorProductAttention(_TPA):
     factors of Q and K; without, no position encoding (as the document)."""
 
     def __init__(self, d_model, num_heads, d_k, r_q=6, r_k=2, r_v=2):
-        super().__init__(d_model, num_heads, d_k, r_q=r_q, r_k=r_k, r_v=r_v, causal=False,
-                         rope=d_k % 2 == 0)
+        super().__init__(
+            d_model, num_heads, d_k, r_q=r_q, r_k=r_k, r_v=r_v, causal=False, rope=d_k % 2 == 0
+        )
         self.d_k = d_k
 
     def _document_multiplier_positions(self, x, rope_pos):
@@ -251,12 +274,16 @@ class TensorProductAttention(_TPA):
         name = type(self).__name__
         seq_len = x.shape[1]
         if tuple(rope_pos.shape) != (seq_len, self.d_k):
-            raise TypeError(f"{name}: rope_pos must hold integer token positions ((S,) or (B, S)) "
-                            f"or be document 004's float (seq_len, d_k) = ({seq_len}, {self.d_k}) "
-                            f"placeholder, got {rope_pos.dtype} of shape {tuple(rope_pos.shape)}")
-        warnings.warn(f"{name}: a float rope_pos (document 004's elementwise multiplier) is taken "
-                      "as RoPE at positions 0..S-1; its values are ignored. Pass integer positions.",
-                      stacklevel=3)
+            raise TypeError(
+                f"{name}: rope_pos must hold integer token positions ((S,) or (B, S)) "
+                f"or be document 004's float (seq_len, d_k) = ({seq_len}, {self.d_k}) "
+                f"placeholder, got {rope_pos.dtype} of shape {tuple(rope_pos.shape)}"
+            )
+        warnings.warn(
+            f"{name}: a float rope_pos (document 004's elementwise multiplier) is taken "
+            "as RoPE at positions 0..S-1; its values are ignored. Pass integer positions.",
+            stacklevel=3,
+        )
         return torch.arange(seq_len, device=x.device)
 
     def forward(self, x, rope_pos=None):

@@ -19,13 +19,20 @@ Differences from the document's code:
   generator), not from ``nn.Dropout``'s: same distribution and ``1/(1-p)`` scaling, not the same
   mask for a given seed.
 """
+
 import torch
 import torch.nn as nn
 
 from . import _attend, _check_last, _check_rank, _dropout_p
 
-__all__ = ["simplified_self_attention", "SelfAttention_v1", "SelfAttention_v2", "CausalAttention",
-           "MultiHeadAttentionWrapper", "MultiHeadAttention"]
+__all__ = [
+    "simplified_self_attention",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "CausalAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+]
 
 
 def simplified_self_attention(inputs: torch.Tensor) -> torch.Tensor:
@@ -57,7 +64,9 @@ class SelfAttention_v1(nn.Module):
         keys = x @ self.W_key
         queries = x @ self.W_query
         values = x @ self.W_value
-        return _attend(queries, keys, values, scale=keys.shape[-1] ** -0.5, name=type(self).__name__)
+        return _attend(
+            queries, keys, values, scale=keys.shape[-1] ** -0.5, name=type(self).__name__
+        )
 
 
 class SelfAttention_v2(nn.Module):
@@ -76,7 +85,9 @@ class SelfAttention_v2(nn.Module):
         keys = self.W_key(x)
         queries = self.W_query(x)
         values = self.W_value(x)
-        return _attend(queries, keys, values, scale=keys.shape[-1] ** -0.5, name=type(self).__name__)
+        return _attend(
+            queries, keys, values, scale=keys.shape[-1] ** -0.5, name=type(self).__name__
+        )
 
 
 def _check_tokens(name: str, x: torch.Tensor, d_in: int, context_length: int) -> None:
@@ -85,8 +96,10 @@ def _check_tokens(name: str, x: torch.Tensor, d_in: int, context_length: int) ->
     _check_last(name, x, d_in, "x")
     num_tokens = x.size(1)
     if num_tokens > context_length:
-        raise ValueError(f"{name}: the sequence has {num_tokens} tokens, more than context_length "
-                         f"= {context_length} (the size of the registered causal mask)")
+        raise ValueError(
+            f"{name}: the sequence has {num_tokens} tokens, more than context_length "
+            f"= {context_length} (the size of the registered causal mask)"
+        )
 
 
 class CausalAttention(nn.Module):
@@ -102,7 +115,9 @@ class CausalAttention(nn.Module):
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+        )
 
     def forward(self, x):
         name = type(self).__name__
@@ -111,8 +126,15 @@ class CausalAttention(nn.Module):
         keys = self.W_key(x)
         queries = self.W_query(x)
         values = self.W_value(x)
-        return _attend(queries, keys, values, scale=keys.shape[-1] ** -0.5, causal=True,
-                       dropout_p=_dropout_p(self.dropout, self.training), name=name)
+        return _attend(
+            queries,
+            keys,
+            values,
+            scale=keys.shape[-1] ** -0.5,
+            causal=True,
+            dropout_p=_dropout_p(self.dropout, self.training),
+            name=name,
+        )
 
 
 class MultiHeadAttentionWrapper(nn.Module):
@@ -125,7 +147,10 @@ class MultiHeadAttentionWrapper(nn.Module):
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
         super().__init__()
         self.heads = nn.ModuleList(
-            [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)]
+            [
+                CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
+                for _ in range(num_heads)
+            ]
         )
 
     def _fusable(self) -> bool:
@@ -134,9 +159,14 @@ class MultiHeadAttentionWrapper(nn.Module):
             return False
         h0 = heads[0]
         has_bias = h0.W_query.bias is not None
-        return all(h.dropout.p == h0.dropout.p and (h.W_query.bias is not None) == has_bias
-                   and (h.W_key.bias is not None) == has_bias and (h.W_value.bias is not None) == has_bias
-                   and h.W_query.weight.shape == h0.W_query.weight.shape for h in heads)
+        return all(
+            h.dropout.p == h0.dropout.p
+            and (h.W_query.bias is not None) == has_bias
+            and (h.W_key.bias is not None) == has_bias
+            and (h.W_value.bias is not None) == has_bias
+            and h.W_query.weight.shape == h0.W_query.weight.shape
+            for h in heads
+        )
 
     def forward(self, x):
         if not self._fusable():
@@ -154,11 +184,20 @@ class MultiHeadAttentionWrapper(nn.Module):
             if bias is not None:
                 bias = torch.cat([getattr(h, attr).bias for h in heads], dim=0)
             # (b, T, n * d_out) -> (b, n, T, d_out), a view
-            return nn.functional.linear(x, weight, bias).view(b, num_tokens, n, d_out).transpose(1, 2)
+            return (
+                nn.functional.linear(x, weight, bias).view(b, num_tokens, n, d_out).transpose(1, 2)
+            )
 
         queries, keys, values = project("W_query"), project("W_key"), project("W_value")
-        ctx = _attend(queries, keys, values, scale=d_out ** -0.5, causal=True,
-                      dropout_p=_dropout_p(h0.dropout, self.training), name=name)
+        ctx = _attend(
+            queries,
+            keys,
+            values,
+            scale=d_out**-0.5,
+            causal=True,
+            dropout_p=_dropout_p(h0.dropout, self.training),
+            name=name,
+        )
         return ctx.transpose(1, 2).reshape(b, num_tokens, n * d_out)
 
 
@@ -172,7 +211,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
         super().__init__()
-        assert (d_out % num_heads == 0), "d_out must be divisible by num_heads"
+        assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         self.d_out = d_out
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
@@ -181,7 +220,9 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+        )
 
     def forward(self, x):
         name = type(self).__name__
@@ -191,7 +232,14 @@ class MultiHeadAttention(nn.Module):
         keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        context_vec = _attend(queries, keys, values, scale=self.head_dim ** -0.5, causal=True,
-                              dropout_p=_dropout_p(self.dropout, self.training), name=name)
+        context_vec = _attend(
+            queries,
+            keys,
+            values,
+            scale=self.head_dim**-0.5,
+            causal=True,
+            dropout_p=_dropout_p(self.dropout, self.training),
+            name=name,
+        )
         context_vec = context_vec.transpose(1, 2).reshape(b, num_tokens, self.d_out)
         return self.out_proj(context_vec)

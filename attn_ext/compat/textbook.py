@@ -17,6 +17,7 @@ Differences from the document's code:
 - Dropout draws its mask from attn_ext's Philox generator (seeded from torch's default
   generator) rather than ``F.dropout``'s: same distribution and ``1/(1-p)`` scaling.
 """
+
 import torch
 
 from . import _attend
@@ -33,8 +34,10 @@ def attention(q, k, v, mask=None, dropout_p=0.0, training=False):
     (..., Tq, Dv) in q's dtype."""
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError("attention: mask must be a bool tensor (True = visible), got "
-                             f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+            raise ValueError(
+                "attention: mask must be a bool tensor (True = visible), got "
+                f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}"
+            )
         if mask.device != q.device:
             mask = mask.to(q.device)
     p = float(dropout_p) if training else 0.0
@@ -55,7 +58,9 @@ def repeat_kv(x, n_rep):
     Note that :func:`attn_ext.attention` reads grouped K/V heads directly (query head ``h`` reads
     kv head ``h // (H // H_kv)``, the same mapping), so with attn_ext there is no need to repeat."""
     if x.dim() != 4:
-        raise ValueError(f"repeat_kv: x must be 4-D [B, H_kv, T, D], got {x.dim()}-D {tuple(x.shape)}")
+        raise ValueError(
+            f"repeat_kv: x must be 4-D [B, H_kv, T, D], got {x.dim()}-D {tuple(x.shape)}"
+        )
     if n_rep == 1:
         return x
     b, h, t, d = x.shape

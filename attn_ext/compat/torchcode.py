@@ -39,6 +39,7 @@ Differences from the document's code (each only where the document fails or is i
   sums and quotient are computed in float32 and rounded once (the document rounds after every
   step), so the result is closer to the exact one.
 """
+
 import math
 
 import torch
@@ -49,9 +50,18 @@ from .. import functional as _F
 from ..linear import linear_attention as _linear_attention
 from . import _attend, _check_last, _check_rank
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "causal_attention",
-           "MultiHeadCrossAttention", "GroupQueryAttention", "sliding_window_attention",
-           "flash_attention", "KVCacheAttention", "apply_rope", "linear_attention"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "MultiHeadAttention",
+    "causal_attention",
+    "MultiHeadCrossAttention",
+    "GroupQueryAttention",
+    "sliding_window_attention",
+    "flash_attention",
+    "KVCacheAttention",
+    "apply_rope",
+    "linear_attention",
+]
 
 
 def scaled_dot_product_attention(Q, K, V):
@@ -88,8 +98,10 @@ class MultiHeadAttention(nn.Module):
             _check_last(name, t, d_model, n)
         B, S_q, _ = Q.shape
         if V.shape[:2] != K.shape[:2] or K.shape[0] != B:
-            raise ValueError(f"{name}: K and V must be (B, S_k, d_model) with Q's batch size {B}, "
-                             f"got K {tuple(K.shape)}, V {tuple(V.shape)}")
+            raise ValueError(
+                f"{name}: K and V must be (B, S_k, d_model) with Q's batch size {B}, "
+                f"got K {tuple(K.shape)}, V {tuple(V.shape)}"
+            )
         q, k, v = self._heads(self.W_q, Q), self._heads(self.W_k, K), self._heads(self.W_v, V)
         attn = _attend(q, k, v, scale=1.0 / math.sqrt(self.dk), name=name)
         out = attn.transpose(1, 2).reshape(B, S_q, -1)
@@ -102,9 +114,14 @@ def causal_attention(Q, K, V):
     returns (..., seq_q, d_v)."""
     for n, t in (("Q", Q), ("K", K), ("V", V)):
         if t.dim() < 2:
-            raise ValueError(f"causal_attention: {n} must be at least 2-D (..., S, D), got {t.dim()}-D {tuple(t.shape)}")
+            raise ValueError(
+                f"causal_attention: {n} must be at least 2-D (..., S, D), got {t.dim()}-D "
+                f"{tuple(t.shape)}"
+            )
     if Q.size(-1) != K.size(-1):
-        raise ValueError(f"causal_attention: Q and K feature sizes differ: {tuple(Q.shape)} vs {tuple(K.shape)}")
+        raise ValueError(
+            f"causal_attention: Q and K feature sizes differ: {tuple(Q.shape)} vs {tuple(K.shape)}"
+        )
     return _F.scaled_dot_product_attention(Q, K, V, is_causal=True)
 
 
@@ -121,8 +138,14 @@ class MultiHeadCrossAttention(MultiHeadAttention):
             _check_last(name, t, d_model, n)
         B, S_q, _ = x_q.shape
         if x_kv.shape[0] != B:
-            raise ValueError(f"{name}: x_kv batch size must equal x_q's {B}, got {tuple(x_kv.shape)}")
-        q, k, v = self._heads(self.W_q, x_q), self._heads(self.W_k, x_kv), self._heads(self.W_v, x_kv)
+            raise ValueError(
+                f"{name}: x_kv batch size must equal x_q's {B}, got {tuple(x_kv.shape)}"
+            )
+        q, k, v = (
+            self._heads(self.W_q, x_q),
+            self._heads(self.W_k, x_kv),
+            self._heads(self.W_v, x_kv),
+        )
         attn = _attend(q, k, v, scale=1.0 / math.sqrt(self.dk), name=name)
         return self.W_o(attn.transpose(1, 2).reshape(B, S_q, -1))
 
@@ -163,11 +186,13 @@ def sliding_window_attention(Q, K, V, window_size):
     Q, K: (B, S, d_k), V: (B, S, d_v) (one sequence length, as in the document); returns
     (B, S, d_v). ``window_size = 0`` returns V; ``window_size >= S`` is full attention."""
     name = "sliding_window_attention"
-    for n, t in (("Q", Q), ("K", K), ("V", V)):
+    for t in (Q, K, V):
         _check_rank(name, t, (3,), "(B, S, D)")
     if not (Q.size(1) == K.size(1) == V.size(1)):
-        raise ValueError(f"{name}: Q, K and V must have the same sequence length, got "
-                         f"{tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}")
+        raise ValueError(
+            f"{name}: Q, K and V must have the same sequence length, got "
+            f"{tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}"
+        )
     w = int(window_size)
     if w != window_size or w < 0:
         raise ValueError(f"{name}: window_size must be a non-negative integer, got {window_size!r}")
@@ -180,7 +205,7 @@ def flash_attention(Q, K, V, block_size=32):
 
     Q: (B, S, D), K: (B, S_k, D), V: (B, S_k, D_v); returns (B, S, D_v) in Q's dtype."""
     name = "flash_attention"
-    for n, t in (("Q", Q), ("K", K), ("V", V)):
+    for t in (Q, K, V):
         _check_rank(name, t, (3,), "(B, S, D)")
     bs = int(block_size)
     if bs != block_size or bs <= 0:
@@ -208,13 +233,17 @@ class KVCacheAttention(MultiHeadAttention):
             try:
                 k_past, v_past = cache
             except (TypeError, ValueError):
-                raise ValueError(f"{name}: cache must be the (k, v) tuple a previous call returned, "
-                                 f"got {type(cache).__name__}") from None
+                raise ValueError(
+                    f"{name}: cache must be the (k, v) tuple a previous call returned, "
+                    f"got {type(cache).__name__}"
+                ) from None
             want = (B, self.num_heads, self.dk)
             for n, t in (("k", k_past), ("v", v_past)):
                 if t.dim() != 4 or (t.size(0), t.size(1), t.size(3)) != want:
-                    raise ValueError(f"{name}: cache {n} must be (B, num_heads, S_past, dk) = "
-                                     f"({B}, {self.num_heads}, S_past, {self.dk}), got {tuple(t.shape)}")
+                    raise ValueError(
+                        f"{name}: cache {n} must be (B, num_heads, S_past, dk) = "
+                        f"({B}, {self.num_heads}, S_past, {self.dk}), got {tuple(t.shape)}"
+                    )
             k = torch.cat([k_past, k], dim=2)
             v = torch.cat([v_past, v], dim=2)
         attn = _F.attention(q, k, v, scale=1.0 / math.sqrt(self.dk), causal=True)
@@ -225,15 +254,19 @@ def apply_rope(q, k):
     """Rotary position embedding of q and k (B, S, D) at positions ``0..S-1``: pairs
     ``(2i, 2i + 1)`` turn by ``pos / 10000 ** (2i / D)``. Returns ``(q_rot, k_rot)``."""
     name = "apply_rope"
-    for n, t in (("q", q), ("k", k)):
+    for t in (q, k):
         _check_rank(name, t, (3,), "(B, S, D)")
     if q.shape != k.shape:
-        raise ValueError(f"{name}: q and k must have the same shape (B, S, D), got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"{name}: q and k must have the same shape (B, S, D), got "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
     if q.size(-1) % 2:
         raise ValueError(f"{name}: the feature size D must be even, got {q.size(-1)}")
     # The document's layout, not attn_ext's default halves.
     return _decoding.rope(q, interleaved=True), _decoding.rope(k, interleaved=True)
+
+
 def linear_attention(Q, K, V):
     """Linear attention with the feature map ``elu(x) + 1``:
     ``phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + 1e-6)`` (non-causal), in O(S * D * D_v).
@@ -241,6 +274,6 @@ def linear_attention(Q, K, V):
     Q: (B, S_q, D_k), K: (B, S_k, D_k), V: (B, S_k, D_v) (``torch.bmm`` operands, as in the
     document); returns (B, S_q, D_v)."""
     name = "linear_attention"
-    for n, t in (("Q", Q), ("K", K), ("V", V)):
+    for t in (Q, K, V):
         _check_rank(name, t, (3,), "(B, S, D)")
     return _linear_attention(Q, K, V, eps=1e-6, feature_map="elu+1")

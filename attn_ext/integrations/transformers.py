@@ -37,9 +37,11 @@ Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 eager mode and under ``torch.compile(fullgraph=True)``.
 
 Differences from ``"sdpa"``: a query row that sees no key (e.g. a left-padding position) gets
-zeros instead of whatever the torch backend returns there. ``softcap`` and attention sinks (``s_aux``) are not supported
-and raise, as in ``"sdpa"``; attention weights are never returned (``None``).
+zeros instead of whatever the torch backend returns there. ``softcap`` and attention sinks
+(``s_aux``) are not supported and raise, as in ``"sdpa"``; attention weights are never returned
+(``None``).
 """
+
 import warnings
 from typing import Callable, Optional
 
@@ -55,7 +57,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "attn_ext.integrations.transformers needs HuggingFace transformers with AttentionInterface "
-        "and AttentionMaskInterface (transformers >= 4.57): pip install transformers") from e
+        "and AttentionMaskInterface (transformers >= 4.57): pip install transformers"
+    ) from e
 
 from .. import functional as _F
 
@@ -71,6 +74,7 @@ def _compiling() -> bool:
 # ----------------------------------------------------------------------------------------------
 # mask function
 # ----------------------------------------------------------------------------------------------
+
 
 def _closure(fn: Callable, name: str):
     code = getattr(fn, "__code__", None)
@@ -106,13 +110,15 @@ def _sliding_window_of(mask_function: Callable, local_size: Optional[int]) -> Op
     return local_size
 
 
-def _padding_keep(attention_mask: torch.Tensor, kv_length: int, kv_offset: int, device) -> torch.Tensor:
+def _padding_keep(
+    attention_mask: torch.Tensor, kv_length: int, kv_offset: int, device
+) -> torch.Tensor:
     """The (B, kv_length) keep-mask of the keys at positions [kv_offset, kv_offset + kv_length)
     from the 2-D padding mask (positions past its end, e.g. an unfilled cache, are not kept)."""
     keep = attention_mask.to(device=device, dtype=torch.bool)
     if (missing := kv_offset + kv_length - keep.size(-1)) > 0:
         keep = torch.nn.functional.pad(keep, (0, missing))
-    return keep[:, kv_offset:kv_offset + kv_length]
+    return keep[:, kv_offset : kv_offset + kv_length]
 
 
 def attn_ext_mask(
@@ -149,8 +155,12 @@ def attn_ext_mask(
         elif local_size is not None:
             structured = _sliding_window_of(mask_function, local_size) is not None
     # Tensor offsets (static caches) are not read: that would break a compiled graph.
-    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int) and isinstance(kv_length, int)
-               and q_offset + q_length == kv_offset + kv_length)
+    aligned = (
+        isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and isinstance(kv_length, int)
+        and q_offset + q_length == kv_offset + kv_length
+    )
     if structured and aligned:
         if attention_mask is None:
             return None
@@ -158,17 +168,29 @@ def attn_ext_mask(
         if not _compiling() and bool(padding.all()):
             return None
         return padding
-    positions = dict(cache_position=cache_position) if cache_position is not None else dict(
-        q_length=q_length, q_offset=q_offset)
+    positions = (
+        dict(cache_position=cache_position)
+        if cache_position is not None
+        else dict(q_length=q_length, q_offset=q_offset)
+    )
     return sdpa_mask(
-        batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
-        attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, device=device,
-        **positions, **kwargs)
+        batch_size=batch_size,
+        kv_length=kv_length,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        device=device,
+        **positions,
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # attention function
 # ----------------------------------------------------------------------------------------------
+
 
 def attn_ext_attention_forward(
     module: torch.nn.Module,
@@ -190,14 +212,21 @@ def attn_ext_attention_forward(
     ``sdpa_attention_forward``): query ``(B, H, Sq, D)``, key/value ``(B, Hkv, Sk, D|Dv)``;
     returns ``(out (B, Sq, H, Dv) contiguous, None)``."""
     if softcap is not None:
-        raise ValueError("attn_ext attention does not support `softcap`; use `eager` or `flex_attention`")
+        raise ValueError(
+            "attn_ext attention does not support `softcap`; use `eager` or `flex_attention`"
+        )
     if s_aux is not None:
         raise NotImplementedError("attn_ext attention does not support attention sinks (`s_aux`)")
     if kwargs.get("output_attentions", False):
-        warnings.warn("attn_ext attention does not return attention weights (output_attentions=True); "
-                      "use attn_implementation='eager' for them", stacklevel=2)
+        warnings.warn(
+            "attn_ext attention does not return attention weights (output_attentions=True); "
+            "use attn_implementation='eager' for them",
+            stacklevel=2,
+        )
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        key, value = cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
+        )
 
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -213,8 +242,10 @@ def attn_ext_attention_forward(
         if mask is not None:
             if mask.size(-1) != key.size(-2):
                 raise ValueError(
-                    f"attn_ext attention: the 2-D padding mask covers {mask.size(-1)} keys, but there are "
-                    f"{key.size(-2)} keys")
+                    f"attn_ext attention: the 2-D padding mask covers {mask.size(-1)} keys, but "
+                    "there are "
+                    f"{key.size(-2)} keys"
+                )
             if mask.dtype != torch.bool:
                 mask = mask.bool()
             mask = mask[:, None, None, :]
@@ -223,20 +254,31 @@ def attn_ext_attention_forward(
         if mask is None:
             mask = bias
         elif mask.dtype == torch.bool:
-            mask = torch.where(mask, bias, torch.tensor(float("-inf"), dtype=bias.dtype, device=bias.device))
+            mask = torch.where(
+                mask, bias, torch.tensor(float("-inf"), dtype=bias.dtype, device=bias.device)
+            )
         else:
             mask = bias + mask
     if mask is not None and mask.requires_grad:
         mask = mask.detach()
 
-    out = _F.attention(query, key, value, scale=scaling, causal=causal, window_size=window, attn_mask=mask,
-                       dropout_p=float(dropout))
+    out = _F.attention(
+        query,
+        key,
+        value,
+        scale=scaling,
+        causal=causal,
+        window_size=window,
+        attn_mask=mask,
+        dropout_p=float(dropout),
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
 # ----------------------------------------------------------------------------------------------
 # registration
 # ----------------------------------------------------------------------------------------------
+
 
 def register(name: str = NAME) -> str:
     """Register attn_ext's attention and mask functions with transformers under ``name`` (default

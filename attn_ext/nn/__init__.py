@@ -23,16 +23,28 @@
 The decoding state classes live in :mod:`attn_ext.caches`; ``TPAFactorCache`` and
 ``LinearAttentionState`` stay importable from here, where they were first defined.
 """
+
 from ..caches import LinearAttentionState, TPAFactorCache
+from .decoder_attention import DecoderAttention
+from .latent_attention import MultiHeadLatentAttention
 from .linear_attention import LinearAttention
 from .multi_head_attention import MultiHeadAttention
 from .multihead_attention import MultiheadAttention
-from .decoder_attention import DecoderAttention
 from .spatial_attention import CBAM, ChannelAttention, SpatialAttention
 from .temporal_attention import TemporalAttention
-from .latent_attention import MultiHeadLatentAttention
 from .tensor_product_attention import TensorProductAttention
 
-__all__ = ["CBAM", "ChannelAttention", "DecoderAttention", "LinearAttention", "LinearAttentionState",
-           "MultiHeadAttention", "MultiheadAttention", "MultiHeadLatentAttention", "SpatialAttention",
-           "TemporalAttention", "TPAFactorCache", "TensorProductAttention"]
+__all__ = [
+    "CBAM",
+    "ChannelAttention",
+    "DecoderAttention",
+    "LinearAttention",
+    "LinearAttentionState",
+    "MultiHeadAttention",
+    "MultiheadAttention",
+    "MultiHeadLatentAttention",
+    "SpatialAttention",
+    "TemporalAttention",
+    "TPAFactorCache",
+    "TensorProductAttention",
+]

@@ -10,6 +10,7 @@ key/value heads, rotary position embedding, an optional sliding window, and two 
   the cache. The cache never grows or moves, so a generation loop allocates nothing per step
   but the projections' outputs.
 """
+
 from typing import Optional
 
 import torch
@@ -50,31 +51,55 @@ class DecoderAttention(nn.Module):
     ``new_lengths[b]`` tokens (the padding rows' outputs are meaningless).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 head_dim: Optional[int] = None, bias: bool = False, rope_base: float = 10000.0,
-                 rope_interleaved: bool = False, rotary_dim: Optional[int] = None,
-                 window_left: int = -1, dropout: float = 0.0, device=None, dtype=None):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        *,
+        head_dim: Optional[int] = None,
+        bias: bool = False,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+        window_left: int = -1,
+        dropout: float = 0.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         name = type(self).__name__
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"{name}: num_heads ({num_heads}) must be a positive multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"{name}: num_heads ({num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
         if head_dim is None:
             if embed_dim % num_heads:
-                raise ValueError(f"{name}: embed_dim ({embed_dim}) must be divisible by num_heads "
-                                 f"({num_heads}) when head_dim is not given")
+                raise ValueError(
+                    f"{name}: embed_dim ({embed_dim}) must be divisible by num_heads "
+                    f"({num_heads}) when head_dim is not given"
+                )
             head_dim = embed_dim // num_heads
         rot = head_dim if rotary_dim is None else rotary_dim
         if rot % 2 or not 0 <= rot <= head_dim:
-            raise ValueError(f"{name}: rotary_dim must be even and in [0, head_dim = {head_dim}], got {rot}")
+            raise ValueError(
+                f"{name}: rotary_dim must be even and in [0, head_dim = {head_dim}], got {rot}"
+            )
         if window_left < -1:
-            raise ValueError(f"{name}: window_left must be >= -1 (-1 = unbounded), got {window_left}")
+            raise ValueError(
+                f"{name}: window_left must be >= -1 (-1 = unbounded), got {window_left}"
+            )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"{name}: dropout must be in [0, 1), got {dropout}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim, self.rotary_dim, self.window_left = head_dim, rot, window_left
-        self.rope_base, self.rope_interleaved, self.dropout = float(rope_base), rope_interleaved, dropout
+        self.rope_base, self.rope_interleaved, self.dropout = (
+            float(rope_base),
+            rope_interleaved,
+            dropout,
+        )
         kw = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **kw)
@@ -85,22 +110,37 @@ class DecoderAttention(nn.Module):
         """An empty :class:`attn_ext.KVCache` sized for this layer (default: its weights' dtype
         and device)."""
         w = self.k_proj.weight
-        return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim,
-                       dtype=dtype or w.dtype, device=device or w.device)
+        return KVCache(
+            batch_size,
+            self.num_kv_heads,
+            max_len,
+            self.head_dim,
+            dtype=dtype or w.dtype,
+            device=device or w.device,
+        )
 
     def _rope_kw(self):
-        return dict(base=self.rope_base, interleaved=self.rope_interleaved, rotary_dim=self.rotary_dim)
+        return dict(
+            base=self.rope_base, interleaved=self.rope_interleaved, rotary_dim=self.rotary_dim
+        )
 
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         # (B, S, heads * D) -> (B, heads, S, D) as a view: the kernels read it strided.
         return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, *,
-                positions: Optional[torch.Tensor] = None,
-                new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        *,
+        positions: Optional[torch.Tensor] = None,
+        new_lengths: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         name = type(self).__name__
         if x.dim() != 3 or x.size(-1) != self.embed_dim:
-            raise ValueError(f"{name}: x must be (B, S, embed_dim = {self.embed_dim}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: x must be (B, S, embed_dim = {self.embed_dim}), got {tuple(x.shape)}"
+            )
         B, S, _ = x.shape
         q = self._heads(self.q_proj(x), self.num_heads)
         k = self._heads(self.k_proj(x), self.num_kv_heads)
@@ -114,20 +154,31 @@ class DecoderAttention(nn.Module):
             out = attention(q, k, v, causal=True, window_size=(self.window_left, 0), dropout_p=p)
         else:
             if positions is not None:
-                raise ValueError(f"{name}: with a cache the positions follow the cache's lengths; "
-                                 "do not pass positions")
+                raise ValueError(
+                    f"{name}: with a cache the positions follow the cache's lengths; "
+                    "do not pass positions"
+                )
             pos = cache.positions(S, new_lengths)
             if torch.is_grad_enabled() and q.requires_grad:
                 q = rope(q, positions=pos, **self._rope_kw())
             else:  # q is this call's own projection: rotate it where it lies
                 rope_(q, positions=pos, **self._rope_kw())
-            cache.append(k, v, new_lengths=new_lengths, rope=True, rope_base=self.rope_base,
-                         rope_interleaved=self.rope_interleaved, rotary_dim=self.rotary_dim)
+            cache.append(
+                k,
+                v,
+                new_lengths=new_lengths,
+                rope=True,
+                rope_base=self.rope_base,
+                rope_interleaved=self.rope_interleaved,
+                rotary_dim=self.rotary_dim,
+            )
             out = cache.attend(q, window_left=self.window_left)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"rotary_dim={self.rotary_dim}, rope_base={self.rope_base}, "
-                f"rope_interleaved={self.rope_interleaved}, window_left={self.window_left}")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"rotary_dim={self.rotary_dim}, rope_base={self.rope_base}, "
+            f"rope_interleaved={self.rope_interleaved}, window_left={self.window_left}"
+        )

@@ -23,6 +23,7 @@ Two ways to run:
   row block, so each cache row is read once per step); ``W^UV`` is applied to the attended
   latent afterwards. Nothing per head is ever materialized for the cached tokens.
 """
+
 import math
 from typing import Optional
 
@@ -68,15 +69,31 @@ class MultiHeadLatentAttention(nn.Module):
     comparison).
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: Optional[int] = None,
-                 kv_lora_rank: int = 512, qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64,
-                 v_head_dim: int = 128, rope_base: float = 10000.0, rope_interleaved: bool = True,
-                 softmax_scale: Optional[float] = None, rms_norm_eps: float = 1e-6,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        q_lora_rank: Optional[int] = None,
+        kv_lora_rank: int = 512,
+        qk_nope_head_dim: int = 128,
+        qk_rope_head_dim: int = 64,
+        v_head_dim: int = 128,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = True,
+        softmax_scale: Optional[float] = None,
+        rms_norm_eps: float = 1e-6,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         name = type(self).__name__
-        for arg, value in (("d_model", d_model), ("num_heads", num_heads),
-                           ("kv_lora_rank", kv_lora_rank), ("v_head_dim", v_head_dim)):
+        for arg, value in (
+            ("d_model", d_model),
+            ("num_heads", num_heads),
+            ("kv_lora_rank", kv_lora_rank),
+            ("v_head_dim", v_head_dim),
+        ):
             if value <= 0:
                 raise ValueError(f"{name}: {arg} must be positive, got {value}")
         if q_lora_rank is not None and q_lora_rank <= 0:
@@ -84,16 +101,19 @@ class MultiHeadLatentAttention(nn.Module):
         if qk_nope_head_dim < 0:
             raise ValueError(f"{name}: qk_nope_head_dim must be >= 0, got {qk_nope_head_dim}")
         if qk_rope_head_dim <= 0 or qk_rope_head_dim % 2:
-            raise ValueError(f"{name}: qk_rope_head_dim must be positive and even (RoPE rotates "
-                             f"pairs), got {qk_rope_head_dim}")
+            raise ValueError(
+                f"{name}: qk_rope_head_dim must be positive and even (RoPE rotates "
+                f"pairs), got {qk_rope_head_dim}"
+            )
         self.d_model, self.num_heads = d_model, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_base, self.rope_interleaved = float(rope_base), rope_interleaved
-        self.softmax_scale = (1.0 / math.sqrt(self.qk_head_dim) if softmax_scale is None
-                              else float(softmax_scale))
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.qk_head_dim) if softmax_scale is None else float(softmax_scale)
+        )
         kw = dict(device=device, dtype=dtype)
         if q_lora_rank is None:
             self.q_proj = nn.Linear(d_model, num_heads * self.qk_head_dim, bias=False, **kw)
@@ -101,10 +121,13 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False, **kw)
             self.q_a_layernorm = nn.RMSNorm(q_lora_rank, eps=rms_norm_eps, **kw)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            d_model, kv_lora_rank + qk_rope_head_dim, bias=False, **kw
+        )
         self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank, eps=rms_norm_eps, **kw)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
-                                   bias=False, **kw)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, **kw
+        )
         self.o_proj = nn.Linear(num_heads * v_head_dim, d_model, bias=False, **kw)
 
     # ------------------------------------------------------------------ projections
@@ -113,8 +136,14 @@ class MultiHeadLatentAttention(nn.Module):
         """An empty :class:`attn_ext.LatentKVCache` for this layer (default: its weights'
         dtype and device): ``kv_lora_rank + qk_rope_head_dim`` values per token."""
         w = self.kv_b_proj.weight
-        return LatentKVCache(batch_size, max_len, self.kv_lora_rank, self.qk_rope_head_dim,
-                             dtype=dtype or w.dtype, device=device or w.device)
+        return LatentKVCache(
+            batch_size,
+            max_len,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            dtype=dtype or w.dtype,
+            device=device or w.device,
+        )
 
     def _rope_kw(self):
         return dict(base=self.rope_base, interleaved=self.rope_interleaved)
@@ -126,24 +155,28 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.unflatten(-1, (self.num_heads, self.qk_head_dim)).transpose(1, 2)
-        return q[..., :self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
+        return q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]
 
     def _latent(self, x: torch.Tensor):
         """(c_kv (B, 1, S, kv_lora_rank) normalized, k_rope (B, 1, S, rope) not yet rotated)."""
         kv = self.kv_a_proj_with_mqa(x).unsqueeze(1)
-        return self.kv_a_layernorm(kv[..., :self.kv_lora_rank]), kv[..., self.kv_lora_rank:]
+        return self.kv_a_layernorm(kv[..., : self.kv_lora_rank]), kv[..., self.kv_lora_rank :]
 
     def _up_weights(self):
         """W^UK (H, nope, kv_lora_rank) and W^UV (H, v, kv_lora_rank), views of kv_b_proj."""
-        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.qk_nope_head_dim + self.v_head_dim))
-        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+        w = self.kv_b_proj.weight.unflatten(
+            0, (self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        )
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _decompress(self, c_kv: torch.Tensor, k_rope: torch.Tensor):
         """Per-head keys (B, H, S, nope + rope) and values (B, H, S, v) from the latent
         (B, 1, S, kv_lora_rank) and the rotated shared key (B, 1, S, rope)."""
         kv = self.kv_b_proj(c_kv.squeeze(1))
-        kv = kv.unflatten(-1, (self.num_heads, self.qk_nope_head_dim + self.v_head_dim)).transpose(1, 2)
-        k_nope, v = kv[..., :self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
+        kv = kv.unflatten(-1, (self.num_heads, self.qk_nope_head_dim + self.v_head_dim)).transpose(
+            1, 2
+        )
+        k_nope, v = kv[..., : self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim :]
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
         return k, v
 
@@ -153,26 +186,40 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, x: torch.Tensor, cache: Optional[LatentKVCache] = None, *,
-                positions: Optional[torch.Tensor] = None,
-                new_lengths: Optional[torch.Tensor] = None, absorb: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[LatentKVCache] = None,
+        *,
+        positions: Optional[torch.Tensor] = None,
+        new_lengths: Optional[torch.Tensor] = None,
+        absorb: bool = True,
+    ) -> torch.Tensor:
         name = type(self).__name__
         if x.dim() != 3 or x.size(-1) != self.d_model:
-            raise ValueError(f"{name}: x must be (B, S, d_model = {self.d_model}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: x must be (B, S, d_model = {self.d_model}), got {tuple(x.shape)}"
+            )
         if cache is None:
             if new_lengths is not None:
                 raise ValueError(f"{name}: new_lengths needs a cache")
             return self._prefill(x, positions)
         if positions is not None:
-            raise ValueError(f"{name}: with a cache the positions follow the cache's lengths; "
-                             "do not pass positions")
+            raise ValueError(
+                f"{name}: with a cache the positions follow the cache's lengths; "
+                "do not pass positions"
+            )
         if not isinstance(cache, LatentKVCache):
-            raise TypeError(f"{name}: cache must be an attn_ext.LatentKVCache (from new_cache), "
-                            f"got {type(cache).__name__}")
+            raise TypeError(
+                f"{name}: cache must be an attn_ext.LatentKVCache (from new_cache), "
+                f"got {type(cache).__name__}"
+            )
         if cache.kv_lora_rank != self.kv_lora_rank or cache.rope_dim != self.qk_rope_head_dim:
-            raise ValueError(f"{name}: cache holds kv_lora_rank={cache.kv_lora_rank}, "
-                             f"rope_dim={cache.rope_dim}; this layer needs {self.kv_lora_rank}, "
-                             f"{self.qk_rope_head_dim}")
+            raise ValueError(
+                f"{name}: cache holds kv_lora_rank={cache.kv_lora_rank}, "
+                f"rope_dim={cache.rope_dim}; this layer needs {self.kv_lora_rank}, "
+                f"{self.qk_rope_head_dim}"
+            )
         return self._decode(x, cache, new_lengths, absorb)
 
     def _prefill(self, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
@@ -192,8 +239,13 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self._latent(x)
         prompt = S > 1 and new_lengths is None and cache.empty
         q_rope = rope(q_rope, positions=cache.positions(S, new_lengths), **self._rope_kw())
-        cache.append(c_kv, k_rope, new_lengths=new_lengths, rope_base=self.rope_base,
-                     rope_interleaved=self.rope_interleaved)
+        cache.append(
+            c_kv,
+            k_rope,
+            new_lengths=new_lengths,
+            rope_base=self.rope_base,
+            rope_interleaved=self.rope_interleaved,
+        )
         if prompt:
             # A prompt into an empty cache: causal attention over its decompressed keys
             # (D = nope + rope) costs less than the absorbed form's kv_lora_rank-wide scores.
@@ -214,10 +266,12 @@ class MultiHeadLatentAttention(nn.Module):
         return self._merge_heads(decode_attention(q, k, v, cache.lengths, scale=self.softmax_scale))
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
-                f"kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, "
-                f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, "
-                f"rope_base={self.rope_base}, rope_interleaved={self.rope_interleaved}")
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
+            f"kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, "
+            f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, "
+            f"rope_base={self.rope_base}, rope_interleaved={self.rope_interleaved}"
+        )
 
 
 def _host_lengths(cache: LatentKVCache):

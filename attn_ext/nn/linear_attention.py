@@ -5,6 +5,7 @@
 :class:`LinearAttentionState`: a prompt returns the state, and each later call (one token or a
 chunk) continues from it at a cost independent of how much came before.
 """
+
 from typing import Optional
 
 import torch
@@ -35,22 +36,40 @@ class LinearAttention(nn.Module):
     ``forward(x, state=None, *, return_state=False)``: ``x`` (B, S, E). ``state`` (a
     :class:`LinearAttentionState` from an earlier call) is the summary of the positions before
     ``x``; every position of ``x`` also sees them. With ``return_state=True`` the call returns
-    ``(out, new_state)``. For a causal layer, running a sequence in pieces (e.g. the prompt, then one
-    token per call) gives the same outputs as one call on the whole sequence. (For a non-causal
+    ``(out, new_state)``. For a causal layer, running a sequence in pieces (e.g. the prompt, then
+    one token per call) gives the same outputs as one call on the whole sequence. (For a non-causal
     layer each piece sees itself entirely plus the earlier pieces.)
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, causal: bool = False, feature_map: str = "elu+1",
-                 eps: float = 1e-6, bias: bool = True, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        causal: bool = False,
+        feature_map: str = "elu+1",
+        eps: float = 1e-6,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"LinearAttention: embed_dim and num_heads must be > 0, "
-                             f"got embed_dim={embed_dim}, num_heads={num_heads}")
+            raise ValueError(
+                f"LinearAttention: embed_dim and num_heads must be > 0, "
+                f"got embed_dim={embed_dim}, num_heads={num_heads}"
+            )
         if embed_dim % num_heads != 0:
-            raise ValueError(f"LinearAttention: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ValueError(
+                f"LinearAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
+                f"({num_heads})"
+            )
         if feature_map not in FEATURE_MAPS:
-            raise ValueError(f"LinearAttention: feature_map must be one of {', '.join(map(repr, FEATURE_MAPS))}, "
-                             f"got {feature_map!r}")
+            raise ValueError(
+                "LinearAttention: feature_map must be one of "
+                f"{', '.join(map(repr, FEATURE_MAPS))}, "
+                f"got {feature_map!r}"
+            )
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
@@ -71,20 +90,41 @@ class LinearAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
 
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, feature_map={self.feature_map!r}"
+        s = (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"feature_map={self.feature_map!r}"
+        )
         if self.causal:
             s += ", causal=True"
         return s
 
-    def forward(self, x: torch.Tensor, state: Optional[LinearAttentionState] = None, *,
-                return_state: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: Optional[LinearAttentionState] = None,
+        *,
+        return_state: bool = False,
+    ):
         if x.dim() != 3 or x.size(-1) != self.embed_dim:
-            raise ValueError(f"LinearAttention: x must be 3-D (B, S, {self.embed_dim}), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"LinearAttention: x must be 3-D (B, S, {self.embed_dim}), got shape "
+                f"{tuple(x.shape)}"
+            )
         H, D = self.num_heads, self.head_dim
         # (B, S, H*D) -> (B, H, S, D): views, read in place by the kernel.
-        q, k, v = (proj(x).unflatten(-1, (H, D)).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out, (kv, ks) = linear_attention(q, k, v, causal=self.causal, eps=self.eps, feature_map=self.feature_map,
-                                         initial_state=state, return_state=True)
+        q, k, v = (
+            proj(x).unflatten(-1, (H, D)).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out, (kv, ks) = linear_attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            eps=self.eps,
+            feature_map=self.feature_map,
+            initial_state=state,
+            return_state=True,
+        )
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # merge heads (one copy)
         return (out, LinearAttentionState(kv, ks)) if return_state else out

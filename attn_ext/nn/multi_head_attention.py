@@ -8,6 +8,7 @@ probabilities are asked for). Heads are split and merged with views: the project
 ``unflatten(-1, (H, D)).transpose(1, 2)``, never copied; the only copy is the head merge before
 the output projection.
 """
+
 from typing import Optional, Tuple
 
 import torch
@@ -24,14 +25,20 @@ def _check_window(window_size) -> Tuple[int, int]:
         left, right = window_size
         left, right = int(left), int(right)
     except (TypeError, ValueError):
-        raise ValueError(f"MultiHeadAttention: window_size must be a pair (left, right), got {window_size!r}") from None
+        raise ValueError(
+            f"MultiHeadAttention: window_size must be a pair (left, right), got {window_size!r}"
+        ) from None
     if left < -1 or right < -1:
-        raise ValueError(f"MultiHeadAttention: window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+        raise ValueError(
+            "MultiHeadAttention: window_size entries must be >= -1 (-1 = unbounded), got "
+            f"{window_size!r}"
+        )
     return left, right
 
 
 class MultiHeadAttention(nn.Module):
-    r"""Multi-head attention ``out_proj(concat_h softmax(q_h k_{g(h)}^T / sqrt(D) + mask) v_{g(h)})``.
+    r"""Multi-head attention
+    ``out_proj(concat_h softmax(q_h k_{g(h)}^T / sqrt(D) + mask) v_{g(h)})``.
 
     Args:
         embed_dim: model width ``E`` (query input and output features).
@@ -66,21 +73,39 @@ class MultiHeadAttention(nn.Module):
     (so ``out`` is the output projection's bias there) and zero gradients, never NaN.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
-                 kdim: Optional[int] = None, vdim: Optional[int] = None, bias: bool = True,
-                 dropout: float = 0.0, causal: bool = False, window_size=(-1, -1),
-                 batch_first: bool = True, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: Optional[int] = None,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        window_size=(-1, -1),
+        batch_first: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"MultiHeadAttention: embed_dim and num_heads must be > 0, "
-                             f"got embed_dim={embed_dim}, num_heads={num_heads}")
+            raise ValueError(
+                f"MultiHeadAttention: embed_dim and num_heads must be > 0, "
+                f"got embed_dim={embed_dim}, num_heads={num_heads}"
+            )
         if embed_dim % num_heads != 0:
-            raise ValueError(f"MultiHeadAttention: embed_dim ({embed_dim}) must be divisible by "
-                             f"num_heads ({num_heads})")
+            raise ValueError(
+                f"MultiHeadAttention: embed_dim ({embed_dim}) must be divisible by "
+                f"num_heads ({num_heads})"
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"MultiHeadAttention: num_heads ({num_heads}) must be a positive multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"MultiHeadAttention: num_heads ({num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"MultiHeadAttention: dropout must be in [0, 1), got {dropout}")
         for name, dim in (("kdim", kdim), ("vdim", vdim)):
@@ -111,7 +136,10 @@ class MultiHeadAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
 
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+        s = (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}"
+        )
         if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         if self.causal:
@@ -126,29 +154,47 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query, key, value):
         layout = "(B, S, E)" if self.batch_first else "(S, B, E)"
-        for name, x, width, attr in (("query", query, self.embed_dim, "embed_dim"),
-                                     ("key", key, self.kdim, "kdim"),
-                                     ("value", value, self.vdim, "vdim")):
+        for name, x, width, attr in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"MultiHeadAttention: {name} must be a Tensor, got {type(x).__name__}")
+                raise TypeError(
+                    f"MultiHeadAttention: {name} must be a Tensor, got {type(x).__name__}"
+                )
             if x.dim() != 3:
-                raise ValueError(f"MultiHeadAttention: {name} must be 3-D {layout}, "
-                                 f"got {x.dim()}-D with shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"MultiHeadAttention: {name} must be 3-D {layout}, "
+                    f"got {x.dim()}-D with shape {tuple(x.shape)}"
+                )
             if x.size(-1) != width:
-                raise ValueError(f"MultiHeadAttention: {name} must have {width} features ({attr}) in its last "
-                                 f"dimension, got {x.size(-1)} (shape {tuple(x.shape)})")
+                raise ValueError(
+                    f"MultiHeadAttention: {name} must have {width} features ({attr}) in its last "
+                    f"dimension, got {x.size(-1)} (shape {tuple(x.shape)})"
+                )
         b = 0 if self.batch_first else 1
         if not query.size(b) == key.size(b) == value.size(b):
-            raise ValueError(f"MultiHeadAttention: query, key and value must have the same batch size, got "
-                             f"{query.size(b)}, {key.size(b)} and {value.size(b)}")
+            raise ValueError(
+                f"MultiHeadAttention: query, key and value must have the same batch size, got "
+                f"{query.size(b)}, {key.size(b)} and {value.size(b)}"
+            )
         s = 1 - b
         if key.size(s) != value.size(s):
-            raise ValueError(f"MultiHeadAttention: key and value must have the same sequence length, got "
-                             f"{key.size(s)} and {value.size(s)}")
+            raise ValueError(
+                f"MultiHeadAttention: key and value must have the same sequence length, got "
+                f"{key.size(s)} and {value.size(s)}"
+            )
 
-    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None,
-                value: Optional[torch.Tensor] = None, *, attn_mask: Optional[torch.Tensor] = None,
-                need_weights: bool = False):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        value: Optional[torch.Tensor] = None,
+        *,
+        attn_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = False,
+    ):
         if key is None:
             key = query
         if value is None:
@@ -164,15 +210,23 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            weights = attention_weights(q, k, causal=self.causal, window_size=self.window_size,
-                                        attn_mask=attn_mask)
+            weights = attention_weights(
+                q, k, causal=self.causal, window_size=self.window_size, attn_mask=attn_mask
+            )
             if p > 0.0:
                 weights = F.dropout(weights, p=p)
             # Query head h = g_kv * G + g reads kv head g_kv: broadcast v over the group axis.
             out = torch.matmul(weights.unflatten(1, (Hkv, H // Hkv)), v.unsqueeze(2)).flatten(1, 2)
         else:
-            out = attention(q, k, v, causal=self.causal, window_size=self.window_size, attn_mask=attn_mask,
-                            dropout_p=p)
+            out = attention(
+                q,
+                k,
+                v,
+                causal=self.causal,
+                window_size=self.window_size,
+                attn_mask=attn_mask,
+                dropout_p=p,
+            )
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # merge heads (one copy)
         if not self.batch_first:
             out = out.transpose(0, 1)

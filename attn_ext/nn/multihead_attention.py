@@ -1,4 +1,5 @@
 """A drop-in for ``torch.nn.MultiheadAttention`` whose attention runs on attn_ext's kernels."""
+
 import warnings
 from typing import Optional, Tuple
 
@@ -27,33 +28,49 @@ def _shape_check(query, key, value, key_padding_mask, attn_mask, num_heads) -> b
     """torch.nn.functional._mha_shape_check, same errors: returns whether the input is batched."""
     if query.dim() == 3:
         if key.dim() != 3 or value.dim() != 3:
-            raise AssertionError("For batched (3-D) `query`, expected `key` and `value` to be 3-D"
-                                 f" but found {key.dim()}-D and {value.dim()}-D tensors respectively")
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `key` and `value` to be 3-D"
+                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+            )
         if key_padding_mask is not None and key_padding_mask.dim() != 2:
-            raise AssertionError("For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
-                                 f" but found {key_padding_mask.dim()}-D tensor instead")
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
+                f" but found {key_padding_mask.dim()}-D tensor instead"
+            )
         if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise AssertionError("For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
-                                 f" but found {attn_mask.dim()}-D tensor instead")
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+                f" but found {attn_mask.dim()}-D tensor instead"
+            )
         return True
     if query.dim() == 2:
         if key.dim() != 2 or value.dim() != 2:
-            raise AssertionError("For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
-                                 f" but found {key.dim()}-D and {value.dim()}-D tensors respectively")
+            raise AssertionError(
+                "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
+                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+            )
         if key_padding_mask is not None and key_padding_mask.dim() != 1:
-            raise AssertionError("For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
-                                 f" but found {key_padding_mask.dim()}-D tensor instead")
+            raise AssertionError(
+                "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
+                f" but found {key_padding_mask.dim()}-D tensor instead"
+            )
         if attn_mask is not None:
             if attn_mask.dim() not in (2, 3):
-                raise AssertionError("For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
-                                     f" but found {attn_mask.dim()}-D tensor instead")
+                raise AssertionError(
+                    "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+                    f" but found {attn_mask.dim()}-D tensor instead"
+                )
             if attn_mask.dim() == 3:
                 expected = (num_heads, query.shape[0], key.shape[0])
                 if attn_mask.shape != expected:
-                    raise AssertionError(f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}")
+                    raise AssertionError(
+                        f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}"
+                    )
         return False
-    raise AssertionError("query should be unbatched 2D or batched 3D tensor but received "
-                         f"{query.dim()}-D query tensor")
+    raise AssertionError(
+        "query should be unbatched 2D or batched 3D tensor but received "
+        f"{query.dim()}-D query tensor"
+    )
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -109,20 +126,39 @@ class MultiheadAttention(nn.MultiheadAttention):
       (``nn.TransformerEncoderLayer``'s inference fast path) bypasses this ``forward``.
     """
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
-                need_weights: bool = True, attn_mask: Optional[Tensor] = None,
-                average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         if query.is_nested or key.is_nested or value.is_nested:
-            raise AssertionError("attn_ext.nn.MultiheadAttention does not support NestedTensor inputs")
+            raise AssertionError(
+                "attn_ext.nn.MultiheadAttention does not support NestedTensor inputs"
+            )
         _check_mask_type(key_padding_mask, "key_padding_mask")
         _check_mask_type(attn_mask, "attn_mask")
-        if key_padding_mask is not None and attn_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
-            warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
-                          "Use same type for both instead.", stacklevel=2)
+        if (
+            key_padding_mask is not None
+            and attn_mask is not None
+            and key_padding_mask.dtype != attn_mask.dtype
+        ):
+            warnings.warn(
+                "Support for mismatched key_padding_mask and attn_mask is deprecated. "
+                "Use same type for both instead.",
+                stacklevel=2,
+            )
         is_batched = _shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         if is_causal and attn_mask is None:
-            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
-                               "module method `generate_square_subsequent_mask` to create this mask.")
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                "module method `generate_square_subsequent_mask` to create this mask."
+            )
         # torch: with a key_padding_mask or need_weights the mask is used and the hint dropped;
         # otherwise the mask is dropped and a top-left causal mask applied.
         causal = is_causal and key_padding_mask is None and not need_weights
@@ -137,13 +173,19 @@ class MultiheadAttention(nn.MultiheadAttention):
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         if query.size(-1) != E:
-            raise AssertionError(f"was expecting embedding dimension of {E}, but got {query.size(-1)}")
+            raise AssertionError(
+                f"was expecting embedding dimension of {E}, but got {query.size(-1)}"
+            )
         if self._qkv_same_embed_dim:
             if key.shape != value.shape:
-                raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+                raise AssertionError(
+                    f"key shape {key.shape} does not match value shape {value.shape}"
+                )
         elif key.shape[:2] != value.shape[:2]:
-            raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's "
-                                 f"{value.shape[:2]}")
+            raise AssertionError(
+                f"key's sequence and batch dims {key.shape[:2]} do not match value's "
+                f"{value.shape[:2]}"
+            )
         q, k, v = self._in_projection(query, key, value)
         if seq_first:  # projections ran on (L, N, .); make them (N, L, .) views
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -154,12 +196,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         if attn_mask is not None:
             if attn_mask.dim() == 2:
                 if attn_mask.shape != (L, S):
-                    raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(L, S)}.")
+                    raise RuntimeError(
+                        f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
+                        f"{(L, S)}."
+                    )
                 attn_mask = attn_mask.view(1, 1, L, S)
             else:
                 if attn_mask.shape != (N * H, L, S):
-                    raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-                                       f"{(N * H, L, S)}.")
+                    raise RuntimeError(
+                        f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                        f"{(N * H, L, S)}."
+                    )
                 attn_mask = attn_mask.view(N, H, L, S)
 
         extra = 0  # keys appended after the sequence, always allowed by the masks
@@ -182,9 +229,14 @@ class MultiheadAttention(nn.MultiheadAttention):
 
         if key_padding_mask is not None and key_padding_mask.shape != (N, S):
             if key_padding_mask.size(0) != N:
-                raise AssertionError(f"Expected key_padded_mask.shape[0] to be {N}, but got {key_padding_mask.size(0)}")
-            raise AssertionError(f"Expected key_padded_mask.shape[1] to be {src_len}, but got "
-                                 f"{key_padding_mask.size(1) + extra}")
+                raise AssertionError(
+                    f"Expected key_padded_mask.shape[0] to be {N}, but got "
+                    f"{key_padding_mask.size(0)}"
+                )
+            raise AssertionError(
+                f"Expected key_padded_mask.shape[1] to be {src_len}, but got "
+                f"{key_padding_mask.size(1) + extra}"
+            )
         mask = self._merge_masks(attn_mask, key_padding_mask, extra, q.dtype)
 
         dropout_p = self.dropout if self.training else 0.0
@@ -214,7 +266,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                 weights = weights.squeeze(0)
         return out, weights
 
-    def _in_projection(self, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def _in_projection(
+        self, query: Tensor, key: Tensor, value: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor]:
         """torch's in-projection: packed ``in_proj_weight`` (one matmul for self attention, one
         for a shared key/value input) or separate ``q/k/v_proj_weight``. Returns views."""
         E = self.embed_dim
@@ -233,14 +287,19 @@ class MultiheadAttention(nn.MultiheadAttention):
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
             for name, x, w_x in (("key", key, w_k), ("value", value, w_v)):
                 if x.size(-1) != w_x.size(1):
-                    raise AssertionError(f"expecting {name} weights shape of {(E, x.size(-1))}, "
-                                         f"but got {w_x.shape}")
+                    raise AssertionError(
+                        f"expecting {name} weights shape of {(E, x.size(-1))}, but got {w_x.shape}"
+                    )
         b_q, b_k, b_v = (None, None, None) if b is None else b.chunk(3)
         return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
 
     @staticmethod
-    def _merge_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], extra: int,
-                     dtype: torch.dtype) -> Optional[Tensor]:
+    def _merge_masks(
+        attn_mask: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        extra: int,
+        dtype: torch.dtype,
+    ) -> Optional[Tensor]:
         """One mask in attn_ext's convention (bool True = attend, float = additive),
         broadcastable to (N, H, L, S + extra): torch's padding and merging of the two masks.
         attn_mask is (1 or N, 1 or H, L, S), key_padding_mask (N, S) (torch convention)."""

@@ -12,6 +12,7 @@ fused spatial kernels.
 
 Every module takes NCHW or channels-last input and returns the same memory format.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +28,9 @@ def _check_map(name: str, x: torch.Tensor, channels=None) -> None:
     if x.dim() != 4:
         raise ValueError(f"{name}: x must be 4-D (N, C, H, W), got {x.dim()}-D {tuple(x.shape)}")
     if channels is not None and x.size(1) != channels:
-        raise ValueError(f"{name}: x must have {channels} channels (dim 1), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: x must have {channels} channels (dim 1), got shape {tuple(x.shape)}"
+        )
 
 
 class ChannelAttention(nn.Module):
@@ -41,17 +44,29 @@ class ChannelAttention(nn.Module):
     Parameters: ``mlp`` = ``Sequential(Linear(C, C/r), ReLU, Linear(C/r, C))``.
     """
 
-    def __init__(self, channels: int, reduction_ratio: int = 16, *, bias: bool = False,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        channels: int,
+        reduction_ratio: int = 16,
+        *,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if channels <= 0 or reduction_ratio <= 0:
-            raise ValueError(f"ChannelAttention: channels and reduction_ratio must be > 0, "
-                             f"got channels={channels}, reduction_ratio={reduction_ratio}")
+            raise ValueError(
+                f"ChannelAttention: channels and reduction_ratio must be > 0, "
+                f"got channels={channels}, reduction_ratio={reduction_ratio}"
+            )
         self.channels = channels
         hidden = max(1, channels // reduction_ratio)
         kw = dict(device=device, dtype=dtype)
-        self.mlp = nn.Sequential(nn.Linear(channels, hidden, bias=bias, **kw), nn.ReLU(),
-                                 nn.Linear(hidden, channels, bias=bias, **kw))
+        self.mlp = nn.Sequential(
+            nn.Linear(channels, hidden, bias=bias, **kw),
+            nn.ReLU(),
+            nn.Linear(hidden, channels, bias=bias, **kw),
+        )
 
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
         """``M_c(x)``, (N, C, 1, 1)."""
@@ -90,8 +105,18 @@ class _SpatialGate(torch.autograd.Function):
         grad_x, grad_logits = _ops.spatial_gate_backward(grad_out, x, logits)
         p = ctx.padding
         grad_pooled, grad_w, _ = torch.ops.aten.convolution_backward(
-            grad_logits, pooled, w, None, [1, 1], [p, p], [1, 1], False, [0, 0], 1,
-            [True, ctx.needs_input_grad[1], False])
+            grad_logits,
+            pooled,
+            w,
+            None,
+            [1, 1],
+            [p, p],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            [True, ctx.needs_input_grad[1], False],
+        )
         _ops.channel_pool_backward_accumulate_(grad_x, grad_pooled.to(x.dtype), argmax)
         return grad_x, (grad_w.to(ctx.weight_dtype) if grad_w is not None else None), None
 
@@ -113,9 +138,12 @@ class SpatialAttention(nn.Module):
     def __init__(self, kernel_size: int = 7, *, device=None, dtype=None) -> None:
         super().__init__()
         if kernel_size <= 0 or kernel_size % 2 == 0:
-            raise ValueError(f"SpatialAttention: kernel_size must be odd and positive, got {kernel_size}")
-        self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False,
-                              device=device, dtype=dtype)
+            raise ValueError(
+                f"SpatialAttention: kernel_size must be odd and positive, got {kernel_size}"
+            )
+        self.conv = nn.Conv2d(
+            2, 1, kernel_size, padding=kernel_size // 2, bias=False, device=device, dtype=dtype
+        )
 
     def attention_map(self, x: torch.Tensor) -> torch.Tensor:
         _check_map(type(self).__name__, x)
@@ -136,11 +164,20 @@ class CBAM(nn.Module):
     Submodules: ``channel_attention``, ``spatial_attention``.
     """
 
-    def __init__(self, channels: int, reduction_ratio: int = 16, kernel_size: int = 7, *,
-                 bias: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        channels: int,
+        reduction_ratio: int = 16,
+        kernel_size: int = 7,
+        *,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
-        self.channel_attention = ChannelAttention(channels, reduction_ratio, bias=bias,
-                                                  device=device, dtype=dtype)
+        self.channel_attention = ChannelAttention(
+            channels, reduction_ratio, bias=bias, device=device, dtype=dtype
+        )
         self.spatial_attention = SpatialAttention(kernel_size, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ Per head, the scores are ``Q (T^T T / ||T||) K^T / sqrt(d)``, where the time mat
 layer folds it into the queries (``Q' = Q M``, cost O(S d^2)) and runs the ordinary attention
 operator on ``(Q', K, V)``: no S x S matrix is formed unless the weights are requested.
 """
+
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -55,14 +55,28 @@ class TemporalAttention(nn.Module):
     ``M = S e e^T / (sqrt(S) ||e|| + eps)``, so the scores grow like ``sqrt(S)``.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, time_emb_dim: int, *, bias: bool = True,
-                 eps: float = 1e-8, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        time_emb_dim: int,
+        *,
+        bias: bool = True,
+        eps: float = 1e-8,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or time_emb_dim <= 0:
-            raise ValueError(f"TemporalAttention: embed_dim, num_heads and time_emb_dim must be > 0, got "
-                             f"{embed_dim}, {num_heads}, {time_emb_dim}")
+            raise ValueError(
+                f"TemporalAttention: embed_dim, num_heads and time_emb_dim must be > 0, got "
+                f"{embed_dim}, {num_heads}, {time_emb_dim}"
+            )
         if embed_dim % num_heads != 0:
-            raise ValueError(f"TemporalAttention: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ValueError(
+                f"TemporalAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
+                f"({num_heads})"
+            )
         self.embed_dim, self.num_heads, self.time_emb_dim = embed_dim, num_heads, time_emb_dim
         self.head_dim = embed_dim // num_heads
         self.eps = eps
@@ -76,25 +90,42 @@ class TemporalAttention(nn.Module):
     def _check(self, x: torch.Tensor, time_points: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
         if x.dim() != 3:
-            raise ValueError(f"{name}: x must be 3-D (B, S, embed_dim), got {x.dim()}-D {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: x must be 3-D (B, S, embed_dim), got {x.dim()}-D {tuple(x.shape)}"
+            )
         if x.size(-1) != self.embed_dim:
-            raise ValueError(f"{name}: x must have last dimension embed_dim={self.embed_dim}, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: x must have last dimension embed_dim={self.embed_dim}, got shape "
+                f"{tuple(x.shape)}"
+            )
         if time_points.dim() == 2:
             time_points = time_points.unsqueeze(1)
         if time_points.dim() != 3:
-            raise ValueError(f"{name}: time_points must be (B, time_emb_dim), (B, 1, time_emb_dim) or "
-                             f"(B, S, time_emb_dim), got {time_points.dim()}-D {tuple(time_points.shape)}")
+            raise ValueError(
+                f"{name}: time_points must be (B, time_emb_dim), (B, 1, time_emb_dim) or "
+                f"(B, S, time_emb_dim), got {time_points.dim()}-D {tuple(time_points.shape)}"
+            )
         if time_points.size(-1) != self.time_emb_dim:
-            raise ValueError(f"{name}: time_points must have last dimension time_emb_dim={self.time_emb_dim}, "
-                             f"got shape {tuple(time_points.shape)}")
+            raise ValueError(
+                f"{name}: time_points must have last dimension time_emb_dim={self.time_emb_dim}, "
+                f"got shape {tuple(time_points.shape)}"
+            )
         B, S = x.shape[:2]
         if time_points.size(1) not in (1, S) or time_points.size(0) not in (1, B):
-            raise ValueError(f"{name}: time_points must be (B or 1, 1 or S, time_emb_dim) with B={B}, S={S}, "
-                             f"got shape {tuple(time_points.shape)}")
+            raise ValueError(
+                f"{name}: time_points must be (B or 1, 1 or S, time_emb_dim) with B={B}, S={S}, "
+                f"got shape {tuple(time_points.shape)}"
+            )
         return time_points
 
-    def forward(self, x: torch.Tensor, time_points: torch.Tensor, *, causal: bool = False,
-                need_weights: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        time_points: torch.Tensor,
+        *,
+        causal: bool = False,
+        need_weights: bool = False,
+    ):
         time_points = self._check(x, time_points)
         B, S, _ = x.shape
         H, d = self.num_heads, self.head_dim

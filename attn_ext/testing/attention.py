@@ -48,7 +48,6 @@ from attn_ext.testing.documents import doc000
 from attn_ext.testing.numerics import LOW_PRECISION
 
 
-
 # --------------------------------------------------------------------------- #
 # Masks
 # --------------------------------------------------------------------------- #
@@ -56,8 +55,9 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def window_keep(sq: int, sk: int, window_size=(-1, -1), causal: bool = False,
-                device=None) -> torch.Tensor:
+def window_keep(
+    sq: int, sk: int, window_size=(-1, -1), causal: bool = False, device=None
+) -> torch.Tensor:
     """Bool (sq, sk), True where query i may read key j (bottom-right aligned)."""
     left, right = window_size
     if causal:
@@ -83,8 +83,9 @@ def symmetric_window_keep(s: int, w: int, device=None) -> torch.Tensor:
     return (pos.unsqueeze(0) - pos.unsqueeze(1)).abs() <= w
 
 
-def kv_cache_additive_mask(s_new: int, s_total: int, device=None,
-                           dtype=torch.float32) -> torch.Tensor:
+def kv_cache_additive_mask(
+    s_new: int, s_total: int, device=None, dtype=torch.float32
+) -> torch.Tensor:
     """Document 000's KV-cache prefill mask: -inf strictly above the diagonal
     that is shifted by the cached length (s_total - s_new)."""
     full = torch.full((s_new, s_total), float("-inf"), device=device, dtype=dtype)
@@ -115,10 +116,20 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # The general reference
 # --------------------------------------------------------------------------- #
-def attention_reference(q, k, v, *, scale=None, causal=False, window_size=(-1, -1),
-                        attn_mask=None, dropout_p: float = 0.0,
-                        dropout_keep: Optional[torch.Tensor] = None,
-                        return_lse: bool = False, return_probs: bool = False):
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    dropout_keep: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    return_probs: bool = False,
+):
     """Plain scaled dot-product attention with attn_ext's semantics.
 
     Runs at the dtype of its inputs, like document 003's masked stable
@@ -192,8 +203,9 @@ def attention_weights_reference(q, k, **kw):
     return attention_reference(q, k, v, return_probs=True, **kw)[1]
 
 
-def sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None,
-                   enable_gqa=False):
+def sdpa_reference(
+    query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
+):
     """torch.nn.functional.scaled_dot_product_attention semantics (top-left
     is_causal), with empty rows -> 0 (attn_ext's documented difference)."""
     sq, sk = query.shape[-2], key.shape[-2]
@@ -248,8 +260,9 @@ def doc000_kv_cache_attention(q, k, v):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def doc000_tiled_flash_attention(q, k, v, *, block_size: int = 32, scale=None,
-                                 keep: Optional[torch.Tensor] = None):
+def doc000_tiled_flash_attention(
+    q, k, v, *, block_size: int = 32, scale=None, keep: Optional[torch.Tensor] = None
+):
     """000 flash_attention: one pass over key blocks with an online softmax.
 
     Generalised to any leading dims, Sq != Sk, Dv != D and an optional bool
@@ -283,8 +296,9 @@ def doc000_tiled_flash_attention(q, k, v, *, block_size: int = 32, scale=None,
         row_max = new_max
     seen = row_sum > 0
     out = torch.where(seen, acc / torch.where(seen, row_sum, torch.ones_like(row_sum)), 0.0)
-    lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, torch.ones_like(row_sum))),
-                      neg_inf).squeeze(-1)
+    lse = torch.where(
+        seen, row_max + torch.log(torch.where(seen, row_sum, torch.ones_like(row_sum))), neg_inf
+    ).squeeze(-1)
     return out, lse
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_ext.testing.documents import doc000
 from attn_ext.testing.attention import attention_reference, repeat_kv
+from attn_ext.testing.documents import doc000
 
 
 def rope_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
@@ -30,8 +30,9 @@ def rope_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.
     return (1.0 / (base ** exponent.double())).float().to(device)
 
 
-def rope_angles(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,
-                inv_freq=None) -> torch.Tensor:
+def rope_angles(
+    positions: torch.Tensor, rotary_dim: int, base: float = 10000.0, inv_freq=None
+) -> torch.Tensor:
     """float32 angles (..., rotary_dim / 2) = float32(position) * inv_freq, one float32
     rounding; ``inv_freq`` defaults to :func:`rope_inv_freq`."""
     if inv_freq is None:
@@ -53,8 +54,16 @@ def _positions(x: torch.Tensor, positions, offset: int) -> torch.Tensor:
     return positions.reshape(-1, S).to(x.device)
 
 
-def rope_reference(x: torch.Tensor, *, positions=None, offset: int = 0, base: float = 10000.0,
-                   interleaved: bool = False, rotary_dim=None, compute_dtype=None) -> torch.Tensor:
+def rope_reference(
+    x: torch.Tensor,
+    *,
+    positions=None,
+    offset: int = 0,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    rotary_dim=None,
+    compute_dtype=None,
+) -> torch.Tensor:
     """RoPE of x (B, H, S, D) with fp32 angles. ``compute_dtype`` None: a plain implementation
     at x's dtype (torch's float32 frequencies, cos/sin cast to x's dtype, as HuggingFace
     does); float64: the ground truth (attn_ext's frequencies, cos/sin and rotation in
@@ -92,11 +101,17 @@ def decode_reference(q, k_cache, v_cache, lengths, *, scale=None, causal=True, w
     n_rep = q.size(1) // k_cache.size(1)
     for b in range(q.size(0)):
         n = int(lengths[b])
-        k = repeat_kv(k_cache[b:b + 1, :, :n], n_rep)
-        v = repeat_kv(v_cache[b:b + 1, :, :n], n_rep)
-        out, lse = attention_reference(q[b:b + 1], k, v, scale=scale, causal=causal,
-                                       window_size=(window_left, 0 if causal else -1),
-                                       return_lse=True)
+        k = repeat_kv(k_cache[b : b + 1, :, :n], n_rep)
+        v = repeat_kv(v_cache[b : b + 1, :, :n], n_rep)
+        out, lse = attention_reference(
+            q[b : b + 1],
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window_size=(window_left, 0 if causal else -1),
+            return_lse=True,
+        )
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

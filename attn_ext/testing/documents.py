@@ -5,7 +5,8 @@ Each class/function computes what its document (``../shared/seeds/``) computes, 
 the document (same names, parameters, operations), under one namespace per document:
 
 - :class:`doc000` -- document 000, TorchCode chapter 3 (:mod:`attn_ext.compat.torchcode`)
-- :class:`doc001` -- document 001, LLMs from scratch chapter 3 (:mod:`attn_ext.compat.llms_from_scratch`)
+- :class:`doc001` -- document 001, LLMs from scratch chapter 3
+  (:mod:`attn_ext.compat.llms_from_scratch`)
 - :class:`doc003` -- document 003, textbook section 4.2 (:mod:`attn_ext.compat.textbook`)
 - :class:`doc004` -- document 004, the attention zoo (:mod:`attn_ext.compat.attention_zoo`)
 
@@ -20,6 +21,7 @@ would load from one and :func:`plain_to` moves one to a device/dtype.
 This module is plain PyTorch (it does not use attn_ext) and is slow by design: it materializes
 every score matrix, as the documents do.
 """
+
 import math
 
 import torch
@@ -66,7 +68,7 @@ class doc000:
     def causal_attention(Q, K, V):
         d_k = Q.shape[-1]
         scores = Q @ K.transpose(-1, -2) / math.sqrt(d_k)
-        mask = torch.triu(torch.full_like(scores, float('-inf')), diagonal=1)
+        mask = torch.triu(torch.full_like(scores, float("-inf")), diagonal=1)
         scores = scores + mask
         weights = torch.softmax(scores, dim=-1)
         return weights @ V
@@ -123,7 +125,7 @@ class doc000:
         # CORRECTED: the document's torch.arange(S) is on the CPU (fails for CUDA inputs).
         positions = torch.arange(S, device=Q.device)
         mask = (positions.unsqueeze(0) - positions.unsqueeze(1)).abs() > window_size
-        scores = scores.masked_fill(mask.unsqueeze(0), float('-inf'))
+        scores = scores.masked_fill(mask.unsqueeze(0), float("-inf"))
         weights = torch.softmax(scores, dim=-1)
         return weights @ V
 
@@ -132,7 +134,7 @@ class doc000:
         B, S, D = Q.shape
         scale = 1.0 / math.sqrt(D)
         output = torch.zeros_like(Q)
-        row_max = torch.full((B, S, 1), float('-inf'), device=Q.device)
+        row_max = torch.full((B, S, 1), float("-inf"), device=Q.device)
         row_sum = torch.zeros((B, S, 1), device=Q.device)
         for j_start in range(0, S, block_size):
             j_end = min(j_start + block_size, S)
@@ -165,8 +167,10 @@ class doc000:
 
         def forward(self, x, cache=None):
             B, S_new, _ = x.shape
-            heads = [proj(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
-                     for proj in (self.W_q, self.W_k, self.W_v)]
+            heads = [
+                proj(x).view(B, S_new, self.num_heads, self.dk).transpose(1, 2)
+                for proj in (self.W_q, self.W_k, self.W_v)
+            ]
             q, k, v = heads
             if cache is not None:
                 k = torch.cat([cache[0], k], dim=2)
@@ -174,7 +178,7 @@ class doc000:
             S_total = k.shape[2]
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.dk)
             if S_new > 1:
-                future = torch.full((S_new, S_total), float('-inf'), device=x.device)
+                future = torch.full((S_new, S_total), float("-inf"), device=x.device)
                 scores = scores + torch.triu(future, diagonal=S_total - S_new + 1)
             attn = torch.softmax(scores, dim=-1) @ v
             return self.W_o(attn.transpose(1, 2).contiguous().view(B, S_new, -1)), (k, v)
@@ -195,7 +199,8 @@ class doc000:
 
     @staticmethod
     def linear_attention(Q, K, V):
-        """phi = elu + 1; phi(Q) (phi(K)^T V) normalized by phi(Q) . sum phi(K) + 1e-6, (B, S, D)."""
+        """phi = elu + 1; phi(Q) (phi(K)^T V) normalized by phi(Q) . sum phi(K) + 1e-6 on
+        (B, S, D) tensors."""
         Qf, Kf = F.elu(Q) + 1, F.elu(K) + 1
         numerator = torch.bmm(Qf, torch.bmm(Kf.transpose(1, 2), V))
         denominator = torch.bmm(Qf, Kf.sum(dim=1, keepdim=True).transpose(1, 2))
@@ -268,7 +273,9 @@ class doc001:
             self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
             self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
             self.dropout = nn.Dropout(dropout)
-            self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+            self.register_buffer(
+                "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+            )
 
         def forward(self, x):
             b, num_tokens, d_in = x.shape
@@ -286,7 +293,10 @@ class doc001:
         def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
             super().__init__()
             self.heads = nn.ModuleList(
-                [doc001.CausalAttention(d_in, d_out, context_length, dropout, qkv_bias) for _ in range(num_heads)]
+                [
+                    doc001.CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
+                    for _ in range(num_heads)
+                ]
             )
 
         def forward(self, x):
@@ -295,7 +305,7 @@ class doc001:
     class MultiHeadAttention(nn.Module):
         def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
             super().__init__()
-            assert (d_out % num_heads == 0), "d_out must be divisible by num_heads"
+            assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
             self.d_out = d_out
             self.num_heads = num_heads
             self.head_dim = d_out // num_heads
@@ -304,7 +314,9 @@ class doc001:
             self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
             self.out_proj = nn.Linear(d_out, d_out)
             self.dropout = nn.Dropout(dropout)
-            self.register_buffer('mask', torch.triu(torch.ones(context_length, context_length), diagonal=1))
+            self.register_buffer(
+                "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+            )
 
         def forward(self, x):
             b, num_tokens, d_in = x.shape
@@ -370,7 +382,9 @@ class doc004:
             Q = self.W_q(x)
             K = self.W_k(x)
             V = self.W_v(x)
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(Q.size(-1)).float())
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(
+                torch.tensor(Q.size(-1)).float()
+            )
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
             return output
@@ -392,7 +406,9 @@ class doc004:
             Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
             K = self.W_k(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
             V = self.W_v(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(
+                torch.tensor(self.head_dim).float()
+            )
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
             output = output.transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
@@ -410,7 +426,9 @@ class doc004:
             Q = self.W_q(x1)
             K = self.W_k(x2)
             V = self.W_v(x2)
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(Q.size(-1)).float())
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(
+                torch.tensor(Q.size(-1)).float()
+            )
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
             return output
@@ -433,13 +451,34 @@ class doc004:
         def forward(self, x):
             batch_size, seq_len, _ = x.size()
             Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-            K = self.W_k(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
-            V = self.W_v(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
-            Q = Q.view(batch_size, self.num_groups, self.num_heads // self.num_groups, seq_len, self.head_dim)
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            K = (
+                self.W_k(x)
+                .view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim)
+                .transpose(1, 2)
+            )
+            V = (
+                self.W_v(x)
+                .view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim)
+                .transpose(1, 2)
+            )
+            Q = Q.view(
+                batch_size,
+                self.num_groups,
+                self.num_heads // self.num_groups,
+                seq_len,
+                self.head_dim,
+            )
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(
+                torch.tensor(self.head_dim).float()
+            )
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
-            output = output.view(batch_size, self.num_heads, seq_len, self.head_dim).transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
+            output = (
+                output.view(batch_size, self.num_heads, seq_len, self.head_dim)
+                .transpose(1, 2)
+                .contiguous()
+                .view(batch_size, seq_len, -1)
+            )
             output = self.W_o(output)
             return output
 
@@ -450,14 +489,35 @@ class doc004:
         def forward(self, x):
             batch_size, seq_len, _ = x.size()
             Q = self.W_q(x).view(batch_size, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-            K = self.W_k(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
-            V = self.W_v(x).view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim).transpose(1, 2)
-            Q = Q.view(batch_size, self.num_groups, self.num_heads // self.num_groups, seq_len, self.head_dim)
+            K = (
+                self.W_k(x)
+                .view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim)
+                .transpose(1, 2)
+            )
+            V = (
+                self.W_v(x)
+                .view(batch_size, seq_len, self.num_heads // self.num_groups, self.head_dim)
+                .transpose(1, 2)
+            )
+            Q = Q.view(
+                batch_size,
+                self.num_groups,
+                self.num_heads // self.num_groups,
+                seq_len,
+                self.head_dim,
+            )
             K, V = K.unsqueeze(1), V.unsqueeze(1)  # the correction
-            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(torch.tensor(self.head_dim).float())
+            scores = torch.matmul(Q, K.transpose(-2, -1)) / torch.sqrt(
+                torch.tensor(self.head_dim).float()
+            )
             attn_weights = F.softmax(scores, dim=-1)
             output = torch.matmul(attn_weights, V)
-            output = output.view(batch_size, self.num_heads, seq_len, self.head_dim).transpose(1, 2).contiguous().view(batch_size, seq_len, -1)
+            output = (
+                output.view(batch_size, self.num_heads, seq_len, self.head_dim)
+                .transpose(1, 2)
+                .contiguous()
+                .view(batch_size, seq_len, -1)
+            )
             output = self.W_o(output)
             return output
 
@@ -467,7 +527,7 @@ class doc004:
 
         def __init__(self, kernel_size=7):
             super().__init__()
-            assert kernel_size in (3, 7), 'kernel size must be 3 or 7'
+            assert kernel_size in (3, 7), "kernel size must be 3 or 7"
             padding = 3 if kernel_size == 7 else 1
             self.conv1 = nn.Conv2d(2, 1, kernel_size, padding=padding, bias=False)
             self.sigmoid = nn.Sigmoid()
@@ -500,7 +560,7 @@ class doc004:
             V = self.W_v(x)
             time_emb = self.W_t(time_points)
             T = time_emb.repeat(1, seq_len, 1)
-            T_norm = torch.norm(T, p='fro', dim=(1, 2), keepdim=True)
+            T_norm = torch.norm(T, p="fro", dim=(1, 2), keepdim=True)
             T_scaled = (T.transpose(1, 2) @ T) / (T_norm + 1e-8)
             scores = torch.matmul(Q, T_scaled)
             scores = torch.matmul(scores, K.transpose(1, 2))
@@ -546,6 +606,8 @@ class doc004:
             Q = (A_Q.unsqueeze(-1) * B_Q.unsqueeze(-2)).sum(dim=1)  # (B, S, H, d_k)
             K = (A_K.unsqueeze(-1) * B_K.unsqueeze(-2)).sum(dim=1)
             V = (A_V.unsqueeze(-1) * B_V.unsqueeze(-2)).sum(dim=1)
-            scores = (Q @ K.transpose(2, 3)) / torch.sqrt(torch.tensor(self.d_k, dtype=torch.float32))
+            scores = (Q @ K.transpose(2, 3)) / torch.sqrt(
+                torch.tensor(self.d_k, dtype=torch.float32)
+            )
             out = (F.softmax(scores, dim=-1) @ V).transpose(1, 2).contiguous()
             return self.out_proj(out.view(B, S, -1))

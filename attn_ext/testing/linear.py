@@ -1,8 +1,8 @@
 """Reference implementations of linear attention for the tests (plain PyTorch, no attn_ext).
 
-* ``doc000_linear_attention`` -- document 000's function (from attn_ext.testing.documents): feature map
-  ``elu(x) + 1``, ``phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + 1e-6)`` on (B, S, D) tensors,
-  every step at the input dtype.
+* ``doc000_linear_attention`` -- document 000's function (from attn_ext.testing.documents):
+  feature map ``elu(x) + 1``, ``phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + 1e-6)`` on (B, S, D)
+  tensors, every step at the input dtype.
 * ``linear_attention_quadratic`` -- the masked quadratic form
   ``A = phi(Q) phi(K)^T`` (lower-triangular, diagonal included, when causal),
   ``out = (A V + phi(Q) S0) / (A 1 + phi(Q) z0 + eps)``; the causal reference, and the
@@ -14,6 +14,7 @@ Inputs are (B, H, S, D) (or 3-D (B, S, D) where noted); the state is ``(kv (B, H
 k (B, H, D))``. Each runs at the dtype of its inputs (the "plain reference at the same dtype" of
 the numerics rule); call it on float64 copies for the ground truth.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -40,7 +41,9 @@ def feature(x: torch.Tensor, feature_map: str) -> torch.Tensor:
     raise ValueError(feature_map)
 
 
-def final_state(k, v, *, feature_map="elu+1", initial_state=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def final_state(
+    k, v, *, feature_map="elu+1", initial_state=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(S0 + phi(K)^T V, z0 + sum phi(K)) over every key, at the inputs' dtype."""
     fk = feature(k, feature_map)
     kv, ks = fk.transpose(-1, -2) @ v, fk.sum(-2)
@@ -49,8 +52,16 @@ def final_state(k, v, *, feature_map="elu+1", initial_state=None) -> Tuple[torch
     return kv, ks
 
 
-def linear_attention_quadratic(q, k, v, *, causal=False, eps=1e-6, feature_map="elu+1",
-                               initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+def linear_attention_quadratic(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    eps=1e-6,
+    feature_map="elu+1",
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+):
     """The masked quadratic form (materializes Sq x Sk); causal needs Sq == Sk."""
     fq, fk = feature(q, feature_map), feature(k, feature_map)
     a = fq @ fk.transpose(-1, -2)

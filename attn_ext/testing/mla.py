@@ -13,6 +13,7 @@ DeepSeek-V2 §2.1 (eqs. 9-19), with no absorption and no cache:
 (its HuggingFace DeepSeek-V2 parameter layout), so the reference and the module share weights
 but nothing else.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ def paper_weights(m) -> dict:
     wq = wq.unflatten(0, (H, nope + rot))
     w["W_UQ"], w["W_QR"] = wq[:, :nope], wq[:, nope:]
     wa = m.kv_a_proj_with_mqa.weight
-    w["W_DKV"], w["W_KR"] = wa[:m.kv_lora_rank], wa[m.kv_lora_rank:]
+    w["W_DKV"], w["W_KR"] = wa[: m.kv_lora_rank], wa[m.kv_lora_rank :]
     w["kv_norm"] = m.kv_a_layernorm.weight
     wb = m.kv_b_proj.weight.unflatten(0, (H, nope + dv))
     w["W_UK"], w["W_UV"] = wb[:, :nope], wb[:, nope:]
@@ -53,8 +54,16 @@ def _per_head(W: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hoi,bsi->bhso", W, c)
 
 
-def mla_reference(h: torch.Tensor, w: dict, *, positions=None, rope_base: float = 10000.0,
-                  interleaved: bool = True, compute_dtype=None, return_parts: bool = False):
+def mla_reference(
+    h: torch.Tensor,
+    w: dict,
+    *,
+    positions=None,
+    rope_base: float = 10000.0,
+    interleaved: bool = True,
+    compute_dtype=None,
+    return_parts: bool = False,
+):
     """MLA forward of h (B, S, d_model) with causal attention, all at ``compute_dtype``
     (default h's dtype; float64 with the float64 RoPE gives the ground truth)."""
     dt = compute_dtype or h.dtype
@@ -63,8 +72,12 @@ def mla_reference(h: torch.Tensor, w: dict, *, positions=None, rope_base: float 
     eps = w["eps"]
     c_q = h if w["W_DQ"] is None else rms_norm(h @ w["W_DQ"].T, w["q_norm"], eps)
     q_c = _per_head(w["W_UQ"], c_q)
-    rkw = dict(positions=positions, base=rope_base, interleaved=interleaved,
-               compute_dtype=torch.float64 if dt == torch.float64 else None)
+    rkw = dict(
+        positions=positions,
+        base=rope_base,
+        interleaved=interleaved,
+        compute_dtype=torch.float64 if dt == torch.float64 else None,
+    )
     q_r = rope_reference(_per_head(w["W_QR"], c_q), **rkw)
     c_kv = rms_norm(h @ w["W_DKV"].T, w["kv_norm"], eps)
     k_c = _per_head(w["W_UK"], c_kv)

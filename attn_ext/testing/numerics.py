@@ -44,8 +44,9 @@ def autograd_grads(fn, inputs: Sequence[torch.Tensor], grad_out, **kwargs):
 
 
 def ground_truth_grads(fn, inputs, grad_out, **kwargs):
-    return autograd_grads(fn, _to_f64(list(inputs)), _to_f64(grad_out),
-                          **{k: _to_f64(v) for k, v in kwargs.items()})
+    return autograd_grads(
+        fn, _to_f64(list(inputs)), _to_f64(grad_out), **{k: _to_f64(v) for k, v in kwargs.items()}
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -74,8 +75,9 @@ def max_abs_err(x, truth) -> float:
     return (x[fin] - truth[fin]).abs().max().item()
 
 
-def assert_error_rule(actual, ref_same_dtype, truth, *, name="out", factor=2.0,
-                      slack_ulps: float = 1.0):
+def assert_error_rule(
+    actual, ref_same_dtype, truth, *, name="out", factor=2.0, slack_ulps: float = 1.0
+):
     """err(actual) <= factor * err(ref_same_dtype) + slack, errors = max-abs
     difference to the float64 truth over the finite entries (non-finite entries
     must match the truth exactly). float64 results must equal the truth to
@@ -88,14 +90,21 @@ def assert_error_rule(actual, ref_same_dtype, truth, *, name="out", factor=2.0,
     reference zero error), so a pure 2x rule would demand bit-exactness there.
     """
     truth = truth.detach().to(torch.float64)
-    assert tuple(actual.shape) == tuple(truth.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(truth.shape)}"
+    assert tuple(actual.shape) == tuple(truth.shape), (
+        f"{name}: shape {tuple(actual.shape)} != {tuple(truth.shape)}"
+    )
     a64 = actual.detach().to(torch.float64).cpu()
     truth = truth.cpu()
     _check_nonfinite(a64, truth, name)
     if actual.dtype == torch.float64:
         fin = torch.isfinite(truth)
-        torch.testing.assert_close(a64[fin], truth[fin], rtol=F64_RTOL, atol=F64_ATOL,
-                                   msg=lambda m: f"{name} (float64): {m}")
+        torch.testing.assert_close(
+            a64[fin],
+            truth[fin],
+            rtol=F64_RTOL,
+            atol=F64_ATOL,
+            msg=lambda m: f"{name} (float64): {m}",
+        )
         return
     err_a = max_abs_err(a64, truth)
     err_r = max_abs_err(ref_same_dtype.detach().cpu(), truth)
@@ -104,7 +113,8 @@ def assert_error_rule(actual, ref_same_dtype, truth, *, name="out", factor=2.0,
     slack = slack_ulps * torch.finfo(actual.dtype).eps * max(1.0, mag)
     assert err_a <= factor * err_r + slack, (
         f"{name} ({actual.dtype}): kernel error {err_a:.3e} > {factor} x reference error "
-        f"{err_r:.3e} + slack {slack:.3e}")
+        f"{err_r:.3e} + slack {slack:.3e}"
+    )
 
 
 def grad_slack_ulps(dtype) -> float:
@@ -166,8 +176,20 @@ def rand(shape, dtype, device, layout="contiguous", requires_grad=False, scale=1
     return x
 
 
-def make_qkv(B, H, Hkv, Sq, Sk, D, Dv=None, *, dtype=torch.float32, device="cpu",
-             layout="contiguous", requires_grad=False):
+def make_qkv(
+    B,
+    H,
+    Hkv,
+    Sq,
+    Sk,
+    D,
+    Dv=None,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    layout="contiguous",
+    requires_grad=False,
+):
     Dv = D if Dv is None else Dv
     q = rand((B, H, Sq, D), dtype, device, layout, requires_grad)
     k = rand((B, Hkv, Sk, D), dtype, device, layout, requires_grad)

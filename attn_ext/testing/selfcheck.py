@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
-from attn_ext.testing.attention import attention_reference, attention_weights_reference, sdpa_reference
+from attn_ext.testing.attention import (
+    attention_reference,
+    attention_weights_reference,
+    sdpa_reference,
+)
 from attn_ext.testing.decoding import decode_reference, rope_reference
 from attn_ext.testing.linear import linear_attention_quadratic
 from attn_ext.testing.spatial import cbam_spatial, channel_pool, spatial_gate
@@ -58,8 +62,11 @@ def randn(*shape, device):
 
 def qkv(b=2, h=4, hkv=None, sq=37, sk=53, d=64, dv=None, device="cpu"):
     hkv, dv = hkv or h, dv or d
-    return {"q": randn(b, h, sq, d, device=device), "k": randn(b, hkv, sk, d, device=device),
-            "v": randn(b, hkv, sk, dv, device=device)}
+    return {
+        "q": randn(b, h, sq, d, device=device),
+        "k": randn(b, hkv, sk, d, device=device),
+        "v": randn(b, hkv, sk, dv, device=device),
+    }
 
 
 def strided_qkv(device, b=2, h=4, s=45, d=64):
@@ -82,7 +89,8 @@ def bool_mask(b, h, sq, sk, device):
 def float_mask(b, h, sq, sk, device):
     m = torch.randn(1, h, sq, sk, device=device, dtype=torch.float64)
     return m.masked_fill(torch.rand(1, h, sq, sk, device=device) < 0.2, NEG_INF).index_fill(
-        -1, torch.tensor([0], device=device), 0.0)
+        -1, torch.tensor([0], device=device), 0.0
+    )
 
 
 def attention_case(name, make, grads=("q", "k", "v"), **opts):
@@ -104,7 +112,9 @@ def lse_case():
     def ext(q, k, v):
         return tuple(attn_ext.attention(q, k, v, causal=True, return_lse=True))
 
-    return Case("attention return_lse causal Sq>Sk", lambda dev: qkv(sq=40, sk=24, device=dev), ext, ref)
+    return Case(
+        "attention return_lse causal Sq>Sk", lambda dev: qkv(sq=40, sk=24, device=dev), ext, ref
+    )
 
 
 def dropout_case():
@@ -112,7 +122,9 @@ def dropout_case():
 
     def make(dev):
         inputs = qkv(device=dev, **shape)
-        keep = attn_ext.dropout_keep_mask(2, 4, 37, 53, p, generator=torch.Generator().manual_seed(seed))
+        keep = attn_ext.dropout_keep_mask(
+            2, 4, 37, 53, p, generator=torch.Generator().manual_seed(seed)
+        )
         inputs["dropout_keep"] = keep.to(dev)
         return inputs
 
@@ -153,8 +165,10 @@ def weights_case(name, make, **opts):
 
 def rope_case(interleaved):
     def make(dev):
-        return {"x": randn(2, 4, 37, 64, device=dev).transpose(1, 2).contiguous().transpose(1, 2),
-                "positions": torch.randint(0, 8192, (2, 37), device=dev)}
+        return {
+            "x": randn(2, 4, 37, 64, device=dev).transpose(1, 2).contiguous().transpose(1, 2),
+            "positions": torch.randint(0, 8192, (2, 37), device=dev),
+        }
 
     def ext(x, positions):
         return (attn_ext.rope(x, positions=positions, interleaved=interleaved),)
@@ -163,8 +177,11 @@ def rope_case(interleaved):
         return (rope_reference(x, positions=positions, interleaved=interleaved),)
 
     def truth(x, positions):
-        return (rope_reference(x, positions=positions, interleaved=interleaved,
-                               compute_dtype=torch.float64),)
+        return (
+            rope_reference(
+                x, positions=positions, interleaved=interleaved, compute_dtype=torch.float64
+            ),
+        )
 
     layout = "pairs (2i, 2i+1)" if interleaved else "halves (LLaMA)"
     return Case(f"rope {layout}, positions < 8192", make, ext, ref, grads=("x",), truth=truth)
@@ -173,13 +190,19 @@ def rope_case(interleaved):
 def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):
     def make(dev):
         b, cap = len(lengths), max(lengths) + 5
-        return {"q": randn(b, h, sq, 64, device=dev), "k_cache": randn(b, hkv, cap, 64, device=dev),
-                "v_cache": randn(b, hkv, cap, 64, device=dev),
-                "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev)}
+        return {
+            "q": randn(b, h, sq, 64, device=dev),
+            "k_cache": randn(b, hkv, cap, 64, device=dev),
+            "v_cache": randn(b, hkv, cap, 64, device=dev),
+            "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev),
+        }
 
     def ext(q, k_cache, v_cache, lengths):
-        return tuple(attn_ext.decode_attention(q, k_cache, v_cache, lengths, num_splits=splits,
-                                               return_lse=True))
+        return tuple(
+            attn_ext.decode_attention(
+                q, k_cache, v_cache, lengths, num_splits=splits, return_lse=True
+            )
+        )
 
     def ref(q, k_cache, v_cache, lengths):
         return decode_reference(q, k_cache, v_cache, lengths)
@@ -194,8 +217,12 @@ def mla_decode_case():
 
     def make(dev):
         cache = randn(2, 1, 305, 576, device=dev)
-        return {"q": randn(2, 16, 1, 576, device=dev), "k_cache": cache, "v_cache": cache[..., :512],
-                "lengths": torch.tensor([300, 41], dtype=torch.int32, device=dev)}
+        return {
+            "q": randn(2, 16, 1, 576, device=dev),
+            "k_cache": cache,
+            "v_cache": cache[..., :512],
+            "lengths": torch.tensor([300, 41], dtype=torch.int32, device=dev),
+        }
 
     def ext(q, k_cache, v_cache, lengths):
         return (attn_ext.decode_attention(q, k_cache, k_cache[..., :512], lengths, scale=scale),)
@@ -203,26 +230,46 @@ def mla_decode_case():
     def ref(q, k_cache, v_cache, lengths):
         return (decode_reference(q, k_cache, v_cache, lengths, scale=scale, causal=False)[0],)
 
-    return Case("decode_attention MLA absorbed (576-wide latent, 512-col value view)", make, ext, ref,
-                grads=())
+    return Case(
+        "decode_attention MLA absorbed (576-wide latent, 512-col value view)",
+        make,
+        ext,
+        ref,
+        grads=(),
+    )
 
 
 def tpa_expand_case(rope):
     def make(dev):
-        return {"a": randn(2, 29, 6, 16, device=dev), "b": randn(2, 6, 29, 64, device=dev).transpose(1, 2),
-                "positions": torch.randint(0, 8192, (2, 29), device=dev)}
+        return {
+            "a": randn(2, 29, 6, 16, device=dev),
+            "b": randn(2, 6, 29, 64, device=dev).transpose(1, 2),
+            "positions": torch.randint(0, 8192, (2, 29), device=dev),
+        }
 
     def ext(a, b, positions):
-        return (attn_ext.tpa_expand(a, b, positions=positions if rope else None, rope=rope,
-                                    rope_interleaved=False),)
+        return (
+            attn_ext.tpa_expand(
+                a, b, positions=positions if rope else None, rope=rope, rope_interleaved=False
+            ),
+        )
 
     def plain(a, b, positions, exact):
-        return (tpa_expand_reference(a, b, positions=positions, rope=rope,
-                                     compute_dtype=torch.float64 if exact else None),)
+        return (
+            tpa_expand_reference(
+                a, b, positions=positions, rope=rope, compute_dtype=torch.float64 if exact else None
+            ),
+        )
 
     name = "tpa_expand (1/R) sum a_r x b_r" + (", RoPE on b" if rope else "")
-    return Case(name, make, ext, lambda **t: plain(**t, exact=False), grads=("a", "b"),
-                truth=lambda **t: plain(**t, exact=True))
+    return Case(
+        name,
+        make,
+        ext,
+        lambda **t: plain(**t, exact=False),
+        grads=("a", "b"),
+        truth=lambda **t: plain(**t, exact=True),
+    )
 
 
 def tpa_decode_case():
@@ -231,10 +278,14 @@ def tpa_decode_case():
 
     def make(dev):
         b, n, h, d = len(lengths), max(lengths) + 5, 8, 64
-        return {"q": randn(b, h, 2, d, device=dev), "a_k": randn(b, n, 2, h, device=dev),
-                "b_k": randn(b, n, 2, d, device=dev), "a_v": randn(b, n, 3, h, device=dev),
-                "b_v": randn(b, n, 3, d, device=dev),
-                "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev)}
+        return {
+            "q": randn(b, h, 2, d, device=dev),
+            "a_k": randn(b, n, 2, h, device=dev),
+            "b_k": randn(b, n, 2, d, device=dev),
+            "a_v": randn(b, n, 3, h, device=dev),
+            "b_v": randn(b, n, 3, d, device=dev),
+            "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev),
+        }
 
     def ext(q, a_k, b_k, a_v, b_v, lengths):
         return tuple(attn_ext.tpa_decode_attention(q, a_k, b_k, a_v, b_v, lengths, return_lse=True))
@@ -245,8 +296,13 @@ def tpa_decode_case():
         out, _ = tpa_decode_reference(q, a_k, b_k, a_v, b_v, lengths, compute_dtype=q.dtype)
         return out, tpa_decode_reference(q, a_k, b_k, a_v, b_v, lengths)[1]
 
-    return Case("tpa_decode_attention (factor cache, ranks 2/3, ragged lengths)", make, ext, ref,
-                grads=("q", "a_k", "b_k", "a_v", "b_v"))
+    return Case(
+        "tpa_decode_attention (factor cache, ranks 2/3, ragged lengths)",
+        make,
+        ext,
+        ref,
+        grads=("q", "a_k", "b_k", "a_v", "b_v"),
+    )
 
 
 def linear_case(causal):
@@ -263,11 +319,16 @@ def linear_case(causal):
 def spatial_cases() -> List[Case]:
     """CBAM's channel pooling and sigmoid gate (NCHW and channels-last), and the whole spatial
     gate x * sigmoid(conv7x7(pool(x)))."""
+
     def maps(device, channels_last=False, c=37):
         x = randn(2, c, 9, 11, device=device)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return {"x": x, "gate": randn(2, 1, 9, 11, device=device), "w": 0.2 * randn(1, 2, 7, 7, device=device)}
+        return {
+            "x": x,
+            "gate": randn(2, 1, 9, 11, device=device),
+            "w": 0.2 * randn(1, 2, 7, 7, device=device),
+        }
 
     def pool_ext(x, gate, w):
         return (attn_ext.channel_pool(x),)
@@ -289,44 +350,87 @@ def spatial_cases() -> List[Case]:
 
     return [
         Case("channel_pool (mean, max over C)", maps, pool_ext, pool_ref, grads=("x",)),
-        Case("channel_pool channels-last", lambda d: maps(d, True), pool_ext, pool_ref, grads=("x",)),
+        Case(
+            "channel_pool channels-last", lambda d: maps(d, True), pool_ext, pool_ref, grads=("x",)
+        ),
         Case("spatial_gate x * sigmoid(gate)", maps, gate_ext, gate_ref, grads=("x", "gate")),
-        Case("spatial_gate channels-last", lambda d: maps(d, True), gate_ext, gate_ref, grads=("x", "gate")),
-        Case("CBAM spatial gate (pool, conv7x7, gate)", lambda d: maps(d, True, 64), cbam_ext, cbam_ref,
-             grads=("x", "w")),
+        Case(
+            "spatial_gate channels-last",
+            lambda d: maps(d, True),
+            gate_ext,
+            gate_ref,
+            grads=("x", "gate"),
+        ),
+        Case(
+            "CBAM spatial gate (pool, conv7x7, gate)",
+            lambda d: maps(d, True, 64),
+            cbam_ext,
+            cbam_ref,
+            grads=("x", "w"),
+        ),
     ]
 
 
 def all_cases() -> List[Case]:
     return [
         attention_case("attention", lambda d: qkv(device=d)),
-        attention_case("attention 3-D (B,S,D)", lambda d: {n: t[:, 0] for n, t in qkv(device=d).items()}),
+        attention_case(
+            "attention 3-D (B,S,D)", lambda d: {n: t[:, 0] for n, t in qkv(device=d).items()}
+        ),
         attention_case("attention strided (B,S,H,D).transpose", strided_qkv),
         attention_case("attention Dv!=D, scale=0.3", lambda d: qkv(dv=32, device=d), scale=0.3),
-        attention_case("attention causal Sq<Sk", lambda d: qkv(sq=24, sk=53, device=d), causal=True),
-        attention_case("attention causal Sq>Sk (empty rows)", lambda d: qkv(sq=40, sk=24, device=d), causal=True),
+        attention_case(
+            "attention causal Sq<Sk", lambda d: qkv(sq=24, sk=53, device=d), causal=True
+        ),
+        attention_case(
+            "attention causal Sq>Sk (empty rows)",
+            lambda d: qkv(sq=40, sk=24, device=d),
+            causal=True,
+        ),
         attention_case("attention window (8, 4)", lambda d: qkv(device=d), window_size=(8, 4)),
-        attention_case("attention causal + window (16, 0)", lambda d: qkv(device=d), causal=True, window_size=(16, 0)),
+        attention_case(
+            "attention causal + window (16, 0)",
+            lambda d: qkv(device=d),
+            causal=True,
+            window_size=(16, 0),
+        ),
         attention_case("attention bool mask", lambda d: with_mask(qkv(device=d), bool_mask)),
         attention_case("attention float mask", lambda d: with_mask(qkv(device=d), float_mask)),
-        attention_case("attention GQA H=8 Hkv=2 causal", lambda d: qkv(h=8, hkv=2, device=d), causal=True),
+        attention_case(
+            "attention GQA H=8 Hkv=2 causal", lambda d: qkv(h=8, hkv=2, device=d), causal=True
+        ),
         attention_case("attention MQA H=4 Hkv=1", lambda d: qkv(h=4, hkv=1, device=d)),
         lse_case(),
         dropout_case(),
         sdpa_case("sdpa", lambda d: qkv(device=d)),
-        sdpa_case("sdpa is_causal Sq<Sk (top-left)", lambda d: qkv(sq=24, sk=53, device=d), is_causal=True),
-        sdpa_case("sdpa is_causal Sq>Sk (top-left)", lambda d: qkv(sq=40, sk=24, device=d), is_causal=True),
+        sdpa_case(
+            "sdpa is_causal Sq<Sk (top-left)", lambda d: qkv(sq=24, sk=53, device=d), is_causal=True
+        ),
+        sdpa_case(
+            "sdpa is_causal Sq>Sk (top-left)", lambda d: qkv(sq=40, sk=24, device=d), is_causal=True
+        ),
         sdpa_case("sdpa bool mask", lambda d: with_mask(qkv(device=d), bool_mask)),
-        sdpa_case("sdpa float mask, scale=0.2", lambda d: with_mask(qkv(device=d), float_mask), scale=0.2),
-        sdpa_case("sdpa enable_gqa H=8 Hkv=2", lambda d: qkv(h=8, hkv=2, device=d), enable_gqa=True),
+        sdpa_case(
+            "sdpa float mask, scale=0.2", lambda d: with_mask(qkv(device=d), float_mask), scale=0.2
+        ),
+        sdpa_case(
+            "sdpa enable_gqa H=8 Hkv=2", lambda d: qkv(h=8, hkv=2, device=d), enable_gqa=True
+        ),
         weights_case("attention_weights", lambda d: qkv(device=d)),
-        weights_case("attention_weights causal Sq>Sk", lambda d: qkv(sq=40, sk=24, device=d), causal=True),
-        weights_case("attention_weights window + bool mask", lambda d: with_mask(qkv(device=d), bool_mask),
-                     window_size=(8, 8)),
+        weights_case(
+            "attention_weights causal Sq>Sk", lambda d: qkv(sq=40, sk=24, device=d), causal=True
+        ),
+        weights_case(
+            "attention_weights window + bool mask",
+            lambda d: with_mask(qkv(device=d), bool_mask),
+            window_size=(8, 8),
+        ),
         rope_case(interleaved=True),
         rope_case(interleaved=False),
         decode_case("decode_attention GQA 8/2, ragged lengths"),
-        decode_case("decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4),
+        decode_case(
+            "decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4
+        ),
         mla_decode_case(),
         tpa_expand_case(rope=False),
         tpa_expand_case(rope=True),
@@ -357,7 +461,9 @@ def forward_backward(fn, inputs, grads, grad_out):
     outs = fn(**leaves)
     if not grads:  # inference-only ops (decode)
         return [o.detach() for o in outs], []
-    gs = torch.autograd.grad((outs[0] * grad_out.to(outs[0].dtype)).sum(), [leaves[n] for n in grads])
+    gs = torch.autograd.grad(
+        (outs[0] * grad_out.to(outs[0].dtype)).sum(), [leaves[n] for n in grads]
+    )
     return [o.detach() for o in outs], list(gs)
 
 
@@ -386,7 +492,9 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype) -> CheckResul
         low = cast_inputs(case.make(device), dtype)
         exact = cast_inputs(low, torch.float64)  # ground truth sees the rounded inputs
         out_probe = case.ref(**exact)[0]
-        grad_out = torch.randn(out_probe.shape, device=device, dtype=torch.float64).to(dtype).double()
+        grad_out = (
+            torch.randn(out_probe.shape, device=device, dtype=torch.float64).to(dtype).double()
+        )
         want, want_g = forward_backward(case.truth or case.ref, exact, case.grads, grad_out)
         base, base_g = forward_backward(case.ref, low, case.grads, grad_out)
         got, got_g = forward_backward(case.ext, low, case.grads, grad_out)
@@ -418,8 +526,10 @@ def format_result(r: CheckResult) -> str:
 
 
 def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
-    print("\nchecks: max abs error vs float64 ground truth; "
-          f"tol = 2 x (plain torch reference at the same dtype) + {ACC_ULPS} float32 ulps")
+    print(
+        "\nchecks: max abs error vs float64 ground truth; "
+        f"tol = 2 x (plain torch reference at the same dtype) + {ACC_ULPS} float32 ulps"
+    )
     results = []
     for device in devices:
         for dtype in CHECK_DTYPES:
@@ -429,6 +539,8 @@ def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
                 if verbose or not r.ok:
                     print(format_result(r))
     failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} checks passed"
-          + ("" if verbose else " (run with -v to list each)"))
+    print(
+        f"{len(results) - len(failed)}/{len(results)} checks passed"
+        + ("" if verbose else " (run with -v to list each)")
+    )
     return not failed

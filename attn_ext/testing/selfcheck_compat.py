@@ -58,52 +58,163 @@ def compat_cases() -> List[CompatCase]:
     qkv4 = ((2, 3, 7, 8), (2, 3, 9, 8), (2, 3, 9, 5))
     same3 = ((2, 9, 8), (2, 9, 8), (2, 9, 5))
     return [
-        CompatCase("torchcode.scaled_dot_product_attention", doc000.scaled_dot_product_attention,
-                   tc.scaled_dot_product_attention, qkv4),
-        CompatCase("torchcode.MultiHeadAttention", doc000.MultiHeadAttention, tc.MultiHeadAttention,
-                   (x, kv, kv), args=(16, 4)),
-        CompatCase("torchcode.causal_attention", doc000.causal_attention, tc.causal_attention, qkv3),
-        CompatCase("torchcode.MultiHeadCrossAttention", doc000.MultiHeadCrossAttention,
-                   tc.MultiHeadCrossAttention, (x, kv), args=(16, 4)),
-        CompatCase("torchcode.GroupQueryAttention", doc000.GroupQueryAttention, tc.GroupQueryAttention,
-                   (x,), args=(16, 8, 2)),
-        CompatCase("torchcode.sliding_window_attention", doc000.sliding_window_attention,
-                   tc.sliding_window_attention, same3, kwargs=lambda device: {"window_size": 2}),
-        CompatCase("torchcode.flash_attention", doc000.flash_attention, tc.flash_attention,
-                   ((2, 37, 8),) * 3, kwargs=lambda device: {"block_size": 16}),
+        CompatCase(
+            "torchcode.scaled_dot_product_attention",
+            doc000.scaled_dot_product_attention,
+            tc.scaled_dot_product_attention,
+            qkv4,
+        ),
+        CompatCase(
+            "torchcode.MultiHeadAttention",
+            doc000.MultiHeadAttention,
+            tc.MultiHeadAttention,
+            (x, kv, kv),
+            args=(16, 4),
+        ),
+        CompatCase(
+            "torchcode.causal_attention", doc000.causal_attention, tc.causal_attention, qkv3
+        ),
+        CompatCase(
+            "torchcode.MultiHeadCrossAttention",
+            doc000.MultiHeadCrossAttention,
+            tc.MultiHeadCrossAttention,
+            (x, kv),
+            args=(16, 4),
+        ),
+        CompatCase(
+            "torchcode.GroupQueryAttention",
+            doc000.GroupQueryAttention,
+            tc.GroupQueryAttention,
+            (x,),
+            args=(16, 8, 2),
+        ),
+        CompatCase(
+            "torchcode.sliding_window_attention",
+            doc000.sliding_window_attention,
+            tc.sliding_window_attention,
+            same3,
+            kwargs=lambda device: {"window_size": 2},
+        ),
+        CompatCase(
+            "torchcode.flash_attention",
+            doc000.flash_attention,
+            tc.flash_attention,
+            ((2, 37, 8),) * 3,
+            kwargs=lambda device: {"block_size": 16},
+        ),
         # The document's cos/sin tables are float32 for any input (angle error ~ position x 2^-24),
         # while attn_ext takes cos/sin of the same fp32 angles in float64 for float64 inputs.
-        CompatCase("torchcode.apply_rope (q_rot, k_rot)", _concat(doc000.apply_rope), _concat(tc.apply_rope),
-                   ((2, 37, 16), (2, 37, 16)), f64_rtol=37 * 2.0**-22),
-        CompatCase("torchcode.linear_attention", doc000.linear_attention, tc.linear_attention,
-                   ((2, 37, 8), (2, 37, 8), (2, 37, 5))),
-        CompatCase("llms_from_scratch.simplified_self_attention", doc001.simplified_self_attention,
-                   lfs.simplified_self_attention, ((6, 3),)),
-        CompatCase("llms_from_scratch.SelfAttention_v1", doc001.SelfAttention_v1, lfs.SelfAttention_v1,
-                   ((7, 16),), args=(16, 8)),
-        CompatCase("llms_from_scratch.SelfAttention_v2", doc001.SelfAttention_v2, lfs.SelfAttention_v2,
-                   ((7, 16),), args=(16, 8)),
-        CompatCase("llms_from_scratch.CausalAttention", doc001.CausalAttention, lfs.CausalAttention,
-                   (x,), args=(16, 8, 12, 0.0)),
-        CompatCase("llms_from_scratch.MultiHeadAttentionWrapper", doc001.MultiHeadAttentionWrapper,
-                   lfs.MultiHeadAttentionWrapper, (x,), args=(16, 8, 12, 0.0, 3)),
-        CompatCase("llms_from_scratch.MultiHeadAttention", doc001.MultiHeadAttention,
-                   lfs.MultiHeadAttention, (x,), args=(16, 12, 12, 0.0, 3, True)),
-        CompatCase("textbook.attention", doc003.attention, tb.attention, qkv4,
-                   kwargs=lambda device: {"mask": torch.ones(7, 9, dtype=torch.bool, device=device).tril(2)}),
-        CompatCase("textbook.repeat_kv", doc003.repeat_kv, tb.repeat_kv, ((2, 3, 5, 4),),
-                   kwargs=lambda device: {"n_rep": 2}),
-        CompatCase("attention_zoo.SelfAttention", doc004.SelfAttention, zoo.SelfAttention, (x,), args=(16, 6)),
-        CompatCase("attention_zoo.MultiHeadAttention", doc004.MultiHeadAttention, zoo.MultiHeadAttention,
-                   (x,), args=(16, 4, 24)),
-        CompatCase("attention_zoo.CrossAttention", doc004.CrossAttention, zoo.CrossAttention, (x, kv),
-                   args=(16, 6)),
-        CompatCase("attention_zoo.GroupedAttention", doc004.GroupedAttention, zoo.GroupedAttention, (x,),
-                   args=(16, 24, 6, 2)),
-        CompatCase("attention_zoo.SpatialAttention", doc004.SpatialAttention, zoo.SpatialAttention,
-                   ((2, 3, 16, 16),)),
-        CompatCase("attention_zoo.TemporalAttention (out, weights)", doc004.TemporalAttention,
-                   zoo.TemporalAttention, (x, (2, 1, 8)), args=(16, 12, 8)),
+        CompatCase(
+            "torchcode.apply_rope (q_rot, k_rot)",
+            _concat(doc000.apply_rope),
+            _concat(tc.apply_rope),
+            ((2, 37, 16), (2, 37, 16)),
+            f64_rtol=37 * 2.0**-22,
+        ),
+        CompatCase(
+            "torchcode.linear_attention",
+            doc000.linear_attention,
+            tc.linear_attention,
+            ((2, 37, 8), (2, 37, 8), (2, 37, 5)),
+        ),
+        CompatCase(
+            "llms_from_scratch.simplified_self_attention",
+            doc001.simplified_self_attention,
+            lfs.simplified_self_attention,
+            ((6, 3),),
+        ),
+        CompatCase(
+            "llms_from_scratch.SelfAttention_v1",
+            doc001.SelfAttention_v1,
+            lfs.SelfAttention_v1,
+            ((7, 16),),
+            args=(16, 8),
+        ),
+        CompatCase(
+            "llms_from_scratch.SelfAttention_v2",
+            doc001.SelfAttention_v2,
+            lfs.SelfAttention_v2,
+            ((7, 16),),
+            args=(16, 8),
+        ),
+        CompatCase(
+            "llms_from_scratch.CausalAttention",
+            doc001.CausalAttention,
+            lfs.CausalAttention,
+            (x,),
+            args=(16, 8, 12, 0.0),
+        ),
+        CompatCase(
+            "llms_from_scratch.MultiHeadAttentionWrapper",
+            doc001.MultiHeadAttentionWrapper,
+            lfs.MultiHeadAttentionWrapper,
+            (x,),
+            args=(16, 8, 12, 0.0, 3),
+        ),
+        CompatCase(
+            "llms_from_scratch.MultiHeadAttention",
+            doc001.MultiHeadAttention,
+            lfs.MultiHeadAttention,
+            (x,),
+            args=(16, 12, 12, 0.0, 3, True),
+        ),
+        CompatCase(
+            "textbook.attention",
+            doc003.attention,
+            tb.attention,
+            qkv4,
+            kwargs=lambda device: {
+                "mask": torch.ones(7, 9, dtype=torch.bool, device=device).tril(2)
+            },
+        ),
+        CompatCase(
+            "textbook.repeat_kv",
+            doc003.repeat_kv,
+            tb.repeat_kv,
+            ((2, 3, 5, 4),),
+            kwargs=lambda device: {"n_rep": 2},
+        ),
+        CompatCase(
+            "attention_zoo.SelfAttention",
+            doc004.SelfAttention,
+            zoo.SelfAttention,
+            (x,),
+            args=(16, 6),
+        ),
+        CompatCase(
+            "attention_zoo.MultiHeadAttention",
+            doc004.MultiHeadAttention,
+            zoo.MultiHeadAttention,
+            (x,),
+            args=(16, 4, 24),
+        ),
+        CompatCase(
+            "attention_zoo.CrossAttention",
+            doc004.CrossAttention,
+            zoo.CrossAttention,
+            (x, kv),
+            args=(16, 6),
+        ),
+        CompatCase(
+            "attention_zoo.GroupedAttention",
+            doc004.GroupedAttention,
+            zoo.GroupedAttention,
+            (x,),
+            args=(16, 24, 6, 2),
+        ),
+        CompatCase(
+            "attention_zoo.SpatialAttention",
+            doc004.SpatialAttention,
+            zoo.SpatialAttention,
+            ((2, 3, 16, 16),),
+        ),
+        CompatCase(
+            "attention_zoo.TemporalAttention (out, weights)",
+            doc004.TemporalAttention,
+            zoo.TemporalAttention,
+            (x, (2, 1, 8)),
+            args=(16, 12, 8),
+        ),
     ]
 
 
@@ -112,7 +223,10 @@ def compat_candidates(case: CompatCase, device: torch.device, dtype: torch.dtype
     same rounded weights: the ground truth) and ours at ``dtype`` loaded strictly."""
     if not isinstance(case.document, type):
         kw = case.kwargs(device)
-        return [((lambda *xs, fn=fn: fn(*xs, **kw)), {}) for fn in (case.document, case.document, case.ours)]
+        return [
+            ((lambda *xs, fn=fn: fn(*xs, **kw)), {})
+            for fn in (case.document, case.document, case.ours)
+        ]
     doc = case.document(*case.args)
     plain = not isinstance(doc, torch.nn.Module)  # document 000's plain classes
 
@@ -127,7 +241,9 @@ def compat_candidates(case: CompatCase, device: torch.device, dtype: torch.dtype
     ours = case.ours(*case.args).to(device=device, dtype=dtype)
     ours.load_state_dict(plain_state_dict(doc) if plain else doc.state_dict(), strict=True)
     if set(params(ours)) != set(params(doc)):
-        raise RuntimeError(f"parameters differ: ours {sorted(params(ours))}, document {sorted(params(doc))}")
+        raise RuntimeError(
+            f"parameters differ: ours {sorted(params(ours))}, document {sorted(params(doc))}"
+        )
     return [(obj.forward, params(obj)) for obj in (doc, exact, ours)]
 
 
@@ -141,7 +257,9 @@ def compat_forward_backward(fn, params, inputs, grad_out) -> Dict[str, torch.Ten
     xs = [x.detach().requires_grad_() for x in inputs]
     out = _one_output(fn(*xs))
     names = sorted(params)
-    grads = torch.autograd.grad((out * grad_out.to(out.dtype)).sum(), xs + [params[n] for n in names])
+    grads = torch.autograd.grad(
+        (out * grad_out.to(out.dtype)).sum(), xs + [params[n] for n in names]
+    )
     labels = ["out"] + [f"dx{i}" for i in range(len(xs))] + [f"d{n}" for n in names]
     return dict(zip(labels, [out.detach(), *grads]))
 
@@ -165,11 +283,15 @@ def run_compat_case(case: CompatCase, device: torch.device, dtype: torch.dtype) 
     for label, w in want.items():
         g, b = got[label], base[label]
         if g.shape != b.shape or g.dtype != b.dtype:
-            res.exception = f"{label}: {g.dtype} {tuple(g.shape)}, document gives {b.dtype} {tuple(b.shape)}"
+            res.exception = (
+                f"{label}: {g.dtype} {tuple(g.shape)}, document gives {b.dtype} {tuple(b.shape)}"
+            )
             return res
         if dtype == torch.float64:
             finite = w.abs().masked_fill(w.isinf(), 0)
-            tol = (case.f64_rtol or COMPAT_F64_RTOL) * max(1.0, finite.max().item() if finite.numel() else 0.0)
+            tol = (case.f64_rtol or COMPAT_F64_RTOL) * max(
+                1.0, finite.max().item() if finite.numel() else 0.0
+            )
         else:
             tol = 2 * max_error(b, w) + accumulation_floor(w)
         res.errors[label] = (max_error(g, w), tol)
@@ -184,19 +306,29 @@ def format_compat_row(by_dtype: Sequence[CheckResult]) -> str:
         if r.exception:
             cells.append(f"{r.dtype} {r.exception}")
             continue
-        label = max(r.errors, key=lambda k: r.errors[k][0] / r.errors[k][1] if r.errors[k][1] else math.inf)
+        label = max(
+            r.errors, key=lambda k: r.errors[k][0] / r.errors[k][1] if r.errors[k][1] else math.inf
+        )
         err, tol = r.errors[label]
-        cells.append(f"{r.dtype:7s} {err:7.1e} {'<=' if err <= tol else '> '} {tol:7.1e} {label:23s}")
-    row = f"{'PASS' if ok else 'FAIL'}  {by_dtype[0].device:4s} {by_dtype[0].name:44s} " + " ".join(cells)
+        cells.append(
+            f"{r.dtype:7s} {err:7.1e} {'<=' if err <= tol else '> '} {tol:7.1e} {label:23s}"
+        )
+    row = f"{'PASS' if ok else 'FAIL'}  {by_dtype[0].device:4s} {by_dtype[0].name:44s} " + " ".join(
+        cells
+    )
     return row.rstrip()
 
 
 def run_compat_checks(devices: Sequence[torch.device]) -> bool:
-    print("\ncompat: each attn_ext.compat class/function vs its document's code (attn_ext.testing.documents),\n"
-          "same arguments, document's state dict loaded strictly; output and input/parameter gradients,\n"
-          "the worst of them shown as max abs error <= tolerance (what). float64: vs the document,\n"
-          f"tol {COMPAT_F64_RTOL:.0e} x magnitude; float32: vs the document in float64, "
-          f"tol 2 x the document's own float32 error + {ACC_ULPS} float32 ulps")
+    print(
+        "\ncompat: each attn_ext.compat class/function vs its document's code "
+        "(attn_ext.testing.documents),\n"
+        "same arguments, document's state dict loaded strictly; output and input/parameter "
+        "gradients,\n"
+        "the worst of them shown as max abs error <= tolerance (what). float64: vs the document,\n"
+        f"tol {COMPAT_F64_RTOL:.0e} x magnitude; float32: vs the document in float64, "
+        f"tol 2 x the document's own float32 error + {ACC_ULPS} float32 ulps"
+    )
     rows = []
     for device in devices:
         for case in compat_cases():

@@ -8,6 +8,7 @@ Written from what document 004 and the papers compute, materializing everything:
 * temporal attention: the time matrix ``T`` built explicitly (the time embedding repeated per
   token) and the scores ``Q (T^T T / (||T||_F + eps)) K^T * scale`` formed as an S x S matrix.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -67,6 +68,13 @@ def temporal_multihead(layer, x, time_points, causal=False):
     def heads(z):
         return z.reshape(B, S, H, d).transpose(1, 2)
 
-    out, w = temporal_scores_attention(heads(layer.q_proj(x)), heads(layer.k_proj(x)), heads(layer.v_proj(x)),
-                                       heads(t), d ** -0.5, layer.eps, causal)
+    out, w = temporal_scores_attention(
+        heads(layer.q_proj(x)),
+        heads(layer.k_proj(x)),
+        heads(layer.v_proj(x)),
+        heads(t),
+        d**-0.5,
+        layer.eps,
+        causal,
+    )
     return layer.out_proj(out.transpose(1, 2).reshape(B, S, E)), w

@@ -10,6 +10,7 @@
 The factors are read from a module's nn.Linear layers with document 004's layout: W_a_*(x)
 holds (R, H) row-major and W_b_*(x) holds (R, d_h).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,16 +49,27 @@ def rope_factor(b: torch.Tensor, positions, **rope_kw) -> torch.Tensor:
     return rope_reference(b.transpose(1, 2), positions=positions, **rope_kw).transpose(1, 2)
 
 
-def tpa_reference(m, x: torch.Tensor, *, positions=None, rope: bool = True, causal: bool = True,
-                  scale=None, compute_dtype=None):
+def tpa_reference(
+    m,
+    x: torch.Tensor,
+    *,
+    positions=None,
+    rope: bool = True,
+    causal: bool = True,
+    scale=None,
+    compute_dtype=None,
+):
     """TPA forward of x (B, S, d_model) with module ``m``'s weights, at ``compute_dtype``
     (float64 takes the float64 RoPE: the ground truth)."""
     dt = compute_dtype or x.dtype
     f = factors(m, x, dt)
     b_q, b_k = f["b_q"], f["b_k"]
     if rope:
-        kw = dict(base=m.rope_base, interleaved=m.rope_interleaved,
-                  compute_dtype=torch.float64 if dt == torch.float64 else None)
+        kw = dict(
+            base=m.rope_base,
+            interleaved=m.rope_interleaved,
+            compute_dtype=torch.float64 if dt == torch.float64 else None,
+        )
         b_q, b_k = rope_factor(b_q, positions, **kw), rope_factor(b_k, positions, **kw)
     Q = tensor_product(f["a_q"], b_q).transpose(1, 2)  # (B, H, S, D)
     K = tensor_product(f["a_k"], b_k).transpose(1, 2)
@@ -66,8 +78,9 @@ def tpa_reference(m, x: torch.Tensor, *, positions=None, rope: bool = True, caus
     scores = Q @ K.transpose(-1, -2) * scale
     if causal:
         S = x.size(1)
-        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1),
-                                    float("-inf"))
+        scores = scores.masked_fill(
+            torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1), float("-inf")
+        )
     out = torch.softmax(scores, dim=-1) @ V
     B, H, S, D = out.shape
     W_o = m.out_proj.weight.detach().to(dt)
@@ -76,22 +89,38 @@ def tpa_reference(m, x: torch.Tensor, *, positions=None, rope: bool = True, caus
     return y if bo is None else y + bo.detach().to(dt)
 
 
-def tpa_expand_reference(a, b, *, positions=None, scale=None, rope=False, rope_base=10000.0,
-                         rope_interleaved=False, rotary_dim=None, compute_dtype=None):
+def tpa_expand_reference(
+    a,
+    b,
+    *,
+    positions=None,
+    scale=None,
+    rope=False,
+    rope_base=10000.0,
+    rope_interleaved=False,
+    rotary_dim=None,
+    compute_dtype=None,
+):
     """What attn_ext.tpa_expand computes: scale * Σ_r a_r ⊗ RoPE(b_r), (B, S, H, D)."""
     dt = compute_dtype or a.dtype
     a, b = a.to(dt), b.to(dt)
     if rope:
-        b = rope_factor(b, positions, base=rope_base, interleaved=rope_interleaved,
-                        rotary_dim=rotary_dim,
-                        compute_dtype=torch.float64 if dt == torch.float64 else None)
+        b = rope_factor(
+            b,
+            positions,
+            base=rope_base,
+            interleaved=rope_interleaved,
+            rotary_dim=rotary_dim,
+            compute_dtype=torch.float64 if dt == torch.float64 else None,
+        )
     R = a.size(2)
     scale = 1.0 / R if scale is None else scale
     return tensor_product(a, b) * (R * scale)
 
 
-def tpa_decode_reference(q, a_k, b_k, a_v, b_v, lengths, *, scale=None, k_scale=None, v_scale=None,
-                         compute_dtype=None):
+def tpa_decode_reference(
+    q, a_k, b_k, a_v, b_v, lengths, *, scale=None, k_scale=None, v_scale=None, compute_dtype=None
+):
     """Attention of q (B, H, S, D) against a factor cache the plain way: the keys and values
     formed from their factors (``K_t[h] = k_scale sum_r a_k[t, r, h] b_k[t, r]``, likewise V),
     then a masked softmax; query i of sequence b sees tokens t <= lengths[b] - S + i. Rows
@@ -111,6 +140,9 @@ def tpa_decode_reference(q, a_k, b_k, a_v, b_v, lengths, *, scale=None, k_scale=
     visible = torch.arange(N, device=q.device)[None, None, :] <= last[:, :, None]  # (B, S, N)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    p = torch.where(torch.isfinite(lse)[..., None], (scores - lse[..., None]).exp(),
-                    torch.zeros((), dtype=dt, device=q.device))
+    p = torch.where(
+        torch.isfinite(lse)[..., None],
+        (scores - lse[..., None]).exp(),
+        torch.zeros((), dtype=dt, device=q.device),
+    )
     return p @ values, lse

@@ -60,9 +60,11 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
   return e.to(q.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(
-    const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& q,
-    const at::Tensor& k, std::optional<double> scale) {
+std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Tensor& grad_weights,
+                                                                   const at::Tensor& weights,
+                                                                   const at::Tensor& q,
+                                                                   const at::Tensor& k,
+                                                                   std::optional<double> scale) {
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
   PreparedInputs in = prepare_attention(kOp, q, k, k, {});
   const AttentionParams& p = in.params;

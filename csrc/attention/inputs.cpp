@@ -9,22 +9,23 @@ namespace attn_ext {
 void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
   TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, Hkv, Sk, D), got ", k.dim(), "-D ", k.sizes());
-  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, Hkv, Sk, Dv), got ", v.dim(), "-D ", v.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, Hkv, Sk, Dv), got ", v.dim(), "-D ",
+              v.sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), op,
               ": q must be float32, float64, bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ",
-              q.scalar_type(), ", got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ",
-              q.scalar_type(), ", got ", v.scalar_type());
-  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(),
-              ", got ", k.device());
-  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(),
-              ", got ", v.device());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ", q.scalar_type(),
+              ", got ", k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ", q.scalar_type(),
+              ", got ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(), ", got ",
+              k.device());
+  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
+              v.device());
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), op,
               ": k and v batch size must equal q's ", q.size(0), ", got k ", k.sizes(), " and v ",
               v.sizes());
-  TORCH_CHECK(v.size(1) == k.size(1), op, ": v must have k's number of heads ", k.size(1),
-              ", got ", v.size(1));
+  TORCH_CHECK(v.size(1) == k.size(1), op, ": v must have k's number of heads ", k.size(1), ", got ",
+              v.size(1));
   TORCH_CHECK(k.size(1) > 0 || q.size(1) == 0, op, ": k must have at least one head, got ",
               k.sizes());
   TORCH_CHECK(k.size(1) == 0 || q.size(1) % k.size(1) == 0, op,
@@ -32,22 +33,20 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
               " and Hkv=", k.size(1));
   TORCH_CHECK(v.size(2) == k.size(2), op, ": v sequence length must equal k's ", k.size(2),
               ", got ", v.size(2));
-  TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3),
-              ", got ", k.size(3));
+  TORCH_CHECK(k.size(3) == q.size(3), op, ": k head dim must equal q's ", q.size(3), ", got ",
+              k.size(3));
 }
 
 namespace {
 
-at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor& q,
-                        int64_t sk) {
+at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
   TORCH_CHECK(mask.device() == q.device(), op, ": attn_mask must be on q's device ", q.device(),
               ", got ", mask.device());
   const auto dt = mask.scalar_type();
   TORCH_CHECK(dt == at::kBool || at::isFloatingType(dt), op,
               ": attn_mask must be bool (true = keep) or floating (additive), got ", dt);
   TORCH_CHECK(mask.dim() <= 4, op, ": attn_mask must be broadcastable to (B, H, Sq, Sk) = (",
-              q.size(0), ", ", q.size(1), ", ", q.size(2), ", ", sk, "), got shape ",
-              mask.sizes());
+              q.size(0), ", ", q.size(1), ", ", q.size(2), ", ", sk, "), got shape ", mask.sizes());
   const std::vector<int64_t> target{q.size(0), q.size(1), q.size(2), sk};
   const int64_t lead = 4 - mask.dim();
   for (int64_t d = 0; d < mask.dim(); ++d) {
@@ -68,8 +67,8 @@ at::Tensor prepare_mask(const char* op, const at::Tensor& mask, const at::Tensor
 
 }  // namespace
 
-void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
-                    double dropout_p, AttentionParams& p) {
+void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state, double dropout_p,
+                    AttentionParams& p) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
               dropout_p);
   p.dropout_p = dropout_p;
@@ -78,8 +77,8 @@ void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
               ": rng_state (int64 tensor [seed, offset]) is required when dropout_p > 0");
   const at::Tensor& s = *rng_state;
   TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kLong && s.numel() == 2, op,
-              ": rng_state must be a CPU int64 tensor of 2 elements, got ", s.scalar_type(),
-              " ", s.sizes(), " on ", s.device());
+              ": rng_state must be a CPU int64 tensor of 2 elements, got ", s.scalar_type(), " ",
+              s.sizes(), " on ", s.device());
   const at::Tensor c = s.contiguous();
   p.seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
   p.rng_offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
@@ -101,8 +100,8 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
   p.head_dim = r.q.size(3);
   p.head_dim_v = r.v.size(3);
 
-  const double scale = o.scale.has_value() ? *o.scale
-                                           : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+  const double scale =
+      o.scale.has_value() ? *o.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   p.scale = scale;
 
@@ -112,15 +111,15 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
               o.window_right);
   p.key_offset = o.key_offset.has_value() ? *o.key_offset : p.seqlen_k - p.seqlen_q;
   p.window_left = o.window_left;
-  p.window_right = o.causal ? (o.window_right < 0 ? 0 : std::min<int64_t>(o.window_right, 0))
-                            : o.window_right;
+  p.window_right =
+      o.causal ? (o.window_right < 0 ? 0 : std::min<int64_t>(o.window_right, 0)) : o.window_right;
 
   if (o.attn_mask.has_value() && o.attn_mask->defined()) {
     r.mask = prepare_mask(op, *o.attn_mask, r.q, p.seqlen_k);
     const auto mt = r.mask.scalar_type();
-    p.mask_kind = mt == at::kBool                                ? MaskKind::kBool
+    p.mask_kind = mt == at::kBool                             ? MaskKind::kBool
                   : mt == at::toOpMathType(r.q.scalar_type()) ? MaskKind::kAdditive
-                                                                : MaskKind::kAdditiveInput;
+                                                              : MaskKind::kAdditiveInput;
     p.mask = r.mask.data_ptr();
     p.mask_batch_stride = r.mask.stride(0);
     p.mask_head_stride = r.mask.stride(1);
@@ -155,10 +154,12 @@ std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at
   return {out, lse};
 }
 
-PreparedBackward prepare_attention_backward(
-    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts) {
+PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& grad_out,
+                                            const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& out,
+                                            const at::Tensor& lse,
+                                            const std::optional<at::Tensor>& grad_lse,
+                                            const AttentionOptions& opts) {
   PreparedBackward r{prepare_attention(op, q, k, v, opts)};
   AttentionBwdParams& p = r.params;
   static_cast<AttentionParams&>(p) = r.in.params;

@@ -46,12 +46,14 @@ std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at
 struct PreparedBackward {
   PreparedInputs in;
   at::Tensor grad_out, out, lse, grad_lse;  // as the kernel reads them (grad_lse may be undefined)
-  AttentionBwdParams params;                 // no gradient pointers yet (allocate_grads)
+  AttentionBwdParams params;                // no gradient pointers yet (allocate_grads)
 };
-PreparedBackward prepare_attention_backward(
-    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts);
+PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& grad_out,
+                                            const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& out,
+                                            const at::Tensor& lse,
+                                            const std::optional<at::Tensor>& grad_lse,
+                                            const AttentionOptions& opts);
 
 // Zeroed gradient accumulators in q's compute type, and the params pointed at them:
 // dq as `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head.
@@ -65,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_grads(const AttentionBwdPa
                                                             at::Tensor dv, at::ScalarType dtype);
 
 // Reads (seed, offset) from an int64 rng_state tensor of shape (2,).
-void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state,
-                    double dropout_p, AttentionParams& params);
+void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state, double dropout_p,
+                    AttentionParams& params);
 
 }  // namespace attn_ext

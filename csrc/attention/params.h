@@ -7,9 +7,9 @@
 namespace attn_ext {
 
 enum class MaskKind : int {
-  kNone = 0,      // no explicit mask
-  kBool = 1,      // bool tensor, true = keep
-  kAdditive = 2,  // tensor of the accumulation type added to the scores (natural-log units)
+  kNone = 0,           // no explicit mask
+  kBool = 1,           // bool tensor, true = keep
+  kAdditive = 2,       // tensor of the accumulation type added to the scores (natural-log units)
   kAdditiveInput = 3,  // the same in q's reduced-precision element type (CPU kernels only)
 };
 
@@ -18,15 +18,14 @@ struct AttentionParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;     // (B, H, Sq) contiguous, natural log
+  float* lse = nullptr;  // (B, H, Sq) contiguous, natural log
   const void* mask = nullptr;
 
   int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
   int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
-  int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0,
-          mask_col_stride = 0;
+  int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
 
   int64_t batch = 0, heads = 0, kv_heads = 0;
   int64_t seqlen_q = 0, seqlen_k = 0, head_dim = 0, head_dim_v = 0;

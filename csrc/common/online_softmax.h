@@ -47,7 +47,8 @@ struct SoftmaxState {
     }
     // In double, so that the only rounding is the final one to float32: the backward
     // rebuilds every probability from this value.
-    return static_cast<float>((static_cast<double>(max) + std::log2(static_cast<double>(sum))) * kLn2);
+    return static_cast<float>((static_cast<double>(max) + std::log2(static_cast<double>(sum))) *
+                              kLn2);
   }
 
  private:

@@ -20,14 +20,13 @@ int64_t blas_row_stride(const at::Tensor& t) {
   return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
 }
 
-void check_companion(const char* op, const char* name, const at::Tensor& t,
-                     const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on q's device ",
-              like.device(), ", got ", t.device());
+void check_companion(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
+                     at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on q's device ", like.device(),
+              ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have dtype ", dtype, ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ",
-              t.sizes());
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
 }  // namespace attn_ext

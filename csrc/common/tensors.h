@@ -8,8 +8,8 @@ namespace attn_ext {
 
 // Checks a tensor the op receives alongside q/k/v (grad_out, out, lse) for device, dtype
 // and shape.
-void check_companion(const char* op, const char* name, const at::Tensor& t,
-                     const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype);
+void check_companion(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
+                     at::IntArrayRef shape, at::ScalarType dtype);
 
 // A 4-D tensor whose rows BLAS can address (last dim contiguous, row stride >= row
 // length): the tensor itself when it already is, else one contiguous copy.

@@ -47,28 +47,30 @@ std::tuple<at::Tensor, at::Tensor> tpa_decode_attention_composite(
     const at::Tensor& b_v, const at::Tensor& cache_seqlens, std::optional<double> scale,
     std::optional<double> k_scale, std::optional<double> v_scale) {
   constexpr const char* kOp = "attn_ext.tpa_decode_attention";
-  const PreparedTpaDecode in = prepare_tpa_decode(kOp, q, a_k, b_k, a_v, b_v, cache_seqlens,
-                                                  scale, k_scale, v_scale, q.is_cpu());
+  const PreparedTpaDecode in = prepare_tpa_decode(kOp, q, a_k, b_k, a_v, b_v, cache_seqlens, scale,
+                                                  k_scale, v_scale, q.is_cpu());
   const Factors f = probabilities(in);
   const at::Tensor w = at::einsum("bhsn,bnrh->bnrhs", {f.p, f.a_v}).mul_(f.v_scale);
   const at::Tensor out = at::einsum("bnrhs,bnrd->bhsd", {w, f.b_v});
   return {out.to(q.scalar_type()).contiguous(), f.lse.to(at::kFloat)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tpa_decode_attention_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& a_k, const at::Tensor& b_k, const at::Tensor& a_v, const at::Tensor& b_v,
-    const at::Tensor& cache_seqlens, std::optional<double> scale, std::optional<double> k_scale,
-    std::optional<double> v_scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+tpa_decode_attention_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                              const at::Tensor& q, const at::Tensor& a_k, const at::Tensor& b_k,
+                              const at::Tensor& a_v, const at::Tensor& b_v,
+                              const at::Tensor& cache_seqlens, std::optional<double> scale,
+                              std::optional<double> k_scale, std::optional<double> v_scale) {
   constexpr const char* kOp = "attn_ext.tpa_decode_attention_backward";
-  const PreparedTpaDecode in = prepare_tpa_decode(kOp, q, a_k, b_k, a_v, b_v, cache_seqlens,
-                                                  scale, k_scale, v_scale, q.is_cpu());
+  const PreparedTpaDecode in = prepare_tpa_decode(kOp, q, a_k, b_k, a_v, b_v, cache_seqlens, scale,
+                                                  k_scale, v_scale, q.is_cpu());
   const TpaDecodeParams& prm = in.params;
   const std::vector<int64_t> o_shape{prm.batch, prm.heads, prm.seqlen_q, prm.head_dim};
   check_companion(kOp, "grad_out", grad_out, q, o_shape, q.scalar_type());
   const bool has_glse = grad_lse.has_value() && grad_lse->defined();
   if (has_glse) {
-    check_companion(kOp, "grad_lse", *grad_lse, q, {prm.batch, prm.heads, prm.seqlen_q}, at::kFloat);
+    check_companion(kOp, "grad_lse", *grad_lse, q, {prm.batch, prm.heads, prm.seqlen_q},
+                    at::kFloat);
   }
   const Factors f = probabilities(in);
   const at::Tensor go = grad_out.to(f.q.scalar_type());

@@ -14,8 +14,8 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
   check_float_4d(op, "b", b, "(B, S, R, D)");
   TORCH_CHECK(b.device() == a.device(), op, ": b must be on a's device ", a.device(), ", got ",
               b.device());
-  TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": b must have a's dtype ",
-              a.scalar_type(), ", got ", b.scalar_type());
+  TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": b must have a's dtype ", a.scalar_type(),
+              ", got ", b.scalar_type());
   TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == a.size(1), op,
               ": a and b must agree in (B, S), got a ", a.sizes(), " and b ", b.sizes());
   TORCH_CHECK(a.size(2) >= 1 && b.size(2) == a.size(2), op,
@@ -39,15 +39,16 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
   p.b_col_stride = b.stride(3);
 
   const bool has_pos = o.positions.has_value() && o.positions->defined();
-  TORCH_CHECK(o.rope || !has_pos, op, ": positions are given but rope=False (they would be "
+  TORCH_CHECK(o.rope || !has_pos, op,
+              ": positions are given but rope=False (they would be "
               "ignored); pass rope=True or drop them");
   p.rope = o.rope;
   if (o.rope) {
     p.policy = make_rope_policy(op, p.head_dim, o.rope_base, o.rope_interleaved, o.rotary_dim);
   }
   if (has_pos) {
-    r.positions = prepare_positions(op, *o.positions, "a", a, p.batch, p.seqlen,
-                                    &p.pos_batch_stride);
+    r.positions =
+        prepare_positions(op, *o.positions, "a", a, p.batch, p.seqlen, &p.pos_batch_stride);
     p.positions = r.positions.data_ptr<int64_t>();
   }
   if (grad_out != nullptr) {
@@ -57,8 +58,8 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
                 op, ": grad_out must have shape (B, S, H, D) = (", p.batch, ", ", p.seqlen, ", ",
                 p.heads, ", ", p.head_dim, "), got ", g.sizes());
     TORCH_CHECK(g.device() == a.device() && g.scalar_type() == a.scalar_type(), op,
-                ": grad_out must have a's device and dtype (", a.device(), ", ",
-                a.scalar_type(), "), got ", g.device(), ", ", g.scalar_type());
+                ": grad_out must have a's device and dtype (", a.device(), ", ", a.scalar_type(),
+                "), got ", g.device(), ", ", g.scalar_type());
     p.grad_out = g.data_ptr();
     p.g_batch_stride = g.stride(0), p.g_row_stride = g.stride(1), p.g_head_stride = g.stride(2);
     p.g_col_stride = g.stride(3);
@@ -137,7 +138,8 @@ PreparedTpaDecode prepare_tpa_decode(const char* op, const at::Tensor& q, const 
   p.bk_row_stride = std::max<int64_t>(p.bk_row_stride, std::max<int64_t>(D, 1));
   p.av_row_stride = std::max<int64_t>(p.av_row_stride, H);
   p.bv_row_stride = std::max<int64_t>(p.bv_row_stride, std::max<int64_t>(D, 1));
-  p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(D, 1)));
+  p.scale =
+      scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(D, 1)));
   p.k_scale = k_scale.has_value() ? *k_scale : 1.0 / static_cast<double>(p.rank_k);
   p.v_scale = v_scale.has_value() ? *v_scale : 1.0 / static_cast<double>(p.rank_v);
   TORCH_CHECK(std::isfinite(p.scale) && std::isfinite(p.k_scale) && std::isfinite(p.v_scale), op,

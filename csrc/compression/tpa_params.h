@@ -43,8 +43,8 @@ struct TpaExpandParams {
 struct TpaDecodeParams {
   const void* q = nullptr;
   const void *a_k = nullptr, *b_k = nullptr, *a_v = nullptr, *b_v = nullptr;
-  void* out = nullptr;      // (B, H, S, D)
-  float* lse = nullptr;     // (B, H, S), natural log, scale included
+  void* out = nullptr;               // (B, H, S, D)
+  float* lse = nullptr;              // (B, H, S), natural log, scale included
   const int64_t* lengths = nullptr;  // (B,) on the host for the CPU kernel
   int64_t batch = 0, heads = 0, seqlen_q = 0, head_dim = 0, tokens = 0, rank_k = 0, rank_v = 0;
   int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;

@@ -18,16 +18,16 @@ namespace {
 
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* like_name,
                 const at::Tensor& like) {
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like_name,
-              "'s device ", like.device(), ", got ", t.device());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like_name, "'s device ",
+              like.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have ", like_name,
               "'s dtype ", like.scalar_type(), ", got ", t.scalar_type());
 }
 
 void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                 const char* what, int64_t expected) {
-  TORCH_CHECK(t.size(dim) == expected, op, ": ", name, " ", what, " (dim ", dim,
-              ") must be ", expected, ", got ", t.size(dim), " (shape ", t.sizes(), ")");
+  TORCH_CHECK(t.size(dim) == expected, op, ": ", name, " ", what, " (dim ", dim, ") must be ",
+              expected, ", got ", t.size(dim), " (shape ", t.sizes(), ")");
 }
 
 void check_index_dtype(const char* op, const char* name, const at::Tensor& t) {
@@ -70,10 +70,10 @@ PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions
   p.x_col_stride = x.stride(3);
   p.offset = o.offset;
   if (o.positions.has_value() && o.positions->defined()) {
-    TORCH_CHECK(o.offset == 0, op, ": give either positions or offset, not both (offset = ",
-                o.offset, ")");
-    r.positions = prepare_positions(op, *o.positions, "x", x, p.batch, p.seqlen,
-                                    &p.pos_batch_stride);
+    TORCH_CHECK(o.offset == 0, op,
+                ": give either positions or offset, not both (offset = ", o.offset, ")");
+    r.positions =
+        prepare_positions(op, *o.positions, "x", x, p.batch, p.seqlen, &p.pos_batch_stride);
     p.positions = r.positions.data_ptr<int64_t>();
   }
   return r;
@@ -83,13 +83,13 @@ at::Tensor prepare_positions(const char* op, const at::Tensor& pos, const char* 
                              const at::Tensor& like, int64_t batch, int64_t seqlen,
                              int64_t* batch_stride) {
   check_index_dtype(op, "positions", pos);
-  TORCH_CHECK(pos.device() == like.device(), op, ": positions must be on ", like_name,
-              "'s device ", like.device(), ", got ", pos.device());
+  TORCH_CHECK(pos.device() == like.device(), op, ": positions must be on ", like_name, "'s device ",
+              like.device(), ", got ", pos.device());
   const bool shared = pos.dim() == 1;
   TORCH_CHECK((shared && pos.size(0) == seqlen) ||
                   (pos.dim() == 2 && pos.size(0) == batch && pos.size(1) == seqlen),
-              op, ": positions must have shape (S,) = (", seqlen, ",) or (B, S) = (", batch,
-              ", ", seqlen, "), got ", pos.sizes());
+              op, ": positions must have shape (S,) = (", seqlen, ",) or (B, S) = (", batch, ", ",
+              seqlen, "), got ", pos.sizes());
   *batch_stride = shared ? 0 : seqlen;
   return pos.to(at::kLong).contiguous();
 }
@@ -102,8 +102,8 @@ void set_rope_output(RopeParams& p, const at::Tensor& out) {
   p.o_col_stride = out.stride(3);
 }
 
-at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths,
-                         int64_t batch, const at::Tensor& like, int64_t hi, bool check_values) {
+at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths, int64_t batch,
+                         const at::Tensor& like, int64_t hi, bool check_values) {
   check_index_dtype(op, name, lengths);
   TORCH_CHECK(lengths.device() == like.device(), op, ": ", name, " must be on the cache's device ",
               like.device(), ", got ", lengths.device());
@@ -113,8 +113,8 @@ at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& len
   if (!check_values) return h;
   const int64_t* d = h.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(d[b] >= 0 && d[b] <= hi, op, ": ", name, "[", b, "] must be in [0, ", hi,
-                "], got ", d[b]);
+    TORCH_CHECK(d[b] >= 0 && d[b] <= hi, op, ": ", name, "[", b, "] must be in [0, ", hi, "], got ",
+                d[b]);
   }
   return h;
 }
@@ -157,8 +157,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   p.head_dim_v = v_cache.size(3);
   r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, B, k_cache, L, check_values);
   if (new_lengths.has_value() && new_lengths->defined()) {
-    r.appended = int64_lengths(op, "new_lengths", *new_lengths, B, k_cache, p.seqlen_new,
-                               check_values);
+    r.appended =
+        int64_lengths(op, "new_lengths", *new_lengths, B, k_cache, p.seqlen_new, check_values);
   } else {
     r.appended = at::full({B}, p.seqlen_new, r.lengths.options());
   }
@@ -166,8 +166,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   const int64_t* add = r.appended.data_ptr<int64_t>();
   for (int64_t b = 0; check_values && b < B; ++b) {
     TORCH_CHECK(len[b] + add[b] <= L, op, ": sequence ", b, " would overflow the cache: length ",
-                len[b], " + ", add[b], " new tokens > capacity ", L,
-                " (nothing was written)");
+                len[b], " + ", add[b], " new tokens > capacity ", L, " (nothing was written)");
   }
   p.lengths = len;
   p.appended = add;
@@ -192,15 +191,17 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
 PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                                      const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                                      const at::Tensor& k_rope,
-                                     const std::optional<at::Tensor>& new_lengths,
-                                     double rope_base, bool rope_interleaved, bool check_values) {
+                                     const std::optional<at::Tensor>& new_lengths, double rope_base,
+                                     bool rope_interleaved, bool check_values) {
   check_float_4d(op, "cache", cache, "(B, Hkv, L, Dc + Dr)");
   check_float_4d(op, "c_kv", c_kv, "(B, Hkv, S_new, Dc)");
   check_float_4d(op, "k_rope", k_rope, "(B, Hkv, S_new, Dr)");
   const int64_t dc = c_kv.size(3), dr = k_rope.size(3);
-  TORCH_CHECK(dc + dr == cache.size(3), op, ": the cache row width (dim 3) must be c_kv's + "
-              "k_rope's = ", dc, " + ", dr, " = ", dc + dr, ", got ", cache.size(3),
-              " (shape ", cache.sizes(), ")");
+  TORCH_CHECK(dc + dr == cache.size(3), op,
+              ": the cache row width (dim 3) must be c_kv's + "
+              "k_rope's = ",
+              dc, " + ", dr, " = ", dc + dr, ", got ", cache.size(3), " (shape ", cache.sizes(),
+              ")");
   // The latent columns are the append's "values", the RoPE columns its rotated "keys": two
   // column views of the one buffer, written row by row without overlap.
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
@@ -213,8 +214,7 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                               std::optional<double> scale, bool causal, int64_t window_left,
                               int64_t num_splits, bool check_values) {
-  TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ",
-              num_splits);
+  TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ", num_splits);
   check_float_4d(op, "q", q, "(B, H, Sq, D)");
   check_float_4d(op, "k_cache", k_cache, "(B, Hkv, L, D)");
   check_float_4d(op, "v_cache", v_cache, "(B, Hkv, L, Dv)");
@@ -230,16 +230,16 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
               " and Hkv=", k_cache.size(1));
   // The cache is the key/value input of an ordinary attention call with Sk = capacity;
   // the per-sequence lengths then narrow what each sequence sees.
-  PreparedInputs in = prepare_attention(op, q, k_cache, v_cache,
-                                        {std::nullopt, scale, causal, window_left, -1,
-                                         std::nullopt, 0.0, std::nullopt});
+  PreparedInputs in = prepare_attention(
+      op, q, k_cache, v_cache,
+      {std::nullopt, scale, causal, window_left, -1, std::nullopt, 0.0, std::nullopt});
   PreparedDecode r;
   r.q = in.q;
   r.k_cache = in.k;
   r.v_cache = in.v;
   static_cast<AttentionParams&>(r.params) = in.params;
-  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache,
-                            k_cache.size(2), check_values);
+  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, k_cache.size(2),
+                            check_values);
   r.params.lengths = r.lengths.data_ptr<int64_t>();
   r.params.num_splits = num_splits;
   return r;

@@ -39,8 +39,8 @@ void set_rope_output(RopeParams& p, const at::Tensor& out);
 // Per-sequence lengths as int64 on their device, validated against (B,). With check_values
 // (CPU) every value must lie in [0, hi]; a GPU op cannot read them without synchronizing,
 // so its kernels clamp instead.
-at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths,
-                         int64_t batch, const at::Tensor& like, int64_t hi, bool check_values);
+at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths, int64_t batch,
+                         const at::Tensor& like, int64_t hi, bool check_values);
 
 struct PreparedAppend {
   at::Tensor lengths, appended;  // int64 copies on the cache's device
@@ -68,8 +68,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
 PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                                      const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                                      const at::Tensor& k_rope,
-                                     const std::optional<at::Tensor>& new_lengths,
-                                     double rope_base, bool rope_interleaved, bool check_values);
+                                     const std::optional<at::Tensor>& new_lengths, double rope_base,
+                                     bool rope_interleaved, bool check_values);
 
 struct PreparedDecode {
   at::Tensor q, k_cache, v_cache, lengths;

@@ -24,9 +24,12 @@ using at::indexing::Slice;
 
 at::Tensor feature_rows(const at::Tensor& x, FeatureMap f) {
   switch (f) {
-    case FeatureMap::kEluPlusOne: return at::where(x > 0, x + 1, at::exp(x));
-    case FeatureMap::kRelu: return at::relu(x);
-    case FeatureMap::kIdentity: return x;
+    case FeatureMap::kEluPlusOne:
+      return at::where(x > 0, x + 1, at::exp(x));
+    case FeatureMap::kRelu:
+      return at::relu(x);
+    case FeatureMap::kIdentity:
+      return x;
   }
   TORCH_CHECK(false, "attn_ext.linear_attention: unknown feature map ", static_cast<int>(f));
 }
@@ -34,11 +37,15 @@ at::Tensor feature_rows(const at::Tensor& x, FeatureMap f) {
 // d phi / d x from phi itself, as feature_grad_from_value (feature_map.h).
 at::Tensor feature_grad(const at::Tensor& phi, FeatureMap f) {
   switch (f) {
-    case FeatureMap::kEluPlusOne: return at::where(phi > 1, at::ones_like(phi), phi);
-    case FeatureMap::kRelu: return (phi > 0).to(phi.scalar_type());
-    case FeatureMap::kIdentity: return at::ones_like(phi);
+    case FeatureMap::kEluPlusOne:
+      return at::where(phi > 1, at::ones_like(phi), phi);
+    case FeatureMap::kRelu:
+      return (phi > 0).to(phi.scalar_type());
+    case FeatureMap::kIdentity:
+      return at::ones_like(phi);
   }
-  TORCH_CHECK(false, "attn_ext.linear_attention_backward: unknown feature map ", static_cast<int>(f));
+  TORCH_CHECK(false, "attn_ext.linear_attention_backward: unknown feature map ",
+              static_cast<int>(f));
 }
 
 // (B, H, D, Dv) and (B, H, D) as one (B, H, D, Dp) state; zeros where absent.
@@ -77,9 +84,9 @@ at::Tensor unchunked(const at::Tensor& x, int64_t length) {
 }
 
 struct Forward {
-  at::Tensor nd;     // (B, H, Sq, Dp): phi(q) S' per row, numerator and denominator
-  at::Tensor final;  // (B, H, D, Dp)
-  at::Tensor prefix; // causal: (B, H, N, D, Dp) state each chunk starts from
+  at::Tensor nd;      // (B, H, Sq, Dp): phi(q) S' per row, numerator and denominator
+  at::Tensor final;   // (B, H, D, Dp)
+  at::Tensor prefix;  // causal: (B, H, N, D, Dp) state each chunk starts from
 };
 
 Forward forward(const LinearAttentionParams& p, const Operands& o) {
@@ -104,9 +111,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_composite(
     const std::optional<at::Tensor>& initial_state_kv,
     const std::optional<at::Tensor>& initial_state_k, bool causal, double eps,
     c10::string_view feature_map) {
-  const LinearInputs in = prepare_linear_attention("attn_ext.linear_attention", q, k, v,
-                                                   initial_state_kv, initial_state_k, causal,
-                                                   eps, feature_map);
+  const LinearInputs in =
+      prepare_linear_attention("attn_ext.linear_attention", q, k, v, initial_state_kv,
+                               initial_state_k, causal, eps, feature_map);
   const LinearAttentionParams& p = in.params;
   const int64_t Dv = p.head_dim_v;
   const Forward f = forward(p, operands(in));
@@ -116,12 +123,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_composite(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-linear_attention_backward_composite(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& initial_state_kv,
-    const std::optional<at::Tensor>& initial_state_k,
-    const std::optional<at::Tensor>& grad_state_kv, const std::optional<at::Tensor>& grad_state_k,
-    bool causal, double eps, c10::string_view feature_map) {
+linear_attention_backward_composite(const at::Tensor& grad_out, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& initial_state_kv,
+                                    const std::optional<at::Tensor>& initial_state_k,
+                                    const std::optional<at::Tensor>& grad_state_kv,
+                                    const std::optional<at::Tensor>& grad_state_k, bool causal,
+                                    double eps, c10::string_view feature_map) {
   const LinearBackwardInputs in = prepare_linear_attention_backward(
       "attn_ext.linear_attention_backward", grad_out, q, k, v, initial_state_kv, initial_state_k,
       grad_state_kv, grad_state_k, causal, eps, feature_map);
@@ -158,7 +166,8 @@ linear_attention_backward_composite(
     // between chunks: chunk m's state reaches every later chunk's prefix and the final state
     const at::Tensor dprefix = at::matmul(q_c.transpose(-1, -2), dnd_c);  // (B, H, N, D, Dp)
     const at::Tensor total = dprefix.sum(2);
-    const at::Tensor dstate = grad_final.unsqueeze(2) + (total.unsqueeze(2) - at::cumsum(dprefix, 2));
+    const at::Tensor dstate =
+        grad_final.unsqueeze(2) + (total.unsqueeze(2) - at::cumsum(dprefix, 2));
     dk_c = dk_c + at::matmul(v_c, dstate.transpose(-1, -2));
     dv_c = dv_c + at::matmul(k_c, dstate);
     dphiq = unchunked(dq_c, L);

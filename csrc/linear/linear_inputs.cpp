@@ -16,20 +16,21 @@ FeatureMap parse_feature_map(const char* op, std::string_view name) {
     if (name == kFeatureMapNames[i]) return static_cast<FeatureMap>(i);
   }
   std::ostringstream valid;
-  for (int i = 0; i < kNumFeatureMaps; ++i) valid << (i ? ", " : "") << '"' << kFeatureMapNames[i] << '"';
+  for (int i = 0; i < kNumFeatureMaps; ++i)
+    valid << (i ? ", " : "") << '"' << kFeatureMapNames[i] << '"';
   TORCH_CHECK(false, op, ": feature_map must be one of ", valid.str(), ", got \"", name, "\"");
 }
 
-void check_linear_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, bool causal) {
+void check_linear_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      bool causal) {
   check_qkv(op, q, k, v);
   // Every query head owns its state; grouped key/value heads are not supported.
   TORCH_CHECK(k.size(1) == q.size(1), op, ": k and v must have q's number of heads ", q.size(1),
               ", got k ", k.sizes(), " and v ", v.sizes());
   // Causal position i is both the i-th query and the i-th key.
   TORCH_CHECK(!causal || q.size(2) == k.size(2), op,
-              ": causal linear attention needs Sq == Sk, got Sq=", q.size(2), " and Sk=",
-              k.size(2));
+              ": causal linear attention needs Sq == Sk, got Sq=", q.size(2),
+              " and Sk=", k.size(2));
 }
 
 Rows rows_of(const at::Tensor& t) {
@@ -78,8 +79,8 @@ LinearInputs prepare_linear_attention(const char* op, const at::Tensor& q, const
   p.q = rows_of(r.q);
   p.k = rows_of(r.k);
   p.v = rows_of(r.v);
-  std::tie(r.initial_kv, r.initial_k) = check_state_pair(
-      op, "initial_state_kv", "initial_state_k", initial_kv, initial_k, q, p.head_dim_v);
+  std::tie(r.initial_kv, r.initial_k) = check_state_pair(op, "initial_state_kv", "initial_state_k",
+                                                         initial_kv, initial_k, q, p.head_dim_v);
   if (r.initial_kv.defined()) {
     p.initial_kv = r.initial_kv.data_ptr();
     p.initial_k = r.initial_k.data_ptr();

@@ -18,8 +18,8 @@ void check_map(const char* op, const char* name, const at::Tensor& t) {
 
 void check_like(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
                 const char* like_name) {
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like_name,
-              "'s device ", like.device(), ", got ", t.device());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like_name, "'s device ",
+              like.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have ", like_name,
               "'s dtype ", like.scalar_type(), ", got ", t.scalar_type());
 }
@@ -37,13 +37,12 @@ std::pair<at::Tensor, MapLayout> dense_map(const at::Tensor& x) {
 }
 
 // A (N, 1, H, W) map of x's batch and pixels as a dense (N, P) plane.
-at::Tensor dense_plane(const char* op, const char* name, const at::Tensor& t,
-                       const at::Tensor& x) {
+at::Tensor dense_plane(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
   check_map(op, name, t);
-  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == 1 && t.size(2) == x.size(2) &&
-                  t.size(3) == x.size(3),
-              op, ": ", name, " must have shape (N, 1, H, W) = [", x.size(0), ", 1, ", x.size(2),
-              ", ", x.size(3), "] (x is ", x.sizes(), "), got ", t.sizes());
+  TORCH_CHECK(
+      t.size(0) == x.size(0) && t.size(1) == 1 && t.size(2) == x.size(2) && t.size(3) == x.size(3),
+      op, ": ", name, " must have shape (N, 1, H, W) = [", x.size(0), ", 1, ", x.size(2), ", ",
+      x.size(3), "] (x is ", x.sizes(), "), got ", t.sizes());
   return t.reshape({x.size(0), x.size(2) * x.size(3)}).contiguous();
 }
 
@@ -67,8 +66,8 @@ PreparedPoolBackward prepare_channel_pool_backward(const char* op, const at::Ten
                                                    bool channels_last) {
   check_map(op, "grad_pooled", grad_pooled);
   const int64_t N = grad_pooled.size(0), H = grad_pooled.size(2), W = grad_pooled.size(3);
-  TORCH_CHECK(grad_pooled.size(1) == 2, op,
-              ": grad_pooled must have 2 channels (mean, max), got ", grad_pooled.sizes());
+  TORCH_CHECK(grad_pooled.size(1) == 2, op, ": grad_pooled must have 2 channels (mean, max), got ",
+              grad_pooled.sizes());
   TORCH_CHECK(channels >= 1 && channels <= std::numeric_limits<int32_t>::max(), op,
               ": channels must be in [1, 2^31 - 1], got ", channels);
   TORCH_CHECK(argmax.defined() && argmax.scalar_type() == at::kInt, op,
@@ -117,8 +116,8 @@ PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at:
               ", got ", gate.device());
   const bool low = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   TORCH_CHECK(gate.scalar_type() == x.scalar_type() || (low && gate.scalar_type() == at::kFloat),
-              op, ": gate must have x's dtype ", x.scalar_type(),
-              low ? " or float32" : "", ", got ", gate.scalar_type());
+              op, ": gate must have x's dtype ", x.scalar_type(), low ? " or float32" : "",
+              ", got ", gate.scalar_type());
   MapLayout layout;
   std::tie(r.x, layout) = dense_map(x);
   if (grad_out.defined()) {
@@ -139,8 +138,9 @@ PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at:
 
 at::Tensor empty_map(const MapLayout& layout, int64_t channels, int64_t height, int64_t width,
                      const at::TensorOptions& options) {
-  return at::empty({layout.batch, channels, height, width}, options.memory_format(
-      layout.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
+  return at::empty({layout.batch, channels, height, width},
+                   options.memory_format(layout.channels_last ? at::MemoryFormat::ChannelsLast
+                                                              : at::MemoryFormat::Contiguous));
 }
 
 }  // namespace attn_ext::spatial

@@ -48,10 +48,10 @@ struct SpatialGateParams {
   MapLayout x;
   const void* in = nullptr;    // x
   const void* gate = nullptr;  // a (N, P)
-  bool gate_is_acc = false;     // gate and grad_gate in the accumulation type
+  bool gate_is_acc = false;    // gate and grad_gate in the accumulation type
   void* out = nullptr;         // forward: out; backward: grad_x
   const void* grad_out = nullptr;
-  void* grad_gate = nullptr;   // backward: grad_a (N, P)
+  void* grad_gate = nullptr;  // backward: grad_a (N, P)
 };
 
 // Running (max, argmax) over channels with torch.max's rules: the first maximal channel wins
@@ -75,8 +75,9 @@ struct MaxArg {
   // Combines two partial results over disjoint channel sets (either order).
   C10_HOST_DEVICE void merge(const MaxArg& o) {
     const bool o_nan = o.value != o.value, nan = value != value;
-    const bool better = o_nan ? (!nan || o.index < index)
-                              : (!nan && (o.value > value || (o.value == value && o.index < index)));
+    const bool better = o_nan
+                            ? (!nan || o.index < index)
+                            : (!nan && (o.value > value || (o.value == value && o.index < index)));
     if (better) *this = o;
   }
 };

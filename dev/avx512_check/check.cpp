@@ -27,7 +27,9 @@ std::vector<float> random(int64_t n) {
   for (float& x : v) x = next_float();
   return v;
 }
-int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+int64_t round16(int64_t n) {
+  return (n + 15) / 16 * 16;
+}
 
 const int64_t kRowsList[] = {1, 2, 3, 4, 5, 7, 11, 12, 13, 14, 15, 16, 25, 37, 128};
 const int64_t kColsList[] = {1, 8, 16, 17, 24, 31, 32, 33, 40, 48, 80, 128};

@@ -30,7 +30,9 @@ constexpr int kRows = 6;
 #define ATTN_EXT_UNROLL_ROWS _Pragma("GCC unroll 8")
 constexpr int kCols = 16;
 
-inline int64_t round_up_cols(int64_t n) { return (n + kCols - 1) / kCols * kCols; }
+inline int64_t round_up_cols(int64_t n) {
+  return (n + kCols - 1) / kCols * kCols;
+}
 
 // Rows r[0..8) (8 keys x 8 features) become r[f] = feature f of the 8 keys.
 inline void transpose8x8(__m256 (&r)[8]) {
@@ -125,8 +127,8 @@ __attribute__((always_inline)) inline void panel_product(const float* a, int64_t
 
 // s[r][0..16) = scale * (q[r] . key panel columns) for R rows.
 template <int R>
-inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t d,
-                         __m256 scale, float* s, int64_t lds) {
+inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t d, __m256 scale,
+                         float* s, int64_t lds) {
   __m256 acc[R][2];
   panel_product<R>(q, ldq, 1, panel, d, acc);
   ATTN_EXT_UNROLL_ROWS
@@ -182,8 +184,8 @@ inline void atb_micro(const float* a, int64_t lda, const float* panel, int64_t m
 
 // S[m x round_up_cols(n)] = scale * Q K^T over consecutive key panels (stride d * kCols).
 // Columns past n hold scores of the zero padding keys; callers read only [0, n).
-inline void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels,
-                        int64_t n, int64_t d, float scale, float* s, int64_t lds) {
+inline void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels, int64_t n,
+                        int64_t d, float scale, float* s, int64_t lds) {
   const __m256 sv = _mm256_set1_ps(scale);
   // One key panel (d x 16) stays in L1 while every row tile of the block passes over it.
   for (int64_t g = 0; g < n; g += kCols) {
@@ -203,9 +205,8 @@ inline void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_p
     const float* panel = value_panels + (c0 / kCols) * panel_stride;
     const int64_t cols = std::min<int64_t>(kCols, dv - c0);
     for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
-      pv_micro<decltype(rows)::value>(p + r0 * ldp, ldp, panel, n,
-                                      factor ? factor + r0 : nullptr, o + r0 * ldo + c0, ldo,
-                                      cols);
+      pv_micro<decltype(rows)::value>(p + r0 * ldp, ldp, panel, n, factor ? factor + r0 : nullptr,
+                                      o + r0 * ldo + c0, ldo, cols);
     });
   }
 }

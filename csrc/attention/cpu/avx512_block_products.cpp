@@ -175,8 +175,8 @@ void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_
     const int64_t cols = std::min<int64_t>(2 * kLanes, dc - c0);
     with_panels(cols, [&](auto panels) {
       for_row_tiles<kRows>(n, [&](auto rows, int64_t i0) {
-        atb_micro<decltype(rows)::value, decltype(panels)::value>(
-            a + i0, lda, panel, panel_stride, m, c + i0 * ldc + c0, ldc, cols);
+        atb_micro<decltype(rows)::value, decltype(panels)::value>(a + i0, lda, panel, panel_stride,
+                                                                  m, c + i0 * ldc + c0, ldc, cols);
       });
     });
   }

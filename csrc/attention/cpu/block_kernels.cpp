@@ -17,8 +17,7 @@ namespace {
 
 constexpr BlockKernels kAvx2{"avx2", &avx2::scores_tile, &avx2::pv_tile, &avx2::atb_tile};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
-constexpr BlockKernels kAvx512{"avx512", &avx512::scores_tile, &avx512::pv_tile,
-                               &avx512::atb_tile};
+constexpr BlockKernels kAvx512{"avx512", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile};
 #endif
 
 // libgcc's check includes the OS: AVX-512 state must be enabled in XCR0, not only in CPUID.

@@ -10,8 +10,8 @@
 namespace attn_ext::cpu {
 namespace {
 
-at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads,
-                            int64_t sq, int64_t sk, double dropout_p) {
+at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t sq,
+                            int64_t sk, double dropout_p) {
   constexpr const char* kOp = "attn_ext.dropout_mask";
   TORCH_CHECK(batch >= 0 && heads >= 0 && sq >= 0 && sk >= 0, kOp,
               ": sizes must be non-negative, got (", batch, ", ", heads, ", ", sq, ", ", sk, ")");
@@ -32,6 +32,8 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("dropout_mask", &dropout_mask_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("dropout_mask", &dropout_mask_cpu);
+}
 
 }  // namespace attn_ext::cpu

@@ -27,8 +27,8 @@ namespace {
 // for exactness, so for them the backward recomputes it in fp64 (one extra Q K^T pass).
 template <typename scalar_t, typename acc_t>
 void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar_t* q,
-                    const scalar_t* k, acc_t* s_buf, int64_t ld_s, int64_t block_m,
-                    int64_t block_n, acc_t* lse2) {
+                    const scalar_t* k, acc_t* s_buf, int64_t ld_s, int64_t block_m, int64_t block_n,
+                    acc_t* lse2) {
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
   const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
   for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += block_m) {
@@ -40,7 +40,8 @@ void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar
       gemm(false, true, m, n, p.head_dim, acc_t(1), q + i0 * p.q_row_stride, p.q_row_stride,
            k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) scale_row(s_buf + r * ld_s, n, s_scale);
-      mask_tile<scalar_t>(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf, ld_s);
+      mask_tile<scalar_t>(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf,
+                          ld_s);
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s_buf + r * ld_s;
         st[r].rescale_to(row_max(sr, n));
@@ -59,7 +60,7 @@ void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar
 // (deterministic). Depends only on shapes, never on the thread count.
 inline int64_t bwd_key_chunks(int64_t batch_heads, int64_t key_blocks, int64_t sq, int64_t d,
                               int64_t acc_bytes) {
-  constexpr int64_t kTargetTasks = 16;                  // enough for a 16-core machine
+  constexpr int64_t kTargetTasks = 16;                      // enough for a 16-core machine
   constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // memory for partial dq's
   if (batch_heads == 0) return 1;
   int64_t chunks = std::min(key_blocks, (kTargetTasks + batch_heads - 1) / batch_heads);
@@ -90,9 +91,12 @@ struct BlasBwdProducts {
   const acc_t *kt = nullptr, *vt = nullptr, *qt = nullptr, *dot = nullptr;
 
   BlasBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
-      : d(p.head_dim), dv(p.head_dim_v),
-        k_buf(Traits::kConvert ? block_n * d : 0), v_buf(Traits::kConvert ? block_n * dv : 0),
-        q_buf(Traits::kConvert ? block_m * d : 0), do_buf(Traits::kConvert ? block_m * dv : 0) {}
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        k_buf(Traits::kConvert ? block_n * d : 0),
+        v_buf(Traits::kConvert ? block_n * dv : 0),
+        q_buf(Traits::kConvert ? block_m * d : 0),
+        do_buf(Traits::kConvert ? block_m * dv : 0) {}
 
   void load_keys(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t n) {
     kt = load_tile(k, k_ld, n, d, k_buf.get(), &ldk);
@@ -134,9 +138,15 @@ struct PackedBwdProducts {
   const BlockKernels& kernels = block_kernels();
 
   PackedBwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
-      : d(p.head_dim), dv(p.head_dim_v), bm(block_m), bn(avx2::round_up_cols(block_n)),
-        k_key(bn * d), v_key(bn * dv), k_val(avx2::round_up_cols(d) * bn),
-        q_val(avx2::round_up_cols(d) * block_m), do_val(avx2::round_up_cols(dv) * block_m),
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        bm(block_m),
+        bn(avx2::round_up_cols(block_n)),
+        k_key(bn * d),
+        v_key(bn * dv),
+        k_val(avx2::round_up_cols(d) * bn),
+        q_val(avx2::round_up_cols(d) * block_m),
+        do_val(avx2::round_up_cols(dv) * block_m),
         q_buf(FlashTraits<scalar_t>::kConvert ? block_m * d : 0),
         do_buf(FlashTraits<scalar_t>::kConvert ? block_m * dv : 0) {}
 
@@ -219,7 +229,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         for (int64_t i = 0; i < Sq; ++i) {
           const double l2 = static_cast<double>(p.lse[bh * Sq + i]) * kLog2e;
           lse2[bh * Sq + i] = static_cast<acc_t>(l2);
-          lse2_lo[bh * Sq + i] = std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
+          lse2_lo[bh * Sq + i] =
+              std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
         }
       }
     }
@@ -237,8 +248,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
       const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
       const auto* q = q_of(b, h);
       const auto* k = k_of(b, hk);
-      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
-                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                              p.v_row_stride, b, hk, 0);
       const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
                                  p.do_head_stride, p.do_row_stride, b, h, 0);
       const acc_t* lse_r = lse2.data() + bh * Sq;
@@ -259,8 +270,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
         for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
           const int64_t m = std::min(kM, r_end - i0);
-          prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride,
-                            dout + i0 * p.do_row_stride, p.do_row_stride, m);
+          prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
+                            p.do_row_stride, m);
           acc_t* pt = p_buf.get();
           acc_t* dpt = dp_buf.get();
 
@@ -323,9 +334,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
-    const std::optional<at::Tensor>& attn_mask,
-    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    std::optional<int64_t> key_offset, double dropout_p,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool causal,
+    int64_t window_left, int64_t window_right, std::optional<int64_t> key_offset, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   check_cpu_support(kOp);
@@ -344,6 +354,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("attention_backward", &attention_backward_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("attention_backward", &attention_backward_cpu);
+}
 
 }  // namespace attn_ext::cpu

@@ -42,16 +42,17 @@ struct BlasProducts {
   int64_t ldk = 0, ldv = 0;
 
   BlasProducts(const AttentionParams& p, int64_t block_n)
-      : d(p.head_dim), dv(p.head_dim_v),
-        whole_head(Traits::kConvert &&
-                   p.seqlen_k * (d + dv) <= Traits::kMaxConvertedHeadElems),
-        k_conv(whole_head ? p.seqlen_k * d : 0), v_conv(whole_head ? p.seqlen_k * dv : 0),
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        whole_head(Traits::kConvert && p.seqlen_k * (d + dv) <= Traits::kMaxConvertedHeadElems),
+        k_conv(whole_head ? p.seqlen_k * d : 0),
+        v_conv(whole_head ? p.seqlen_k * dv : 0),
         k_tile(Traits::kConvert && !whole_head ? block_n * d : 0),
         v_tile(Traits::kConvert && !whole_head ? block_n * dv : 0) {}
 
   // Keys [n_begin, n_end) of head `head_id` (rows k / v) are about to be used.
-  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride,
-                 const scalar_t* v_rows, int64_t v_stride, int64_t n_begin, int64_t n_end) {
+  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
+                 int64_t v_stride, int64_t n_begin, int64_t n_end) {
     k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
     if (!whole_head || n_begin >= n_end) return;
     // Consecutive query blocks of one head ask for growing (causal) or equal key ranges.
@@ -107,14 +108,19 @@ struct PackedProducts {
   const BlockKernels& kernels = block_kernels();
 
   PackedProducts(const AttentionParams& p, int64_t block_n)
-      : d(p.head_dim), dv(p.head_dim_v), dv_pad(avx2::round_up_cols(dv)),
-        sk(p.seqlen_k), sk_pad(avx2::round_up_cols(p.seqlen_k)),
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        dv_pad(avx2::round_up_cols(dv)),
+        sk(p.seqlen_k),
+        sk_pad(avx2::round_up_cols(p.seqlen_k)),
         whole_head(sk_pad * (d + dv_pad) <= Traits::kMaxPackedHeadElems),
-        panel_keys(whole_head ? sk_pad : block_n), v_panel_stride(panel_keys * avx2::kCols),
-        k_panels(panel_keys * d), v_panels(panel_keys * dv_pad) {}
+        panel_keys(whole_head ? sk_pad : block_n),
+        v_panel_stride(panel_keys * avx2::kCols),
+        k_panels(panel_keys * d),
+        v_panels(panel_keys * dv_pad) {}
 
-  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride,
-                 const scalar_t* v_rows, int64_t v_stride, int64_t n_begin, int64_t n_end) {
+  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
+                 int64_t v_stride, int64_t n_begin, int64_t n_end) {
     k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
     if (!whole_head || n_begin >= n_end) return;
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
@@ -179,16 +185,16 @@ void flash_fwd(const AttentionParams& p) {
       const int64_t n_end = band.key_end(i0 + m, Sk);
       const int64_t n_begin = band.key_begin(i0, Sk) / Products::kKeyAlign * Products::kKeyAlign;
 
-      const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
-                              p.q_head_stride, p.q_row_stride, b, h, i0);
+      const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
+                              p.q_row_stride, b, h, i0);
       int64_t ldq;
       const acc_t* qt = load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
       prod.load_head(b * p.kv_heads + hk,
-                     row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
-                             p.k_head_stride, p.k_row_stride, b, hk, 0),
+                     row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                             p.k_row_stride, b, hk, 0),
                      p.k_row_stride,
-                     row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
-                             p.v_head_stride, p.v_row_stride, b, hk, 0),
+                     row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                             p.v_row_stride, b, hk, 0),
                      p.v_row_stride, n_begin, n_end);
       std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
       std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
@@ -257,6 +263,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("attention", &attention_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("attention", &attention_cpu);
+}
 
 }  // namespace attn_ext::cpu

@@ -30,7 +30,8 @@ inline void keep_row(acc_t* row, const bool* mk, int64_t n, int64_t cs) {
       const __m256 neg_inf = _mm256_set1_ps(kNegInf);
       for (; c + avx2::kWidth <= n; c += avx2::kWidth) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mk + c));
-        const __m256i drop = _mm256_cmpeq_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256());
+        const __m256i drop =
+            _mm256_cmpeq_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256());
         _mm256_storeu_ps(row + c, _mm256_blendv_ps(_mm256_loadu_ps(row + c), neg_inf,
                                                    _mm256_castsi256_ps(drop)));
       }
@@ -62,7 +63,8 @@ inline void add_row(acc_t* row, const mask_t* mk, int64_t n, int64_t cs) {
     if (cs == 1) {
       const __m256 l = _mm256_set1_ps(log2e);
       for (; c + avx2::kWidth <= n; c += avx2::kWidth) {
-        _mm256_storeu_ps(row + c, _mm256_fmadd_ps(avx2::load8(mk + c), l, _mm256_loadu_ps(row + c)));
+        _mm256_storeu_ps(row + c,
+                         _mm256_fmadd_ps(avx2::load8(mk + c), l, _mm256_loadu_ps(row + c)));
       }
     }
   }
@@ -72,8 +74,8 @@ inline void add_row(acc_t* row, const mask_t* mk, int64_t n, int64_t cs) {
 
 // s[r * lds + c] holds the score of query row i0 + r and key j0 + c.
 template <typename scalar_t, typename acc_t>
-void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t m,
-               int64_t j0, int64_t n, bool band_partial, acc_t* s, int64_t lds) {
+void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0,
+               int64_t n, bool band_partial, acc_t* s, int64_t lds) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
   if (p.mask_kind != MaskKind::kNone) {

@@ -21,8 +21,9 @@ void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bo
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c10::cuda::current_device()));
   const char* why = attention_cuda_unsupported(p, kind, backward, static_cast<size_t>(max_smem));
-  TORCH_CHECK(why == nullptr, op, ": ", why, " (got B=", p.batch, ", H=", p.heads, ", Sq=",
-              p.seqlen_q, ", Sk=", p.seqlen_k, ", D=", p.head_dim, ", Dv=", p.head_dim_v, ")");
+  TORCH_CHECK(why == nullptr, op, ": ", why, " (got B=", p.batch, ", H=", p.heads,
+              ", Sq=", p.seqlen_q, ", Sk=", p.seqlen_k, ", D=", p.head_dim, ", Dv=", p.head_dim_v,
+              ")");
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(
@@ -48,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool causal,
-    int64_t window_left, int64_t window_right, std::optional<int64_t> key_offset,
-    double dropout_p, const std::optional<at::Tensor>& rng_state) {
+    int64_t window_left, int64_t window_right, std::optional<int64_t> key_offset, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   c10::cuda::CUDAGuard guard(q.device());
   PreparedBackward in = prepare_attention_backward(

@@ -32,7 +32,7 @@ using kernel_set::kNumMmaHeadDims;
 template <typename T>
 constexpr bool dtype_built() {
   static_assert(kernel_set::kDtypeBit<T> >= 0, "element type missing from instantiations.json");
-  return (ATTN_EXT_CUDA_DTYPE_MASK >> kernel_set::kDtypeBit<T>) & 1;
+  return (ATTN_EXT_CUDA_DTYPE_MASK >> kernel_set::kDtypeBit<T>)&1;
 }
 template <typename T>
 constexpr bool mma_built(int idx) {

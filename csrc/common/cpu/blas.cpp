@@ -11,8 +11,8 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
             const float* beta, float* c, const int* ldc) __attribute__((weak));
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b,
-            const int* ldb, const double* beta, double* c, const int* ldc) __attribute__((weak));
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc) __attribute__((weak));
 }
 
 namespace attn_ext::cpu {
@@ -29,13 +29,15 @@ at::Tensor view(const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) 
 }
 
 template <typename T>
-void gemm_aten(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-               int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+void gemm_aten(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   at::Tensor cv = view(c, m, n, ldc, false);
   cv.addmm_(view(a, m, k, lda, ta), view(b, k, n, ldb, tb), beta, alpha);
 }
 
-bool fits_int(int64_t x) { return x <= std::numeric_limits<int>::max(); }
+bool fits_int(int64_t x) {
+  return x <= std::numeric_limits<int>::max();
+}
 
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
 template <typename T, typename Fn>

@@ -63,8 +63,8 @@ struct Buffer {
 
 // Row r of a strided (B, H, S, *) tensor.
 template <typename T>
-inline T* row_ptr(T* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
-                  int64_t b, int64_t h, int64_t r) {
+inline T* row_ptr(T* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int64_t b,
+                  int64_t h, int64_t r) {
   return base + b * batch_stride + h * head_stride + r * row_stride;
 }
 

@@ -22,8 +22,8 @@ inline void rope_table(const RopePolicy& pol, const float* inv_freq, int64_t pos
 // y = rope(x) for one row of D features with element strides xs / ys; y may be x (every pair
 // is read before it is written). Features past rotary_dim are copied when y is not x.
 template <typename scalar_t, typename acc_t>
-inline void rope_row(const RopePolicy& pol, const scalar_t* x, int64_t xs, scalar_t* y,
-                     int64_t ys, int64_t d, const acc_t* cos_t, const acc_t* sin_t) {
+inline void rope_row(const RopePolicy& pol, const scalar_t* x, int64_t xs, scalar_t* y, int64_t ys,
+                     int64_t d, const acc_t* cos_t, const acc_t* sin_t) {
   for (int64_t i = 0; i < pol.pairs(); ++i) {
     const int64_t f = pol.first(i), s = pol.second(i);
     acc_t y0, y1;

@@ -9,13 +9,16 @@
 
 namespace attn_ext::cpu {
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // Enough (block, split) tasks to keep every thread busy (tasks_per_thread each), but no
 // split shorter than min_split_keys keys of the longest sequence.
 inline int64_t auto_splits(int64_t blocks, int64_t max_len, int64_t min_split_keys,
                            int64_t tasks_per_thread) {
-  const int64_t want = ceil_div(tasks_per_thread * at::get_num_threads(), std::max<int64_t>(blocks, 1));
+  const int64_t want =
+      ceil_div(tasks_per_thread * at::get_num_threads(), std::max<int64_t>(blocks, 1));
   const int64_t most = std::max<int64_t>(1, max_len / min_split_keys);
   return std::clamp<int64_t>(want, 1, most);
 }

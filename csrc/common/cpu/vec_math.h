@@ -204,8 +204,8 @@ inline void softmax_grad_row<float>(const float* p, float* dp, int64_t n, float 
   const __m256 dv = _mm256_set1_ps(delta);
   int64_t j = 0;
   for (; j + avx2::kWidth <= n; j += avx2::kWidth) {
-    const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(p + j),
-                                   _mm256_sub_ps(_mm256_loadu_ps(dp + j), dv));
+    const __m256 r =
+        _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_sub_ps(_mm256_loadu_ps(dp + j), dv));
     _mm256_storeu_ps(dp + j, r);
   }
   for (; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
@@ -229,7 +229,9 @@ inline void store_row(const acc_t* src, scalar_t* dst, int64_t n, acc_t a) {
 // bf16): c10's scalar fp16 conversion is bit manipulation that no compiler vectorizes,
 // and converting K/V tiles would otherwise cost a fifth of the forward.
 namespace avx2 {
-inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const float* src) {
+  return _mm256_loadu_ps(src);
+}
 inline __m256 load8(const c10::Half* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
@@ -269,8 +271,8 @@ inline void store_row(const float* src, c10::Half* dst, int64_t n, float a) {
 
 // Points at a tile of `rows` rows of a strided input, converting it to acc_t if needed.
 template <typename scalar_t, typename acc_t>
-const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols,
-                       acc_t* buf, int64_t* ld_out) {
+const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols, acc_t* buf,
+                       int64_t* ld_out) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     *ld_out = ld;
     return src;

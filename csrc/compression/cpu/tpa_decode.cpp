@@ -95,7 +95,8 @@ void tpa_decode_kernel(const TpaDecodeParams& p) {
         const acc_t* bvt = load_tile(bv + j0 * RV * p.bv_row_stride, p.bv_row_stride, n * RV, D,
                                      bv_buf.get(), &ldbv);
         // G[(t, r), row] = b_k[t, r] . q[row]
-        gemm(false, true, n * RK, rows, D, acc_t(1), bkt, ldbk, qm.get(), D, acc_t(0), gt.get(), rows);
+        gemm(false, true, n * RK, rows, D, acc_t(1), bkt, ldbk, qm.get(), D, acc_t(0), gt.get(),
+             rows);
         // scores in the log2 domain, causal per query: token t is visible to query i when
         // t <= len - S + i
         for (int64_t h = 0; h < H; ++h) {
@@ -123,10 +124,12 @@ void tpa_decode_kernel(const TpaDecodeParams& p) {
           for (int64_t t = 0; t < n; ++t) {
             const auto* avr = av + (j0 + t) * RV * p.av_row_stride + h;
             const acc_t pt = sr[t] * v_scale;
-            for (int64_t r = 0; r < RV; ++r) wr[t * RV + r] = pt * static_cast<acc_t>(avr[r * p.av_row_stride]);
+            for (int64_t r = 0; r < RV; ++r)
+              wr[t * RV + r] = pt * static_cast<acc_t>(avr[r * p.av_row_stride]);
           }
         }
-        gemm(false, false, rows, D, n * RV, acc_t(1), wt.get(), n * RV, bvt, ldbv, acc_t(1), o.get(), D);
+        gemm(false, false, rows, D, n * RV, acc_t(1), wt.get(), n * RV, bvt, ldbv, acc_t(1),
+             o.get(), D);
       }
 
       // ---- epilogue: the result, or this split's partial for the merge
@@ -186,6 +189,8 @@ std::tuple<at::Tensor, at::Tensor> tpa_decode_attention_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("tpa_decode_attention", &tpa_decode_attention_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("tpa_decode_attention", &tpa_decode_attention_cpu);
+}
 
 }  // namespace attn_ext::cpu

@@ -17,8 +17,8 @@ namespace {
 
 // The token's b rows, converted to acc_t and rotated at its position: rb (R, D).
 template <typename scalar_t, typename acc_t>
-void load_factors(const TpaExpandParams& p, const float* inv_freq, int64_t bi, int64_t s,
-                  acc_t* rb, acc_t* cos_t, acc_t* sin_t) {
+void load_factors(const TpaExpandParams& p, const float* inv_freq, int64_t bi, int64_t s, acc_t* rb,
+                  acc_t* cos_t, acc_t* sin_t) {
   const auto* b = static_cast<const scalar_t*>(p.b) + bi * p.b_batch_stride + s * p.b_row_stride;
   const int64_t D = p.head_dim;
   for (int64_t r = 0; r < p.rank; ++r) {
@@ -28,7 +28,8 @@ void load_factors(const TpaExpandParams& p, const float* inv_freq, int64_t bi, i
   }
   if (!p.rope) return;
   rope_table(p.policy, inv_freq, p.position(bi, s), false, cos_t, sin_t);
-  for (int64_t r = 0; r < p.rank; ++r) rope_row(p.policy, rb + r * D, 1, rb + r * D, 1, D, cos_t, sin_t);
+  for (int64_t r = 0; r < p.rank; ++r)
+    rope_row(p.policy, rb + r * D, 1, rb + r * D, 1, D, cos_t, sin_t);
 }
 
 template <typename scalar_t>
@@ -42,7 +43,8 @@ void tpa_forward_kernel(const TpaExpandParams& p) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = task / p.seqlen, s = task % p.seqlen;
       load_factors<scalar_t>(p, inv_freq.data(), bi, s, rb.get(), cos_t.get(), sin_t.get());
-      const auto* a = static_cast<const scalar_t*>(p.a) + bi * p.a_batch_stride + s * p.a_row_stride;
+      const auto* a =
+          static_cast<const scalar_t*>(p.a) + bi * p.a_batch_stride + s * p.a_row_stride;
       auto* out = static_cast<scalar_t*>(p.out) + task * H * D;
       for (int64_t h = 0; h < H; ++h) {
         std::fill(row.data.begin(), row.data.end(), acc_t(0));
@@ -70,8 +72,10 @@ void tpa_backward_kernel(const TpaExpandParams& p) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = task / p.seqlen, s = task % p.seqlen;
       load_factors<scalar_t>(p, inv_freq.data(), bi, s, rb.get(), cos_t.get(), sin_t.get());
-      const auto* a = static_cast<const scalar_t*>(p.a) + bi * p.a_batch_stride + s * p.a_row_stride;
-      const auto* g = static_cast<const scalar_t*>(p.grad_out) + bi * p.g_batch_stride + s * p.g_row_stride;
+      const auto* a =
+          static_cast<const scalar_t*>(p.a) + bi * p.a_batch_stride + s * p.a_row_stride;
+      const auto* g =
+          static_cast<const scalar_t*>(p.grad_out) + bi * p.g_batch_stride + s * p.g_row_stride;
       for (int64_t h = 0; h < H; ++h) {
         for (int64_t d = 0; d < D; ++d) {
           go.get()[h * D + d] = static_cast<acc_t>(g[h * p.g_head_stride + d * p.g_col_stride]);
@@ -130,13 +134,15 @@ std::tuple<at::Tensor, at::Tensor> tpa_expand_backward_cpu(
   constexpr const char* kOp = "attn_ext.tpa_expand_backward";
   check_cpu_support(kOp);
   PreparedTpa r = prepare_tpa_expand(
-      kOp, a, b, options(positions, scale, rope, rope_base, rope_interleaved, rotary_dim), &grad_out);
+      kOp, a, b, options(positions, scale, rope, rope_base, rope_interleaved, rotary_dim),
+      &grad_out);
   at::Tensor grad_a = at::empty(a.sizes(), a.options());
   at::Tensor grad_b = at::empty(b.sizes(), b.options());
   r.params.grad_a = grad_a.data_ptr();
   r.params.grad_b = grad_b.data_ptr();
   if (grad_a.numel() == 0 && grad_b.numel() == 0) return {grad_a, grad_b};
-  ATTN_EXT_DISPATCH_FLOATING(a.scalar_type(), kOp, [&] { tpa_backward_kernel<scalar_t>(r.params); });
+  ATTN_EXT_DISPATCH_FLOATING(a.scalar_type(), kOp,
+                             [&] { tpa_backward_kernel<scalar_t>(r.params); });
   return {grad_a, grad_b};
 }
 

@@ -16,9 +16,11 @@ namespace {
 void check_shared(const char* op, const TpaExpandParams& p, const at::Tensor& a, bool backward) {
   const int64_t acc_bytes = a.scalar_type() == at::kDouble ? 8 : 4;
   const int64_t need = tpa_shared_bytes(p, acc_bytes, backward);
-  TORCH_CHECK(need <= kTpaMaxSharedBytes, op, ": a token's factors (R = ", p.rank, ", H = ",
-              p.heads, ", D = ", p.head_dim, ") need ", need, " bytes of shared memory on CUDA, "
-              "at most ", kTpaMaxSharedBytes, " are supported");
+  TORCH_CHECK(need <= kTpaMaxSharedBytes, op, ": a token's factors (R = ", p.rank,
+              ", H = ", p.heads, ", D = ", p.head_dim, ") need ", need,
+              " bytes of shared memory on CUDA, "
+              "at most ",
+              kTpaMaxSharedBytes, " are supported");
 }
 
 at::Tensor tpa_expand_cuda(const at::Tensor& a, const at::Tensor& b,
@@ -27,8 +29,8 @@ at::Tensor tpa_expand_cuda(const at::Tensor& a, const at::Tensor& b,
                            std::optional<int64_t> rotary_dim) {
   constexpr const char* kOp = "attn_ext.tpa_expand";
   c10::cuda::CUDAGuard guard(a.device());
-  PreparedTpa r = prepare_tpa_expand(kOp, a, b,
-                                     {positions, scale, rope, rope_base, rope_interleaved, rotary_dim});
+  PreparedTpa r = prepare_tpa_expand(
+      kOp, a, b, {positions, scale, rope, rope_base, rope_interleaved, rotary_dim});
   check_shared(kOp, r.params, a, false);
   at::Tensor out = allocate_tpa_output(r.params, a);
   r.params.out = out.data_ptr();

@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(kThreads) tpa_backward_kernel(TpaExpandParams 
     rotate_rows(p.policy, sm.gb, R, D, sm.cos_t, sm.sin_t);
   }
   __syncthreads();
-  for (int64_t idx = threadIdx.x; idx < R * D; idx += blockDim.x) gbo[idx] = Elem<T>::store(sm.gb[idx]);
+  for (int64_t idx = threadIdx.x; idx < R * D; idx += blockDim.x)
+    gbo[idx] = Elem<T>::store(sm.gb[idx]);
 }
 
 template <bool kBackward>

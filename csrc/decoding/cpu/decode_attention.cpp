@@ -27,7 +27,7 @@ namespace {
 // slot of the workspace for the merge.
 template <typename acc_t>
 struct Partials {
-  acc_t* o = nullptr;                  // (B * Hkv * rows, splits, Dv)
+  acc_t* o = nullptr;                    // (B * Hkv * rows, splits, Dv)
   SoftmaxState<acc_t>* state = nullptr;  // (B * Hkv * rows, splits)
 };
 
@@ -66,17 +66,19 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       }
       std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
       std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
-      const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
-                              p.k_head_stride, p.k_row_stride, b, hk, 0);
-      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
-                              p.v_head_stride, p.v_row_stride, b, hk, 0);
+      const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                              p.k_row_stride, b, hk, 0);
+      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                              p.v_row_stride, b, hk, 0);
 
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
       for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
         const int64_t n = std::min(kN, j_end - j0);
         int64_t ldk, ldv;
-        const acc_t* kt = load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
-        const acc_t* vt = load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+        const acc_t* kt =
+            load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
+        const acc_t* vt =
+            load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
         // Scores to the log2 domain (see scale_row_max), band edges masked, rows' maxima.
@@ -163,10 +165,12 @@ void decode(DecodeParams& p) {
   if (p.num_splits > 1) merge_splits<scalar_t>(p, partials);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal,
-    int64_t window_left, int64_t num_splits) {
+std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q,
+                                                        const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache,
+                                                        const at::Tensor& cache_seqlens,
+                                                        std::optional<double> scale, bool causal,
+                                                        int64_t window_left, int64_t num_splits) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   check_cpu_support(kOp);
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
@@ -180,6 +184,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attn_ext, CPU, m) { m.impl("decode_attention", &decode_attention_cpu); }
+TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
+  m.impl("decode_attention", &decode_attention_cpu);
+}
 
 }  // namespace attn_ext::cpu

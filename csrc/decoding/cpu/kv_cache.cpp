@@ -61,9 +61,8 @@ void kv_append_kernel(const KVAppendParams& p) {
 
 void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
                          const at::Tensor& k, const at::Tensor& v,
-                         const std::optional<at::Tensor>& new_lengths, bool rope,
-                         double rope_base, bool rope_interleaved,
-                         std::optional<int64_t> rotary_dim) {
+                         const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
+                         bool rope_interleaved, std::optional<int64_t> rotary_dim) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim,
@@ -81,7 +80,8 @@ void latent_cache_append_cpu(at::Tensor& cache, at::Tensor& cache_seqlens, const
   PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
                                            rope_base, rope_interleaved, /*check_values=*/true);
   if (c_kv.numel() > 0 || k_rope.numel() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp, [&] { kv_append_kernel<scalar_t>(r.params); });
+    ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp,
+                               [&] { kv_append_kernel<scalar_t>(r.params); });
   }
   cache_seqlens.add_(r.appended.to(cache_seqlens.scalar_type()));
 }

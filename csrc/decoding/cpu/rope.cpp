@@ -54,9 +54,8 @@ at::Tensor rope_out_of_place(const char* op, const at::Tensor& x,
   return out;
 }
 
-at::Tensor rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions,
-                    int64_t offset, double base, bool interleaved,
-                    std::optional<int64_t> rotary_dim) {
+at::Tensor rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,
+                    double base, bool interleaved, std::optional<int64_t> rotary_dim) {
   return rope_out_of_place("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim,
                            false);
 }
@@ -64,8 +63,8 @@ at::Tensor rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positi
 at::Tensor rope_backward_cpu(const at::Tensor& grad_out, const std::optional<at::Tensor>& positions,
                              int64_t offset, double base, bool interleaved,
                              std::optional<int64_t> rotary_dim) {
-  return rope_out_of_place("attn_ext.rope_backward", grad_out, positions, offset, base,
-                           interleaved, rotary_dim, true);
+  return rope_out_of_place("attn_ext.rope_backward", grad_out, positions, offset, base, interleaved,
+                           rotary_dim, true);
 }
 
 void rope_inplace_cpu(at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,

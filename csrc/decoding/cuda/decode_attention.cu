@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, G = p.group();
   const int64_t rows = G * Sq;
   acc_t* q_s = reinterpret_cast<acc_t*>(smem_raw);  // [kRows][D]
-  acc_t* s_s = q_s + kRows * D;                      // [kRows][kTile]
+  acc_t* s_s = q_s + kRows * D;                     // [kRows][kTile]
   __shared__ acc_t factor_s[kRows];
   __shared__ SoftmaxState<acc_t> state_s[kRows];
 
@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
         for (int r = 0; r < kRows; ++r) s[r] += part[r];
       }
     }
-    const bool tile_full = band.tile_unmasked(i_begin, i_end, j0, j0 + kTile) && j0 + kTile <= j_end;
+    const bool tile_full =
+        band.tile_unmasked(i_begin, i_end, j0, j0 + kTile) && j0 + kTile <= j_end;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool ok = r < br.m && j < j_end && (tile_full || band.allowed((br.r0 + r) / G, j));
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
       acc_t* sr = s_s + r * kTile;
       acc_t mx = -INFINITY;
       for (int c = lane; c < kTile; c += kWarp) mx = max(mx, sr[c]);
-      for (int off = kWarp / 2; off > 0; off /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      for (int off = kWarp / 2; off > 0; off /= 2)
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       SoftmaxState<acc_t> st = state_s[r];
       const acc_t factor = st.rescale_to(mx);
       const acc_t shift = st.shift();
@@ -200,8 +202,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
 
 // One block per row: folds the splits with the shared online-softmax merge.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) merge_kernel(DecodeParams p, DecodeWorkspace ws,
-                                                         int64_t splits) {
+__global__ void __launch_bounds__(kThreads)
+    merge_kernel(DecodeParams p, DecodeWorkspace ws, int64_t splits) {
   using acc_t = typename Elem<T>::acc_t;
   const acc_t* ws_o = static_cast<const acc_t*>(ws.o);
   const acc_t* ws_stats = static_cast<const acc_t*>(ws.stats);
@@ -241,14 +243,15 @@ cudaError_t launch_decode(const DecodeParams& p, ElemKind kind, DecodeWorkspace 
   const int64_t rows = p.group() * p.seqlen_q;
   const int64_t blocks_y = p.batch * p.kv_heads * ceil_div(rows, kDecodeRowsPerBlock);
   if (blocks_y == 0) return cudaSuccess;
-  if (p.head_dim > kDecodeMaxHeadDim || p.head_dim_v > kDecodeMaxHeadDimV) return cudaErrorInvalidValue;
+  if (p.head_dim > kDecodeMaxHeadDim || p.head_dim_v > kDecodeMaxHeadDimV)
+    return cudaErrorInvalidValue;
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using acc_t = typename Elem<T>::acc_t;
     const size_t smem = (kRows * p.head_dim + kRows * kTile) * sizeof(acc_t);
     if (smem > 48 * 1024) {
-      const cudaError_t e = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(smem));
+      const cudaError_t e = cudaFuncSetAttribute(
+          decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       if (e != cudaSuccess) return e;
     }
     const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(blocks_y));

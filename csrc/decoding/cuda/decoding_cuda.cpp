@@ -25,8 +25,8 @@ at::Tensor rope_out(const char* op, const at::Tensor& x, const std::optional<at:
   at::Tensor out = at::empty_like(x);
   r.params.inverse = inverse;
   set_rope_output(r.params, out);
-  C10_CUDA_CHECK(launch_rope(r.params, elem_kind(op, x.scalar_type()),
-                             c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_rope(r.params, elem_kind(op, x.scalar_type()), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -36,9 +36,9 @@ at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& posit
   return rope_out("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim, false);
 }
 
-at::Tensor rope_backward_cuda(const at::Tensor& grad_out, const std::optional<at::Tensor>& positions,
-                              int64_t offset, double base, bool interleaved,
-                              std::optional<int64_t> rotary_dim) {
+at::Tensor rope_backward_cuda(const at::Tensor& grad_out,
+                              const std::optional<at::Tensor>& positions, int64_t offset,
+                              double base, bool interleaved, std::optional<int64_t> rotary_dim) {
   return rope_out("attn_ext.rope_backward", grad_out, positions, offset, base, interleaved,
                   rotary_dim, true);
 }
@@ -50,25 +50,23 @@ void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions
   PreparedRope r = prepare_rope(kOp, x, {positions, offset, base, interleaved, rotary_dim});
   at::assert_no_internal_overlap(x);
   set_rope_output(r.params, x);
-  C10_CUDA_CHECK(launch_rope(r.params, elem_kind(kOp, x.scalar_type()),
-                             c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_rope(r.params, elem_kind(kOp, x.scalar_type()), c10::cuda::getCurrentCUDAStream()));
 }
 
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
                           const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& new_lengths, bool rope,
-                          double rope_base, bool rope_interleaved,
-                          std::optional<int64_t> rotary_dim) {
+                          const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
+                          bool rope_interleaved, std::optional<int64_t> rotary_dim) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   c10::cuda::CUDAGuard guard(k_cache.device());
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim,
                                        /*check_values=*/false);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
-  C10_CUDA_CHECK(launch_kv_append(r.params, elem_kind(kOp, k.scalar_type()),
-                                  cache_seqlens.data_ptr(),
-                                  cache_seqlens.scalar_type() == at::kLong,
-                                  c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_kv_append(
+      r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
+      cache_seqlens.scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream()));
 }
 
 void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
@@ -80,10 +78,9 @@ void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, cons
   PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
                                            rope_base, rope_interleaved, /*check_values=*/false);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
-  C10_CUDA_CHECK(launch_kv_append(r.params, elem_kind(kOp, cache.scalar_type()),
-                                  cache_seqlens.data_ptr(),
-                                  cache_seqlens.scalar_type() == at::kLong,
-                                  c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_kv_append(
+      r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
+      cache_seqlens.scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream()));
 }
 
 // Split-KV factor: about two blocks per SM, no split shorter than kMinSplitKeys keys of the
@@ -92,16 +89,18 @@ int64_t auto_splits(int64_t blocks, int64_t capacity) {
   constexpr int64_t kBlocksPerSM = 2;
   constexpr int64_t kMinSplitKeys = 512;
   int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                        c10::cuda::current_device()));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
   const int64_t want = (kBlocksPerSM * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
   return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal,
-    int64_t window_left, int64_t num_splits) {
+std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q,
+                                                         const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache,
+                                                         const at::Tensor& cache_seqlens,
+                                                         std::optional<double> scale, bool causal,
+                                                         int64_t window_left, int64_t num_splits) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   c10::cuda::CUDAGuard guard(q.device());
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
@@ -113,7 +112,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const int64_t rows = p.group() * p.seqlen_q;
-  const int64_t blocks = p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
+  const int64_t blocks =
+      p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
   if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
   DecodeWorkspace ws;
   at::Tensor ws_o, ws_stats;
@@ -124,8 +124,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     ws_stats = at::empty({slots * 2}, q.options().dtype(acc));
     ws = {ws_o.data_ptr(), ws_stats.data_ptr()};
   }
-  C10_CUDA_CHECK(launch_decode(p, elem_kind(kOp, q.scalar_type()), ws,
-                               c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_decode(p, elem_kind(kOp, q.scalar_type()), ws, c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 

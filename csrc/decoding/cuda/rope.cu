@@ -26,8 +26,8 @@ __device__ void rope_table(const RopePolicy& pol, int64_t pos, bool inverse, acc
 // Rotates `rows` rows (row h at x + h * x_row_stride) of one token; y may alias x.
 template <typename T, typename acc_t>
 __device__ void rope_rows(const RopePolicy& pol, const T* x, int64_t x_head, int64_t xs, T* y,
-                          int64_t y_head, int64_t ys, int64_t rows, int64_t d,
-                          const acc_t* cos_t, const acc_t* sin_t) {
+                          int64_t y_head, int64_t ys, int64_t rows, int64_t d, const acc_t* cos_t,
+                          const acc_t* sin_t) {
   const int64_t pairs = pol.pairs();
   for (int64_t idx = threadIdx.x; idx < rows * pairs; idx += blockDim.x) {
     const int64_t h = idx / pairs, i = idx % pairs;
@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) kv_append_kernel(KVAppendParams p) {
   T* vc = static_cast<T*>(p.v_cache) + b * p.vc_batch_stride + row * p.vc_row_stride;
   if (p.rope) {
     rope_table(p.policy, row, false, cos_t, sin_t);
-    rope_rows(p.policy, k, p.k_head_stride, p.k_col_stride, kc, p.kc_head_stride, 1,
-              p.kv_heads, p.head_dim, cos_t, sin_t);
+    rope_rows(p.policy, k, p.k_head_stride, p.k_col_stride, kc, p.kc_head_stride, 1, p.kv_heads,
+              p.head_dim, cos_t, sin_t);
   } else {
     for (int64_t idx = threadIdx.x; idx < p.kv_heads * p.head_dim; idx += blockDim.x) {
       const int64_t h = idx / p.head_dim, j = idx % p.head_dim;
@@ -134,7 +134,8 @@ cudaError_t launch_kv_append(const KVAppendParams& p, ElemKind kind, void* cache
       using T = std::remove_pointer_t<decltype(tag)>;
       using acc_t = typename Elem<T>::acc_t;
       const size_t smem = p.rope ? 2 * p.policy.pairs() * sizeof(acc_t) : 0;
-      kv_append_kernel<T><<<static_cast<unsigned>(p.batch * p.seqlen_new), kThreads, smem, stream>>>(p);
+      kv_append_kernel<T>
+          <<<static_cast<unsigned>(p.batch * p.seqlen_new), kThreads, smem, stream>>>(p);
       return cudaGetLastError();
     });
     if (err != cudaSuccess) return err;

@@ -57,8 +57,8 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, kFloor, _CMP_LT_OQ);
   const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
   const __m256 xc = _mm256_max_ps(x, kFloor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, kLog2e),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(xc, kLog2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, kLn2Hi, xc);
   r = _mm256_fnmadd_ps(n, kLn2Lo, r);
   __m256 p = _mm256_set1_ps(1.f / 5040.f);
@@ -101,7 +101,8 @@ void apply_feature<float>(float* x, int64_t n, FeatureMap f) {
 template <typename scalar_t, typename acc_t>
 void load_rows(const Rows& t, int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t cols,
                acc_t* dst, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) load_row(t.row<scalar_t>(b, h, r0 + r), dst + r * ld, cols, acc_t(1));
+  for (int64_t r = 0; r < rows; ++r)
+    load_row(t.row<scalar_t>(b, h, r0 + r), dst + r * ld, cols, acc_t(1));
 }
 
 // phi of rows r0.. of t, (rows x cols) contiguous.
@@ -146,11 +147,11 @@ inline int64_t grain_for(int64_t work) {
 }
 
 struct Chunking {
-  int64_t size;    // rows per chunk
-  int64_t num_q;   // query chunks
-  int64_t num_k;   // key chunks (== num_q when causal)
-  int64_t state;   // elements of one D x Dp state
-  int64_t dp;      // Dv + 1
+  int64_t size;   // rows per chunk
+  int64_t num_q;  // query chunks
+  int64_t num_k;  // key chunks (== num_q when causal)
+  int64_t state;  // elements of one D x Dp state
+  int64_t dp;     // Dv + 1
   // Grains (tasks per thread at least) of the chunk phases and of the per-(batch, head) scans,
   // from the multiply-adds of one task (a full chunk, or the whole sequence if shorter).
   int64_t chunk_grain;
@@ -224,8 +225,8 @@ void accumulate_states(const LinearAttentionParams& p, const Chunking& ch, acc_t
   at::parallel_for(0, BH, ch.scan_grain, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       acc_t* running = final_state + bh * ch.state;
-      pack_state(init_kv ? init_kv + bh * D * Dv : nullptr, init_k ? init_k + bh * D : nullptr,
-                 D, Dv, running);
+      pack_state(init_kv ? init_kv + bh * D * Dv : nullptr, init_k ? init_k + bh * D : nullptr, D,
+                 Dv, running);
       for (int64_t c = 0; c < ch.num_k; ++c) {
         acc_t* s = chunk_states + (bh * ch.num_k + c) * ch.state;
         for (int64_t e = 0; e < ch.state; ++e) {
@@ -336,7 +337,8 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
   acc_t* grad_chunks = grad_chunk_buf.data_ptr<acc_t>();
   acc_t* grad_total = grad_total_buf.data_ptr<acc_t>();
   // Causal chunks need dn' of their own rows again for dK/dV (O(S * Dv), not a state).
-  at::Tensor dnum_buf = at::empty({p.causal ? BH * p.seqlen_q * Dp : 0}, at::TensorOptions().dtype(acc));
+  at::Tensor dnum_buf =
+      at::empty({p.causal ? BH * p.seqlen_q * Dp : 0}, at::TensorOptions().dtype(acc));
   acc_t* dnum_all = dnum_buf.data_ptr<acc_t>();
 
   // ---- phase 3: dn', dq and each query chunk's state-gradient contribution
@@ -389,7 +391,8 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
     for (int64_t bh = begin; bh < end; ++bh) {
       acc_t* running = grad_total + bh * ch.state;
       pack_state(has_grad_final ? grad_final_kv.data_ptr<acc_t>() + bh * D * Dv : nullptr,
-                 has_grad_final ? grad_final_k.data_ptr<acc_t>() + bh * D : nullptr, D, Dv, running);
+                 has_grad_final ? grad_final_k.data_ptr<acc_t>() + bh * D : nullptr, D, Dv,
+                 running);
       for (int64_t c = ch.num_q - 1; c >= 0; --c) {
         acc_t* s = grad_chunks + (bh * ch.num_q + c) * ch.state;
         for (int64_t e = 0; e < ch.state; ++e) {
@@ -429,20 +432,23 @@ void linear_bwd(const LinearAttentionParams& p, const Rows& dout, const at::Tens
       store_row(dvb.get(), dv + (bh * p.seqlen_k + j0) * Dv, n * Dv, acc_t(1));
     }
   });
-  unpack_states(grad_total, BH, D, Dv, grad_init_kv.data_ptr<acc_t>(), grad_init_k.data_ptr<acc_t>());
+  unpack_states(grad_total, BH, D, Dv, grad_init_kv.data_ptr<acc_t>(),
+                grad_init_k.data_ptr<acc_t>());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& initial_state_kv,
-    const std::optional<at::Tensor>& initial_state_k,
-    const std::optional<at::Tensor>& grad_state_kv, const std::optional<at::Tensor>& grad_state_k,
-    bool causal, double eps, c10::string_view feature_map) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v,
+                              const std::optional<at::Tensor>& initial_state_kv,
+                              const std::optional<at::Tensor>& initial_state_k,
+                              const std::optional<at::Tensor>& grad_state_kv,
+                              const std::optional<at::Tensor>& grad_state_k, bool causal,
+                              double eps, c10::string_view feature_map) {
   constexpr const char* kOp = "attn_ext.linear_attention_backward";
   cpu::check_cpu_support(kOp);
-  const LinearBackwardInputs in = prepare_linear_attention_backward(
-      kOp, grad_out, q, k, v, initial_state_kv, initial_state_k, grad_state_kv, grad_state_k,
-      causal, eps, feature_map);
+  const LinearBackwardInputs in =
+      prepare_linear_attention_backward(kOp, grad_out, q, k, v, initial_state_kv, initial_state_k,
+                                        grad_state_kv, grad_state_k, causal, eps, feature_map);
   const LinearAttentionParams& p = in.fwd.params;
   const at::Tensor& grad_final_kv = in.grad_final_kv;
   const at::Tensor& grad_final_k = in.grad_final_k;

@@ -38,13 +38,16 @@ inline acc_t sigmoid(acc_t a) {
   return acc_t(1) / (acc_t(1) + std::exp(-a));
 }
 
-int64_t num_tiles(const MapLayout& l) { return (l.pixels + kPixelTile - 1) / kPixelTile; }
+int64_t num_tiles(const MapLayout& l) {
+  return (l.pixels + kPixelTile - 1) / kPixelTile;
+}
 
 // Parallel over (image, pixel tile) tasks: fn(n, p0, len).
 template <typename Fn>
 void for_each_tile(const MapLayout& l, Fn&& fn) {
   const int64_t tiles = num_tiles(l);
-  const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, l.channels * kPixelTile));
+  const int64_t grain =
+      std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, l.channels * kPixelTile));
   at::parallel_for(0, l.batch * tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t / tiles, p0 = (t % tiles) * kPixelTile;
@@ -368,7 +371,8 @@ acc_t channel_dot(const scalar_t* a, const scalar_t* b, int64_t C) {
   {
     acc_t part[kLanes] = {};
     for (; c + kLanes <= C; c += kLanes) {
-      for (int j = 0; j < kLanes; ++j) part[j] += static_cast<acc_t>(a[c + j]) * static_cast<acc_t>(b[c + j]);
+      for (int j = 0; j < kLanes; ++j)
+        part[j] += static_cast<acc_t>(a[c + j]) * static_cast<acc_t>(b[c + j]);
     }
     for (int j = 0; j < kLanes; ++j) dot += part[j];
   }
@@ -444,7 +448,8 @@ std::tuple<at::Tensor, at::Tensor> channel_pool_cpu(const at::Tensor& x) {
   in.params.pooled = pooled.data_ptr();
   in.params.argmax = argmax.data_ptr<int32_t>();
   if (pooled.numel() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp, [&] { channel_pool_kernel<scalar_t>(in.params); });
+    ATTN_EXT_DISPATCH_FLOATING(x.scalar_type(), kOp,
+                               [&] { channel_pool_kernel<scalar_t>(in.params); });
   }
   return {pooled, argmax};
 }
@@ -456,8 +461,8 @@ at::Tensor channel_pool_backward_cpu(const at::Tensor& grad_pooled, const at::Te
   PreparedPoolBackward in =
       prepare_channel_pool_backward(kOp, grad_pooled, argmax, channels, channels_last);
   const MapLayout& l = in.params.grad_x;
-  at::Tensor grad_x = empty_map(l, channels, grad_pooled.size(2), grad_pooled.size(3),
-                                grad_pooled.options());
+  at::Tensor grad_x =
+      empty_map(l, channels, grad_pooled.size(2), grad_pooled.size(3), grad_pooled.options());
   in.params.out = grad_x.data_ptr();
   if (grad_x.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(grad_pooled.scalar_type(), kOp,

@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) channel_pool_nhwc(ChannelPoolParams 
   T* pooled = static_cast<T*>(p.pooled);
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
-       r < l.batch * l.pixels; r += warps) {
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < l.batch * l.pixels;
+       r += warps) {
     const T* row = x + r * l.channels;
     // Lanes past C start from channel 0, which the merge's tie rule makes harmless.
     const int64_t c0 = lane < l.channels ? lane : 0;
@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(kThreads) channel_pool_nhwc(ChannelPoolParams 
 // One thread per element of grad_x: g_avg / C plus g_max at the argmax channel (added to
 // grad_x's value when accumulating).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) channel_pool_backward_kernel(ChannelPoolBackwardParams p) {
+__global__ void __launch_bounds__(kThreads)
+    channel_pool_backward_kernel(ChannelPoolBackwardParams p) {
   using acc_t = typename Elem<T>::acc_t;
   const MapLayout l = p.grad_x;
   const T* gp = static_cast<const T*>(p.grad_pooled);
@@ -149,9 +150,8 @@ __global__ void __launch_bounds__(kThreads) spatial_gate_kernel(SpatialGateParam
   const int64_t total = l.batch * l.channels * l.pixels;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
        e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = l.channels_last
-                          ? e / l.channels
-                          : (e / (l.channels * l.pixels)) * l.pixels + e % l.pixels;
+    const int64_t r =
+        l.channels_last ? e / l.channels : (e / (l.channels * l.pixels)) * l.pixels + e % l.pixels;
     out[e] = Elem<T>::store(Elem<T>::load(x[e]) * sigmoid(static_cast<acc_t>(Elem<G>::load(a[r]))));
   }
 }
@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kThreads) spatial_gate_backward_nhwc(SpatialGa
   G* ga = static_cast<G*>(p.grad_gate);
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
-       r < l.batch * l.pixels; r += warps) {
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < l.batch * l.pixels;
+       r += warps) {
     const acc_t s = sigmoid(static_cast<acc_t>(Elem<G>::load(a[r])));
     acc_t dot = acc_t(0);
     for (int64_t c = lane; c < l.channels; c += kWarp) {
@@ -274,7 +274,8 @@ cudaError_t launch_spatial_gate_backward(const SpatialGateParams& p, ElemKind ki
     using T = std::remove_pointer_t<decltype(tag)>;
     using G = std::remove_pointer_t<decltype(gate_tag)>;
     if (p.x.channels_last) {
-      spatial_gate_backward_nhwc<T, G><<<grid_for(rows, kThreads / kWarp), kThreads, 0, stream>>>(p);
+      spatial_gate_backward_nhwc<T, G>
+          <<<grid_for(rows, kThreads / kWarp), kThreads, 0, stream>>>(p);
     } else {
       spatial_gate_backward_nchw<T, G><<<grid_for(rows, kThreads), kThreads, 0, stream>>>(p);
     }

@@ -17,10 +17,14 @@ using namespace attn_ext::spatial;
 
 ElemKind elem_kind(const char* op, at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ElemKind::kFloat32;
-    case at::kDouble: return ElemKind::kFloat64;
-    case at::kBFloat16: return ElemKind::kBFloat16;
-    case at::kHalf: return ElemKind::kFloat16;
+    case at::kFloat:
+      return ElemKind::kFloat32;
+    case at::kDouble:
+      return ElemKind::kFloat64;
+    case at::kBFloat16:
+      return ElemKind::kBFloat16;
+    case at::kHalf:
+      return ElemKind::kFloat16;
     default:
       TORCH_CHECK(false, op, ": unsupported dtype ", t,
                   " (expected float32, float64, bfloat16 or float16)");

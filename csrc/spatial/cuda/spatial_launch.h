@@ -9,8 +9,8 @@ namespace attn_ext::cuda {
 
 cudaError_t launch_channel_pool(const spatial::ChannelPoolParams& p, ElemKind kind,
                                 cudaStream_t stream);
-cudaError_t launch_channel_pool_backward(const spatial::ChannelPoolBackwardParams& p,
-                                         ElemKind kind, cudaStream_t stream);
+cudaError_t launch_channel_pool_backward(const spatial::ChannelPoolBackwardParams& p, ElemKind kind,
+                                         cudaStream_t stream);
 cudaError_t launch_spatial_gate(const spatial::SpatialGateParams& p, ElemKind kind,
                                 cudaStream_t stream);
 cudaError_t launch_spatial_gate_backward(const spatial::SpatialGateParams& p, ElemKind kind,

@@ -68,7 +68,7 @@ struct BwdRows {
 
 template <typename T>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
-flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
+    flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
   constexpr int kWarp = GenericBwdTraits::kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
@@ -76,11 +76,13 @@ flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   if (row >= p.batch * p.heads * p.seqlen_q) return;
   const int64_t i = row % p.seqlen_q, bh = row / p.seqlen_q;
   const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
-  const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+  const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+               i * p.o_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                   i * p.do_row_stride;
   acc_t d = 0;
-  for (int64_t c = lane; c < p.head_dim_v; c += kWarp) d += Elem<T>::load(dout[c]) * Elem<T>::load(o[c]);
+  for (int64_t c = lane; c < p.head_dim_v; c += kWarp)
+    d += Elem<T>::load(dout[c]) * Elem<T>::load(o[c]);
   for (int off = kWarp / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
 
   acc_t hi, lo = 0;
@@ -89,7 +91,8 @@ flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
     const LocalBand band{p.key_offset, p.window_left, p.window_right};
     const ScoreMask<acc_t> mask(p, b, h);
     const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                 i * p.q_row_stride;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
     SoftmaxState<acc_t> st;
     const int64_t j_end = band.key_end(i + 1, p.seqlen_k);
@@ -152,7 +155,8 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       s = mask.apply(s, s_scale, i, j);  // the forward's log2-domain score
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
-      for (int64_t x = 0; x < p.head_dim_v; ++x) dp += t.dout[r * p.head_dim_v + x] * t.v[c * t.ldv + x];
+      for (int64_t x = 0; x < p.head_dim_v; ++x)
+        dp += t.dout[r * p.head_dim_v + x] * t.v[c * t.ldv + x];
       pd = prob;
       if (drop.active()) {
         const bool keep = drop.keep(i, j);
@@ -168,7 +172,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
 
 template <typename T>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
-flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
+    flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
   using Tr = GenericBwdTraits;
   extern __shared__ unsigned char smem_raw[];
@@ -183,7 +187,8 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
                             static_cast<const acc_t*>(ws.lse2_lo) + bh * p.seqlen_q};
   const acc_t scale = static_cast<acc_t>(p.scale);
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride;
-  const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride + bi.h * p.do_head_stride;
+  const T* dout =
+      static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride + bi.h * p.do_head_stride;
   const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
                bi.n0 * p.k_row_stride;
   const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
@@ -196,7 +201,8 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   for (int64_t i0 = bi.r_begin; i0 < bi.r_end; i0 += Tr::kBlockM) {
     const int64_t m = min(int64_t(Tr::kBlockM), bi.r_end - i0);
     load_rows(q + i0 * p.q_row_stride, p.q_row_stride, m, Tr::kBlockM, D, t.q, D, acc_t(1));
-    load_rows(dout + i0 * p.do_row_stride, p.do_row_stride, m, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
+    load_rows(dout + i0 * p.do_row_stride, p.do_row_stride, m, Tr::kBlockM, Dv, t.dout, Dv,
+              acc_t(1));
     __syncthreads();
     bwd_tile(p, t, mask, drop, rows, i0, m, bi.n0, bi.keys);
     __syncthreads();
@@ -219,7 +225,7 @@ flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
 
 template <typename T>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
-flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
+    flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
   using Tr = GenericBwdTraits;
   extern __shared__ unsigned char smem_raw[];
@@ -235,8 +241,8 @@ flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   const acc_t scale = static_cast<acc_t>(p.scale);
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
                bi.m0 * p.q_row_stride;
-  const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride + bi.h * p.do_head_stride +
-                  bi.m0 * p.do_row_stride;
+  const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
+                  bi.h * p.do_head_stride + bi.m0 * p.do_row_stride;
   const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride;
   acc_t* dq = static_cast<acc_t*>(p.dq) + (bh * p.seqlen_q + bi.m0) * D;
@@ -261,7 +267,8 @@ flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
 }
 
 inline cudaError_t set_smem(const void* kernel, size_t smem) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
 }
 
 template <typename T>
@@ -270,20 +277,22 @@ cudaError_t run_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaSt
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
   if (rows == 0 || p.seqlen_k == 0) return cudaSuccess;
   constexpr int kRowsPerBlock = Tr::kThreads / Tr::kWarp;  // one warp per row
-  flash_bwd_preprocess_kernel<T><<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0,
-                                   stream>>>(p, ws);
+  flash_bwd_preprocess_kernel<T>
+      <<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0, stream>>>(p, ws);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
 
   const size_t smem = bwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
   const int64_t bh = p.batch * p.heads;
-  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T>), smem)) != cudaSuccess) return e;
-  flash_bwd_dkdv_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_k, Tr::kBlockN)), Tr::kThreads,
-                             smem, stream>>>(p, ws);
+  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T>), smem)) != cudaSuccess)
+    return e;
+  flash_bwd_dkdv_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_k, Tr::kBlockN)),
+                             Tr::kThreads, smem, stream>>>(p, ws);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dq_kernel<T>), smem)) != cudaSuccess) return e;
-  flash_bwd_dq_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_q, Tr::kBlockM)), Tr::kThreads,
-                           smem, stream>>>(p, ws);
+  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dq_kernel<T>), smem)) != cudaSuccess)
+    return e;
+  flash_bwd_dq_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_q, Tr::kBlockM)),
+                           Tr::kThreads, smem, stream>>>(p, ws);
   return cudaGetLastError();
 }
 

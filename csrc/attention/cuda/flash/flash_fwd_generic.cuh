@@ -35,15 +35,15 @@ size_t fwd_generic_smem_bytes(int64_t head_dim, int64_t head_dim_v) {
 
 template <typename T>
 __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
-flash_fwd_generic_kernel(AttentionParams p) {
+    flash_fwd_generic_kernel(AttentionParams p) {
   using acc_t = typename Elem<T>::acc_t;
   using Tr = GenericFwdTraits;
   constexpr int kRows = Tr::kRows, kTile = Tr::kTile;
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   acc_t* q_s = reinterpret_cast<acc_t*>(smem_raw);  // [kRows][D] queries, unscaled
-  acc_t* s_s = q_s + kRows * D;                      // [kRows][kTile] scores, then probabilities
-  acc_t* o_s = s_s + kRows * kTile;                  // [kRows][Dv] output accumulators
+  acc_t* s_s = q_s + kRows * D;                     // [kRows][kTile] scores, then probabilities
+  acc_t* o_s = s_s + kRows * kTile;                 // [kRows][Dv] output accumulators
   __shared__ acc_t factor_s[kRows];
   __shared__ SoftmaxState<acc_t> state_s[kRows];
 
@@ -82,9 +82,10 @@ flash_fwd_generic_kernel(AttentionParams p) {
         for (int r = 0; r < kRows; ++r) s[r] += q_s[r * D + c] * kv;
       }
     }
-    const bool unmasked = mask.tile_free(bi.m0, bi.m0 + bi.rows, j0, j0 + kTile) && j0 + kTile <= bi.n_end;
+    const bool unmasked =
+        mask.tile_free(bi.m0, bi.m0 + bi.rows, j0, j0 + kTile) && j0 + kTile <= bi.n_end;
 // Scores scaled to the log2 domain after the dot product (as the CPU kernel does:
-    // pre-scaling Q rounds every q_d and costs fp32 accuracy on peaked rows).
+// pre-scaling Q rounds every q_d and costs fp32 accuracy on peaked rows).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       acc_t val = -INFINITY;
@@ -99,7 +100,8 @@ flash_fwd_generic_kernel(AttentionParams p) {
       acc_t* sr = s_s + r * kTile;
       acc_t mx = -INFINITY;
       for (int c = lane; c < kTile; c += Tr::kWarp) mx = max(mx, sr[c]);
-      for (int off = Tr::kWarp / 2; off > 0; off /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      for (int off = Tr::kWarp / 2; off > 0; off /= 2)
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       SoftmaxState<acc_t> st = state_s[r];
       const acc_t factor = st.rescale_to(mx);
       const acc_t shift = st.shift();
@@ -110,7 +112,8 @@ flash_fwd_generic_kernel(AttentionParams p) {
         if (drop.active()) e = drop.keep(bi.m0 + r, j0 + c) ? e * keep_scale : acc_t(0);
         sr[c] = e;
       }
-      for (int off = Tr::kWarp / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      for (int off = Tr::kWarp / 2; off > 0; off /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, off);
       __syncwarp();  // every lane has read state_s[r] before lane 0 overwrites it
       if (lane == 0) {
         st.sum += sum;
@@ -160,9 +163,9 @@ cudaError_t run_fwd_generic(const AttentionParams& p, cudaStream_t stream) {
   const int64_t blocks = p.batch * p.heads * ceil_div(p.seqlen_q, Tr::kRows);
   if (blocks == 0) return cudaSuccess;
   const size_t smem = fwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
-  const cudaError_t e = cudaFuncSetAttribute(flash_fwd_generic_kernel<T>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem));
+  const cudaError_t e =
+      cudaFuncSetAttribute(flash_fwd_generic_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   flash_fwd_generic_kernel<T><<<static_cast<unsigned>(blocks), Tr::kThreads, smem, stream>>>(p);
   return cudaGetLastError();

@@ -24,10 +24,11 @@ namespace attn_ext::cuda {
 // rows x cols of a strided (row_stride) global tile into a [max_rows][kPitch] shared tile,
 // zero outside rows x cols; 16-byte loads where the addresses allow. T is a 16-bit type.
 template <typename Tr, typename T>
-__device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_stride, int64_t rows,
-                                              int max_rows, int64_t cols) {
+__device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_stride,
+                                              int64_t rows, int max_rows, int64_t cols) {
   constexpr int kChunks = Tr::kHeadDim / Tr::kVec;
-  const bool vec_ok = reinterpret_cast<uintptr_t>(src) % sizeof(uint4) == 0 && row_stride % Tr::kVec == 0;
+  const bool vec_ok =
+      reinterpret_cast<uintptr_t>(src) % sizeof(uint4) == 0 && row_stride % Tr::kVec == 0;
   for (int idx = threadIdx.x; idx < max_rows * kChunks; idx += Tr::kThreads) {
     const int r = idx / kChunks, c = (idx % kChunks) * Tr::kVec;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
@@ -51,11 +52,13 @@ __device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_
 
 // One key block: scores, mask (kMasked), online softmax, dropout, and P V into acc_o.
 template <typename Tr, bool kMasked>
-__device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ, const typename Tr::Elem* sK,
+__device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ,
+                                              const typename Tr::Elem* sK,
                                               const typename Tr::Elem* sV, int64_t j0, int64_t row0,
                                               int64_t seqlen_q, float s_scale, float keep_scale,
                                               const ScoreMask<float>& mask, const DropoutBits& drop,
-                                              float (&acc_o)[Tr::kTilesO][4], SoftmaxState<float> (&st)[2]) {
+                                              float (&acc_o)[Tr::kTilesO][4],
+                                              SoftmaxState<float> (&st)[2]) {
   using T = typename Tr::Elem;
   using M = mma::Mma<T>;
   const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
@@ -70,12 +73,13 @@ __device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ, const
 #pragma unroll
   for (int kk = 0; kk < Tr::kHeadDim / Tr::kMmaK; ++kk) {
     uint32_t a[4];
-    mma::ldmatrix_x4(a, sQ + (warp * Tr::kMmaM + lane % 16) * Tr::kPitch + kk * Tr::kMmaK + (lane / 16) * 8);
+    mma::ldmatrix_x4(
+        a, sQ + (warp * Tr::kMmaM + lane % 16) * Tr::kPitch + kk * Tr::kMmaK + (lane / 16) * 8);
 #pragma unroll
     for (int nt = 0; nt < Tr::kTilesS; nt += 2) {
       uint32_t b[4];
-      mma::ldmatrix_x4(b, sK + (nt * Tr::kMmaN + lane % 8 + (lane / 16) * 8) * Tr::kPitch + kk * Tr::kMmaK +
-                              ((lane / 8) % 2) * 8);
+      mma::ldmatrix_x4(b, sK + (nt * Tr::kMmaN + lane % 8 + (lane / 16) * 8) * Tr::kPitch +
+                              kk * Tr::kMmaK + ((lane / 8) % 2) * 8);
       M::run(acc_s[nt], a, b[0], b[1]);
       M::run(acc_s[nt + 1], a, b[2], b[3]);
     }
@@ -100,7 +104,8 @@ __device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ, const
   for (int rh = 0; rh < 2; ++rh) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < Tr::kTilesS; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * rh], acc_s[nt][2 * rh + 1]));
+    for (int nt = 0; nt < Tr::kTilesS; ++nt)
+      mx = fmaxf(mx, fmaxf(acc_s[nt][2 * rh], acc_s[nt][2 * rh + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float factor = st[rh].rescale_to(mx);
@@ -132,14 +137,16 @@ __device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ, const
   // O += P V, P as the A operand straight from the score fragments
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / Tr::kMmaK; ++kk) {
-    const uint32_t a[4] = {M::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]), M::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]),
+    const uint32_t a[4] = {M::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]),
+                           M::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]),
                            M::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
                            M::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
 #pragma unroll
     for (int ot = 0; ot < Tr::kTilesO; ot += 2) {
       uint32_t b[4];
-      mma::ldmatrix_x4_trans(b, sV + (kk * Tr::kMmaK + lane % 8 + ((lane / 8) % 2) * 8) * Tr::kPitch +
-                                    ot * Tr::kMmaN + (lane / 16) * 8);
+      mma::ldmatrix_x4_trans(
+          b, sV + (kk * Tr::kMmaK + lane % 8 + ((lane / 8) % 2) * 8) * Tr::kPitch + ot * Tr::kMmaN +
+                 (lane / 16) * 8);
       M::run(acc_o[ot], a, b[0], b[1]);
       M::run(acc_o[ot + 1], a, b[2], b[3]);
     }
@@ -150,9 +157,9 @@ template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads) flash_fwd_mma_kernel(AttentionParams p) {
   using T = typename Tr::Elem;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);      // [kBlockM][kPitch]
-  T* sK = sQ + Tr::kBlockM * Tr::kPitch;       // [kBlockN][kPitch]
-  T* sV = sK + Tr::kBlockN * Tr::kPitch;       // [kBlockN][kPitch]
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kBlockM][kPitch]
+  T* sK = sQ + Tr::kBlockM * Tr::kPitch;   // [kBlockN][kPitch]
+  T* sV = sK + Tr::kBlockN * Tr::kPitch;   // [kBlockN][kPitch]
   const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
   const int g = lane / 4, t = lane % 4;
 
@@ -188,9 +195,11 @@ __global__ void __launch_bounds__(Tr::kThreads) flash_fwd_mma_kernel(AttentionPa
     load_tile_mma<Tr>(sV, v + j0 * p.v_row_stride, p.v_row_stride, keys, Tr::kBlockN, p.head_dim_v);
     __syncthreads();
     if (mask.tile_free(bi.m0, bi.m0 + bi.rows, j0, j0 + Tr::kBlockN)) {
-      fwd_mma_block<Tr, false>(sQ, sK, sV, j0, row0, p.seqlen_q, s_scale, keep_scale, mask, drop, acc_o, st);
+      fwd_mma_block<Tr, false>(sQ, sK, sV, j0, row0, p.seqlen_q, s_scale, keep_scale, mask, drop,
+                               acc_o, st);
     } else {
-      fwd_mma_block<Tr, true>(sQ, sK, sV, j0, row0, p.seqlen_q, s_scale, keep_scale, mask, drop, acc_o, st);
+      fwd_mma_block<Tr, true>(sQ, sK, sV, j0, row0, p.seqlen_q, s_scale, keep_scale, mask, drop,
+                              acc_o, st);
     }
   }
 
@@ -221,10 +230,12 @@ cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdMmaTraits<T, kHeadDim>;
   const int64_t blocks = p.batch * p.heads * ceil_div(p.seqlen_q, Tr::kBlockM);
   if (blocks == 0) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(flash_fwd_mma_kernel<Tr>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Tr::kSmemBytes));
+  const cudaError_t e =
+      cudaFuncSetAttribute(flash_fwd_mma_kernel<Tr>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(Tr::kSmemBytes));
   if (e != cudaSuccess) return e;
-  flash_fwd_mma_kernel<Tr><<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  flash_fwd_mma_kernel<Tr>
+      <<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -27,7 +27,8 @@ struct FwdMmaTraits {
   static constexpr int kVec = 8;
   static constexpr int kTilesS = kBlockN / kMmaN;   // score fragments per thread
   static constexpr int kTilesO = kHeadDim / kMmaN;  // output fragments per thread
-  static constexpr size_t kSmemBytes = static_cast<size_t>(kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
+  static constexpr size_t kSmemBytes =
+      static_cast<size_t>(kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
 
   static_assert(kHeadDim % kMmaK == 0 && kBlockN % kMmaK == 0, "tiles must be whole MMA steps");
   static_assert(kTilesS % 2 == 0 && kTilesO % 2 == 0, "ldmatrix.x4 loads two n-tiles at once");

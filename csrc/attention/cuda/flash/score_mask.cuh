@@ -15,9 +15,9 @@ template <typename acc_t>
 struct ScoreMask {
   LocalBand band;
   MaskKind kind;
-  const void* mask;    // at (b, h), row 0, key 0
+  const void* mask;  // at (b, h), row 0, key 0
   int64_t row_stride, col_stride;
-  int64_t key_limit;   // keys >= key_limit are out of the sequence
+  int64_t key_limit;  // keys >= key_limit are out of the sequence
 
   __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h)
       : band{p.key_offset, p.window_left, p.window_right},
@@ -43,10 +43,13 @@ struct ScoreMask {
     if (j >= key_limit) return -INFINITY;
     acc_t s;
     if (kind == MaskKind::kAdditive) {
-      s = fma(raw, s_scale, static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e));
+      s = fma(raw, s_scale,
+              static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e));
     } else {
       s = raw * s_scale;
-      if (kind == MaskKind::kBool && !static_cast<const bool*>(mask)[i * row_stride + j * col_stride]) s = -INFINITY;
+      if (kind == MaskKind::kBool &&
+          !static_cast<const bool*>(mask)[i * row_stride + j * col_stride])
+        s = -INFINITY;
     }
     return band.allowed(i, j) ? s : acc_t(-INFINITY);
   }
@@ -59,7 +62,10 @@ struct DropoutBits {
 
   __device__ DropoutBits(const AttentionParams& p, int64_t b_, int64_t h_)
       : policy{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)},
-        b(b_), h(h_), heads(p.heads), sq(p.seqlen_q) {}
+        b(b_),
+        h(h_),
+        heads(p.heads),
+        sq(p.seqlen_q) {}
 
   __device__ bool active() const { return policy.active(); }
   // Bits of keys [4 g, 4 g + 4) of row i.
