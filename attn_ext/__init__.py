@@ -17,6 +17,7 @@ from .caches import KVCache, LatentKVCache, LinearAttentionState, TPAFactorCache
 from .decoding import decode_attention, rope, rope_
 from .functional import (
     attention,
+    attention_varlen,
     attention_weights,
     dropout_keep_mask,
     scaled_dot_product_attention,
@@ -28,6 +29,7 @@ from .tpa import tpa_decode_attention, tpa_expand
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "attention_varlen",
     "attention_weights",
     "dropout_keep_mask",
     "scaled_dot_product_attention",

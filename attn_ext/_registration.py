@@ -10,46 +10,47 @@ _ops = torch.ops.attn_ext
 
 
 @torch.library.register_fake("attn_ext::attention")
-def _attention_fake(
-    q,
-    k,
-    v,
-    attn_mask=None,
-    rng_state=None,
-    *,
-    scale=None,
-    causal=False,
-    window_left=-1,
-    window_right=-1,
-    key_offset=None,
-    dropout_p=0.0,
-):
+def _attention_fake(q, k, v, attn_mask=None, rng_state=None, alibi_slopes=None, sinks=None, **kw):
     B, H, Sq, _ = q.shape
     out = q.new_empty((B, H, Sq, v.size(3)))
     lse = q.new_empty((B, H, Sq), dtype=torch.float32)
     return out, lse
 
 
+def _grad_sinks_fake(q, sinks):
+    return q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+
+
 @torch.library.register_fake("attn_ext::attention_backward")
-def _attention_backward_fake(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    *,
-    grad_lse=None,
-    attn_mask=None,
-    scale=None,
-    causal=False,
-    window_left=-1,
-    window_right=-1,
-    key_offset=None,
-    dropout_p=0.0,
-    rng_state=None,
+def _attention_backward_fake(grad_out, q, k, v, out, lse, *, sinks=None, **kw):
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        _grad_sinks_fake(q, sinks),
+    )
+
+
+@torch.library.register_fake("attn_ext::attention_varlen")
+def _attention_varlen_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, sinks=None, **kw
 ):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    total_q, H, _ = q.shape
+    out = q.new_empty((total_q, H, v.size(2)))
+    lse = q.new_empty((H, total_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("attn_ext::attention_varlen_backward")
+def _attention_varlen_backward_fake(
+    grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, sinks=None, **kw
+):
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        _grad_sinks_fake(q, sinks),
+    )
 
 
 @torch.library.register_fake("attn_ext::attention_weights")
@@ -78,8 +79,14 @@ def _dropout_mask_fake(rng_state, batch, heads, sq, sk, dropout_p):
 
 
 def _attention_setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, mask, rng_state = inputs
-    ctx.kw = dict(keyword_only_inputs, attn_mask=mask, rng_state=rng_state)
+    q, k, v, mask, rng_state, alibi_slopes, sinks = inputs
+    ctx.kw = dict(
+        keyword_only_inputs,
+        attn_mask=mask,
+        rng_state=rng_state,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
     if mask is not None and mask.requires_grad:
         raise NotImplementedError(
             "attn_ext.attention: the gradient with respect to attn_mask is not supported; "
@@ -93,12 +100,37 @@ def _attention_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = _ops.attention_backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, **ctx.kw)
-    return dq, dk, dv, None, None
+    dq, dk, dv, dsinks = _ops.attention_backward(
+        grad_out, q, k, v, out, lse, grad_lse=grad_lse, **ctx.kw
+    )
+    return dq, dk, dv, None, None, None, (dsinks if ctx.kw["sinks"] is not None else None)
 
 
 torch.library.register_autograd(
     "attn_ext::attention", _attention_backward, setup_context=_attention_setup_context
+)
+
+
+def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, cu_q, cu_k, rng_state, alibi_slopes, sinks = inputs
+    ctx.kw = dict(keyword_only_inputs, rng_state=rng_state, alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsinks = _ops.attention_varlen_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, grad_lse=grad_lse, **ctx.kw
+    )
+    dsinks = dsinks if ctx.kw["sinks"] is not None else None
+    return dq, dk, dv, None, None, None, None, dsinks
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_varlen", _varlen_backward, setup_context=_varlen_setup_context
 )
 
 
@@ -191,9 +223,7 @@ def _latent_cache_append_fake(
 
 
 @torch.library.register_fake("attn_ext::decode_attention")
-def _decode_attention_fake(
-    q, k_cache, v_cache, cache_seqlens, *, scale=None, causal=True, window_left=-1, num_splits=0
-):
+def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, **kw):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v_cache.size(3))), q.new_empty((B, H, Sq), dtype=torch.float32)
 

@@ -60,6 +60,9 @@ def attention(
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
     return_lse: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Softmax attention ``softmax(scale * q k^T + mask) v`` without materializing the scores.
 
@@ -71,8 +74,14 @@ def attention(
     (B, H, Sq, Sk). A row that sees no key returns zeros and lse = -inf. Dropout applies to
     the probabilities with 1/(1-p) rescaling; its mask is regenerated in the backward.
 
+    Score modifiers, applied to the scaled scores in this order before the masks:
+    ``softcap`` > 0 caps them as ``softcap * tanh(s / softcap)`` (Gemma 2); ``alibi_slopes``
+    (H,) or (B, H) adds ``-slope * |i + Sk - Sq - j|`` (ALiBi, as FlashAttention); ``sinks``
+    (H,) adds one logit per head to every row's softmax denominator with no value (attention
+    sinks, gpt-oss), differentiable, and counted in lse (an empty row then has lse = sink).
+
     Returns ``out`` (B, H, Sq, Dv) in q's dtype, or ``(out, lse)`` with lse float32 (B, H, Sq),
-    the natural-log log-sum-exp of the scaled, masked scores.
+    the natural-log log-sum-exp of the scaled, modified, masked scores.
     """
     three_d = q.dim() == 3
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
@@ -82,16 +91,77 @@ def attention(
         k4,
         v4,
         attn_mask=_mask_as_4d(attn_mask, three_d),
+        rng_state=_rng_state(dropout_p, generator),
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
         scale=scale,
         causal=causal,
         window_left=left,
         window_right=right,
         dropout_p=dropout_p,
-        rng_state=_rng_state(dropout_p, generator),
+        softcap=softcap,
     )
     if three_d:
         out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+):
+    """:func:`attention` over a batch of sequences of different lengths, packed along one
+    token axis (FlashAttention's varlen layout): no work and no memory for padding.
+
+    q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) (any strides with the last
+    dimension contiguous); ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1,) int32 (int64 is
+    converted) on q's device: sequence b owns tokens ``[cu[b], cu[b + 1])``, empty sequences
+    allowed. ``max_seqlen_q`` / ``max_seqlen_k`` bound the lengths (Python ints, so that no
+    device value is read; checked on the CPU). ``causal`` and ``window_size`` are bottom-right
+    aligned within each sequence; ``alibi_slopes`` may be (B, H). Dropout streams are keyed
+    by (head, token), so they differ from a padded call's.
+
+    Returns ``out`` (total_q, H, Dv), or ``(out, lse)`` with lse float32 (H, total_q).
+    """
+    left, right = _window(window_size)
+    out, lse = _ops.attention_varlen(
+        q,
+        k,
+        v,
+        _int32(cu_seqlens_q),
+        _int32(cu_seqlens_k),
+        rng_state=_rng_state(dropout_p, generator),
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        dropout_p=dropout_p,
+        softcap=softcap,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _int32(cu: torch.Tensor) -> torch.Tensor:
+    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
 
 
 def scaled_dot_product_attention(
@@ -126,11 +196,11 @@ def scaled_dot_product_attention(
         k,
         v,
         attn_mask=mask,
+        rng_state=_rng_state(dropout_p, None),
         scale=scale,
         causal=is_causal,
         key_offset=0 if is_causal else None,
         dropout_p=dropout_p,
-        rng_state=_rng_state(dropout_p, None),
     )
     return out.reshape(*batch_shape, out.size(-2), out.size(-1))
 

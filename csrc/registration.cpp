@@ -11,8 +11,19 @@
 //   bottom-right) and sees keys [i + key_offset - window_left, i + key_offset + window_right],
 //   -1 meaning unbounded; causal sets window_right = 0. attn_mask is bool (true = keep) or
 //   floating (additive), broadcastable to (B, H, Sq, Sk).
+// Score modifiers (common/score_mod.h), on the scaled scores in this order, before masking:
+//   softcap > 0: s = softcap * tanh(s / softcap) (Gemma 2); alibi_slopes (H,) or (B, H):
+//   s -= slope[b, h] * |i + key_offset - j|; sinks (H,): a logit per head that joins every
+//   row's softmax denominator without a value (gpt-oss); lse includes it. Slopes and sinks
+//   are floating (read in the accumulation type); grad_sinks has sinks' shape and dtype, or
+//   is an empty float32 tensor without sinks.
 // attention_backward also takes the gradient of lse (for callers that differentiate
 //   through it, e.g. when merging partial results).
+// attention_varlen: FlashAttention's varlen layout. q (total_q, H, D), k (total_k, Hkv, D),
+//   v (total_k, Hkv, Dv); cu_seqlens_q / cu_seqlens_k (B + 1,) int32 on q's device, sequence
+//   b owning tokens [cu[b], cu[b + 1]) (empty sequences allowed); max_seqlen_q / _k bound the
+//   lengths (the CUDA grid's size; the CPU checks them). causal / window are bottom-right per
+//   sequence; out (total_q, H, Dv), lse (H, total_q) float32. No attn_mask or key_offset.
 // Tensor arguments precede the keyword-only tail (torch.library autograd needs them
 //   positional).
 // Dropout: rng_state is an int64 CPU tensor (seed, offset); the mask is a pure function
@@ -35,8 +46,11 @@
 //   RoPE (all Dr features) at the rows' positions, as kv_cache_append does (v = c_kv, k = k_rope).
 //   decode_attention: q (B, H, Sq, D) against the cache; query i of sequence b sits at
 //   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
-//   [pos - window_left, pos] (causal) or [pos - window_left, len_b) (not causal);
-//   num_splits = 0 picks the split-KV factor.
+//   [max(pos - window_left, leftpad_b), min(pos + window_right, len_b - 1)] (causal sets
+//   window_right = 0); num_splits = 0 picks the split-KV factor. softcap / alibi_slopes /
+//   sinks as for attention (ALiBi distances from pos). cache_batch_idx (B,) int32: sequence b
+//   reads cache row cache_batch_idx[b]; cache_leftpad (B,) int32: sequence b's keys start at
+//   cache_leftpad[b] (FlashAttention's with_kvcache arguments).
 //
 // Spatial attention (CBAM): x (N, C, H, W), dense NCHW or channels-last (read in place; other
 //   strides are copied to NCHW), outputs shaped like x in x's layout. channel_pool reads x once
@@ -68,16 +82,30 @@
 
 TORCH_LIBRARY(attn_ext, m) {
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? rng_state=None, *, "
-      "float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
-      "SymInt? key_offset=None, float dropout_p=0.0) -> (Tensor out, Tensor lse)");
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, *, float? scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, SymInt? key_offset=None, float dropout_p=0.0, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, *, Tensor? grad_lse=None, Tensor? attn_mask=None, float? scale=None, bool "
-      "causal=False, "
-      "int window_left=-1, int window_right=-1, SymInt? key_offset=None, "
-      "float dropout_p=0.0, Tensor? rng_state=None) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "Tensor lse, *, Tensor? grad_lse=None, Tensor? attn_mask=None, float? scale=None, "
+      "bool causal=False, int window_left=-1, int window_right=-1, SymInt? key_offset=None, "
+      "float dropout_p=0.0, Tensor? rng_state=None, Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None, float softcap=0.0) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
+  m.def(
+      "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor? rng_state=None, Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None, *, SymInt max_seqlen_q, SymInt max_seqlen_k, float? scale=None, "
+      "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, Tensor? grad_lse=None, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float? scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, float softcap=0.0) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   m.def(
       "attention_weights(Tensor q, Tensor k, Tensor? attn_mask=None, *, float? scale=None, "
       "bool causal=False, int window_left=-1, int window_right=-1, SymInt? key_offset=None) "
@@ -108,8 +136,9 @@ TORCH_LIBRARY(attn_ext, m) {
       "bool rope_interleaved=False) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
-      "float? scale=None, bool causal=True, int window_left=-1, int num_splits=0) "
-      "-> (Tensor out, Tensor lse)");
+      "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "
+      "int num_splits=0, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)");
 
   m.def(
       "tpa_expand(Tensor a, Tensor b, Tensor? positions=None, *, float scale=1.0, "

@@ -56,13 +56,16 @@ def default_scale(head_dim: int) -> float:
 
 
 def window_keep(
-    sq: int, sk: int, window_size=(-1, -1), causal: bool = False, device=None
+    sq: int, sk: int, window_size=(-1, -1), causal: bool = False, device=None, key_offset=None
 ) -> torch.Tensor:
-    """Bool (sq, sk), True where query i may read key j (bottom-right aligned)."""
+    """Bool (sq, sk), True where query i may read key j (query i at key i + key_offset,
+    default sk - sq: bottom-right aligned)."""
     left, right = window_size
     if causal:
         right = 0
-    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    i = torch.arange(sq, device=device).unsqueeze(1) + (
+        sk - sq if key_offset is None else key_offset
+    )
     j = torch.arange(sk, device=device).unsqueeze(0)
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if left >= 0:
@@ -129,6 +132,10 @@ def attention_reference(
     dropout_keep: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     return_probs: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    key_offset: Optional[int] = None,
 ):
     """Plain scaled dot-product attention with attn_ext's semantics.
 
@@ -141,6 +148,12 @@ def attention_reference(
     ``dropout_keep``: bool keep mask broadcastable to (B, H, Sq, Sk) applied
     after the softmax with 1 / (1 - dropout_p) rescaling (for 3-D inputs a
     (B, Sq, Sk) or (B, 1, Sq, Sk) mask is accepted).
+    Score modifiers, on the scaled scores in this order before the masks (Gemma 2's
+    logit soft-capping, ALiBi as FlashAttention defines it, gpt-oss's sinks):
+    ``softcap`` > 0: ``s = softcap * tanh(s / softcap)``; ``alibi_slopes`` (H,) or (B, H):
+    ``s -= slope * |i + key_offset - j|``; ``sinks`` (H,): one more logit per head in every
+    row's softmax denominator, with no value (lse includes it). ``key_offset`` (default
+    Sk - Sq) aligns query i with key i + key_offset for the band and ALiBi.
     Returns out, and optionally the lse (natural log, scale included, -inf for
     empty rows) and the post-dropout-free probabilities.
     """
@@ -160,8 +173,17 @@ def attention_reference(
 
     scores = (q @ k.transpose(-2, -1)) * scale  # input dtype
     neg_inf = float("-inf")
+    offset = Sk - Sq if key_offset is None else key_offset
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes.view(1, H, 1, 1) if slopes.dim() == 1 else slopes.view(B, H, 1, 1)
+        i = torch.arange(Sq, device=q.device).view(-1, 1)
+        j = torch.arange(Sk, device=q.device).view(1, -1)
+        scores = scores - slopes * (i + offset - j).abs().to(scores.dtype)
     if causal or tuple(window_size) != (-1, -1):
-        keep = window_keep(Sq, Sk, window_size, causal, device=q.device)
+        keep = window_keep(Sq, Sk, window_size, causal, device=q.device, key_offset=offset)
         scores = scores.masked_fill(~keep, neg_inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -169,8 +191,12 @@ def attention_reference(
         else:
             scores = scores + attn_mask
     work = scores.float() if scores.dtype in LOW_PRECISION else scores
-
-    if Sk == 0:
+    if sinks is not None:  # the sink joins as a last column, dropped after the softmax
+        sink_col = sinks.to(work.dtype).view(1, H, 1, 1).expand(B, H, Sq, 1)
+        full = torch.cat([work, sink_col], dim=-1)
+        probs = torch.softmax(full, dim=-1)[..., :Sk]
+        lse = torch.logsumexp(full, dim=-1)
+    elif Sk == 0:
         probs = work * 0  # (B, H, Sq, 0), keeps the autograd graph
         lse = torch.full(work.shape[:-1], neg_inf, dtype=work.dtype, device=work.device)
     else:
@@ -195,6 +221,38 @@ def attention_reference(
     if return_probs:
         res.append(weights.to(q.dtype))
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def attention_varlen_reference(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **kw
+):
+    """FlashAttention's varlen layout through :func:`attention_reference`, one sequence at a
+    time: q (total_q, H, D), k / v (total_k, Hkv, *), cu_seqlens (B + 1,). Sequence b is
+    attention over its own tokens (causal / window bottom-right within it); ``alibi_slopes``
+    (H,) or (B, H); ``dropout_keep`` (H, total_q, max Sk) keep mask indexed by token and
+    key within the sequence. Returns out (total_q, H, Dv) and, with return_lse, lse
+    (H, total_q)."""
+    return_lse = kw.pop("return_lse", False)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qs = q[cq[b] : cq[b + 1]].transpose(0, 1).unsqueeze(0)
+        ks = k[ck[b] : ck[b + 1]].transpose(0, 1).unsqueeze(0)
+        vs = v[ck[b] : ck[b + 1]].transpose(0, 1).unsqueeze(0)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        keep = None
+        if dropout_keep is not None:
+            keep = dropout_keep[:, cq[b] : cq[b + 1], : ck[b + 1] - ck[b]].unsqueeze(0)
+        o, lse = attention_reference(
+            qs, ks, vs, alibi_slopes=slopes, dropout_keep=keep, return_lse=True, **kw
+        )
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs, 0) if outs else q.new_zeros((0, q.size(1), v.size(2)))
+    lse = torch.cat(lses, 1) if lses else q.new_zeros((q.size(1), 0))
+    return (out, lse) if return_lse else out
 
 
 def attention_weights_reference(q, k, **kw):

@@ -1,6 +1,8 @@
 #include "attention/inputs.h"
 
 #include <cmath>
+#include <utility>
+#include <vector>
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
@@ -84,6 +86,113 @@ void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state, 
   p.rng_offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
 }
 
+namespace {
+
+// softcap, alibi_slopes and sinks: checked, and the tensors converted to the accumulation type
+// (a copy of at most B * H values).
+void prepare_score_mods(const char* op, PreparedInputs& r, const AttentionOptions& o) {
+  AttentionParams& p = r.params;
+  TORCH_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0, op,
+              ": softcap must be finite and >= 0 (0 = off), got ", o.softcap);
+  p.softcap = o.softcap;
+  const auto acc = at::toOpMathType(r.q.scalar_type());
+  const auto check_floating = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.device() == r.q.device(), op, ": ", name, " must be on q's device ", r.q.device(),
+                ", got ", t.device());
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name, " must be floating, got ",
+                t.scalar_type());
+  };
+  if (o.alibi_slopes.has_value() && o.alibi_slopes->defined()) {
+    const at::Tensor& a = *o.alibi_slopes;
+    check_floating("alibi_slopes", a);
+    const bool per_head = a.dim() == 1 && a.size(0) == p.heads;
+    const bool per_batch = a.dim() == 2 && a.size(0) == p.batch && a.size(1) == p.heads;
+    TORCH_CHECK(per_head || per_batch, op, ": alibi_slopes must have shape (H,) = (", p.heads,
+                ",) or (B, H) = (", p.batch, ", ", p.heads, "), got ", a.sizes());
+    r.alibi_slopes = a.to(acc).contiguous();
+    p.alibi_slopes = r.alibi_slopes.const_data_ptr();
+    p.alibi_batch_stride = per_batch ? p.heads : 0;
+  }
+  if (o.sinks.has_value() && o.sinks->defined()) {
+    const at::Tensor& t = *o.sinks;
+    check_floating("sinks", t);
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == p.heads, op, ": sinks must have shape (H,) = (",
+                p.heads, ",), got ", t.sizes());
+    r.sinks = t.to(acc).contiguous();
+    p.sinks = r.sinks.const_data_ptr();
+  }
+}
+
+// The band of the options into the params (key_offset is the caller's business).
+void set_band(const char* op, const AttentionOptions& o, AttentionParams& p) {
+  TORCH_CHECK(o.window_left >= -1, op, ": window_size[0] (left) must be >= -1, got ",
+              o.window_left);
+  TORCH_CHECK(o.window_right >= -1, op, ": window_size[1] (right) must be >= -1, got ",
+              o.window_right);
+  p.window_left = o.window_left;
+  p.window_right =
+      o.causal ? (o.window_right < 0 ? 0 : std::min<int64_t>(o.window_right, 0)) : o.window_right;
+}
+
+void set_scale(const char* op, const AttentionOptions& o, AttentionParams& p) {
+  const double scale =
+      o.scale.has_value() ? *o.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  p.scale = scale;
+}
+
+void set_qkv_pointers(PreparedInputs& r) {
+  AttentionParams& p = r.params;
+  p.q = r.q.data_ptr();
+  p.k = r.k.data_ptr();
+  p.v = r.v.data_ptr();
+  p.q_batch_stride = p.varlen() ? 0 : r.q.stride(0);
+  p.q_head_stride = r.q.stride(1);
+  p.q_row_stride = blas_row_stride(r.q);
+  p.k_batch_stride = p.varlen() ? 0 : r.k.stride(0);
+  p.k_head_stride = r.k.stride(1);
+  p.k_row_stride = blas_row_stride(r.k);
+  p.v_batch_stride = p.varlen() ? 0 : r.v.stride(0);
+  p.v_head_stride = r.v.stride(1);
+  p.v_row_stride = blas_row_stride(r.v);
+}
+
+// A varlen tensor (total, heads, dim) as the (1, heads, total, dim) view the kernels address
+// by (head, token) rows.
+at::Tensor token_rows(const char* op, const char* name, const at::Tensor& t, const char* shape) {
+  TORCH_CHECK(t.dim() == 3, op, ": ", name, " must be 3-D ", shape, ", got ", t.dim(), "-D ",
+              t.sizes());
+  return t.transpose(0, 1).unsqueeze(0);
+}
+
+void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, const at::Tensor& q,
+                      int64_t batch, int64_t total, int64_t max_seqlen, bool exact_total) {
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": ", name,
+              " must be 1-D (B + 1,) with B >= 0, got shape ", cu.sizes());
+  TORCH_CHECK(cu.size(0) == batch + 1, op, ": ", name, " must have B + 1 = ", batch + 1,
+              " entries (as cu_seqlens_q), got ", cu.size(0));
+  TORCH_CHECK(cu.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ",
+              cu.scalar_type());
+  TORCH_CHECK(cu.device() == q.device(), op, ": ", name, " must be on q's device ", q.device(),
+              ", got ", cu.device());
+  TORCH_CHECK(cu.is_contiguous(), op, ": ", name, " must be contiguous");
+  if (!cu.device().is_cpu()) return;  // reading a device tensor's values would synchronize
+  const int32_t* c = cu.const_data_ptr<int32_t>();
+  TORCH_CHECK(c[0] == 0, op, ": ", name, "[0] must be 0, got ", c[0]);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = static_cast<int64_t>(c[b + 1]) - c[b];
+    TORCH_CHECK(len >= 0, op, ": ", name, " must be non-decreasing, got ", name, "[", b,
+                "] = ", c[b], " > ", name, "[", b + 1, "] = ", c[b + 1]);
+    TORCH_CHECK(len <= max_seqlen, op, ": sequence ", b, " has length ", len, " (", name,
+                ") > max_seqlen ", max_seqlen);
+  }
+  TORCH_CHECK(exact_total ? c[batch] == total : c[batch] <= total, op, ": ", name,
+              "[B] = ", c[batch],
+              exact_total ? " must equal the token count " : " exceeds the token count ", total);
+}
+
+}  // namespace
+
 PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const at::Tensor& k_in,
                                  const at::Tensor& v_in, const AttentionOptions& o) {
   check_qkv(op, q_in, k_in, v_in);
@@ -99,20 +208,9 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
   p.seqlen_k = r.k.size(2);
   p.head_dim = r.q.size(3);
   p.head_dim_v = r.v.size(3);
-
-  const double scale =
-      o.scale.has_value() ? *o.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
-  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  p.scale = scale;
-
-  TORCH_CHECK(o.window_left >= -1, op, ": window_size[0] (left) must be >= -1, got ",
-              o.window_left);
-  TORCH_CHECK(o.window_right >= -1, op, ": window_size[1] (right) must be >= -1, got ",
-              o.window_right);
+  set_scale(op, o, p);
+  set_band(op, o, p);
   p.key_offset = o.key_offset.has_value() ? *o.key_offset : p.seqlen_k - p.seqlen_q;
-  p.window_left = o.window_left;
-  p.window_right =
-      o.causal ? (o.window_right < 0 ? 0 : std::min<int64_t>(o.window_right, 0)) : o.window_right;
 
   if (o.attn_mask.has_value() && o.attn_mask->defined()) {
     r.mask = prepare_mask(op, *o.attn_mask, r.q, p.seqlen_k);
@@ -127,30 +225,72 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const a
     p.mask_col_stride = r.mask.stride(3);
   }
   read_rng_state(op, o.rng_state, o.dropout_p, p);
+  prepare_score_mods(op, r, o);
+  set_qkv_pointers(r);
+  return r;
+}
 
-  p.q = r.q.data_ptr();
-  p.k = r.k.data_ptr();
-  p.v = r.v.data_ptr();
-  p.q_batch_stride = r.q.stride(0);
-  p.q_head_stride = r.q.stride(1);
-  p.q_row_stride = blas_row_stride(r.q);
-  p.k_batch_stride = r.k.stride(0);
-  p.k_head_stride = r.k.stride(1);
-  p.k_row_stride = blas_row_stride(r.k);
-  p.v_batch_stride = r.v.stride(0);
-  p.v_head_stride = r.v.stride(1);
-  p.v_row_stride = blas_row_stride(r.v);
+PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
+                                        const at::Tensor& k_in, const at::Tensor& v_in,
+                                        const at::Tensor& cu_seqlens_q,
+                                        const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                        int64_t max_seqlen_k, const AttentionOptions& o) {
+  const at::Tensor q4 = token_rows(op, "q", q_in, "(total_q, H, D)");
+  const at::Tensor k4 = token_rows(op, "k", k_in, "(total_k, Hkv, D)");
+  const at::Tensor v4 = token_rows(op, "v", v_in, "(total_k, Hkv, Dv)");
+  check_qkv(op, q4, k4, v4);
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, op,
+              ": max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
+              max_seqlen_k);
+  const int64_t batch = cu_seqlens_q.dim() == 1 ? cu_seqlens_q.size(0) - 1 : -1;
+  check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q_in, batch, q_in.size(0), max_seqlen_q,
+                   /*exact_total=*/true);
+  check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q_in, batch, k_in.size(0), max_seqlen_k,
+                   /*exact_total=*/false);
+  PreparedInputs r;
+  r.q = blas_rows(q4);
+  r.k = blas_rows(k4);
+  r.v = blas_rows(v4);
+  r.cu_seqlens_q = cu_seqlens_q;
+  r.cu_seqlens_k = cu_seqlens_k;
+  AttentionParams& p = r.params;
+  p.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int32_t>();
+  p.cu_seqlens_k = cu_seqlens_k.const_data_ptr<int32_t>();
+  p.batch = batch;
+  p.heads = r.q.size(1);
+  p.kv_heads = r.k.size(1);
+  p.seqlen_q = max_seqlen_q;
+  p.seqlen_k = max_seqlen_k;
+  p.total_q = q_in.size(0);
+  p.total_k = k_in.size(0);
+  p.head_dim = r.q.size(3);
+  p.head_dim_v = r.v.size(3);
+  set_scale(op, o, p);
+  set_band(op, o, p);
+  TORCH_CHECK(!(o.attn_mask.has_value() && o.attn_mask->defined()), op,
+              ": attn_mask is not supported by the varlen form");
+  read_rng_state(op, o.rng_state, o.dropout_p, p);
+  prepare_score_mods(op, r, o);
+  set_qkv_pointers(r);
   return r;
 }
 
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q) {
-  at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor out, lse, out4;
+  if (p.varlen()) {
+    out = at::empty({p.total_q, p.heads, p.head_dim_v}, q.options());
+    lse = at::empty({p.heads, p.total_q}, q.options().dtype(at::kFloat));
+    out4 = out.transpose(0, 1).unsqueeze(0);
+  } else {
+    out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
+    lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
+    out4 = out;
+  }
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.o_batch_stride = out.stride(0);
-  p.o_head_stride = out.stride(1);
-  p.o_row_stride = std::max<int64_t>(out.stride(2), 1);
+  p.o_batch_stride = p.varlen() ? 0 : out4.stride(0);
+  p.o_head_stride = out4.stride(1);
+  p.o_row_stride = std::max<int64_t>(out4.stride(2), 1);
   return {out, lse};
 }
 
@@ -160,11 +300,24 @@ PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& gr
                                             const at::Tensor& lse,
                                             const std::optional<at::Tensor>& grad_lse,
                                             const AttentionOptions& opts) {
-  PreparedBackward r{prepare_attention(op, q, k, v, opts)};
+  return prepare_backward_of(op, prepare_attention(op, q, k, v, opts), grad_out, out, lse,
+                             grad_lse);
+}
+
+PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at::Tensor& grad_out,
+                                     const at::Tensor& out, const at::Tensor& lse,
+                                     const std::optional<at::Tensor>& grad_lse) {
+  PreparedBackward r{std::move(in)};
   AttentionBwdParams& p = r.params;
   static_cast<AttentionParams&>(p) = r.in.params;
-  const std::vector<int64_t> o_shape{p.batch, p.heads, p.seqlen_q, p.head_dim_v};
-  const std::vector<int64_t> row_shape{p.batch, p.heads, p.seqlen_q};
+  const at::Tensor& q = r.in.q;
+  const bool varlen = p.varlen();
+  const std::vector<int64_t> o_shape =
+      varlen ? std::vector<int64_t>{p.total_q, p.heads, p.head_dim_v}
+             : std::vector<int64_t>{p.batch, p.heads, p.seqlen_q, p.head_dim_v};
+  const std::vector<int64_t> row_shape = varlen
+                                             ? std::vector<int64_t>{p.heads, p.total_q}
+                                             : std::vector<int64_t>{p.batch, p.heads, p.seqlen_q};
   check_companion(op, "grad_out", grad_out, q, o_shape, q.scalar_type());
   check_companion(op, "out", out, q, o_shape, q.scalar_type());
   check_companion(op, "lse", lse, q, row_shape, at::kFloat);
@@ -172,48 +325,66 @@ PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& gr
   if (has_glse) check_companion(op, "grad_lse", *grad_lse, q, row_shape, at::kFloat);
 
   // The kernels read grad_out / out by rows (through BLAS on the CPU), lse by index.
-  r.grad_out = blas_rows(grad_out);
-  r.out = blas_rows(out);
+  const auto rows_view = [&](const at::Tensor& t) {
+    return varlen ? t.transpose(0, 1).unsqueeze(0) : t;
+  };
+  r.grad_out = blas_rows(rows_view(grad_out));
+  r.out = blas_rows(rows_view(out));
   r.lse = lse.contiguous();
   if (has_glse) r.grad_lse = grad_lse->contiguous();
   p.grad_lse = has_glse ? r.grad_lse.const_data_ptr<float>() : nullptr;
   p.dout = r.grad_out.const_data_ptr();
-  p.do_batch_stride = r.grad_out.stride(0);
+  p.do_batch_stride = varlen ? 0 : r.grad_out.stride(0);
   p.do_head_stride = r.grad_out.stride(1);
   p.do_row_stride = blas_row_stride(r.grad_out);
   p.out = const_cast<void*>(r.out.const_data_ptr());
-  p.o_batch_stride = r.out.stride(0);
+  p.o_batch_stride = varlen ? 0 : r.out.stride(0);
   p.o_head_stride = r.out.stride(1);
   p.o_row_stride = blas_row_stride(r.out);
   p.lse = const_cast<float*>(r.lse.const_data_ptr<float>());
   return r;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_grads(AttentionBwdParams& p,
-                                                              const at::Tensor& q,
-                                                              int64_t dq_partials) {
+Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials) {
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  at::Tensor dq = at::zeros({dq_partials, B, H, Sq, p.head_dim}, acc);
-  at::Tensor dk = at::zeros({B, H, Sk, p.head_dim}, acc);
-  at::Tensor dv = at::zeros({B, H, Sk, p.head_dim_v}, acc);
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  return {dq, dk, dv};
+  const int64_t B = p.row_batches(), H = p.heads, Sq = p.q_rows(), Sk = p.k_rows();
+  Grads g;
+  g.dq = at::zeros({dq_partials, B, H, Sq, p.head_dim}, acc);
+  g.dk = at::zeros({B, H, Sk, p.head_dim}, acc);
+  g.dv = at::zeros({B, H, Sk, p.head_dim_v}, acc);
+  p.dq = g.dq.data_ptr();
+  p.dk = g.dk.data_ptr();
+  p.dv = g.dv.data_ptr();
+  if (p.sinks != nullptr) {
+    g.dsinks = at::zeros({H}, acc);
+    p.dsinks = g.dsinks.data_ptr();
+  }
+  return g;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_grads(const AttentionBwdParams& p,
-                                                            at::Tensor dq, at::Tensor dk,
-                                                            at::Tensor dv, at::ScalarType dtype) {
-  dq = dq.size(0) == 1 ? dq.squeeze(0) : dq.sum(0);
-  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sk = p.seqlen_k;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_grads(
+    const AttentionBwdParams& p, Grads g, at::ScalarType dtype,
+    const std::optional<at::Tensor>& sinks) {
+  at::Tensor dq = g.dq.size(0) == 1 ? g.dq.squeeze(0) : g.dq.sum(0);
+  at::Tensor dk = g.dk, dv = g.dv;
+  const int64_t B = p.row_batches(), H = p.heads, Hkv = p.kv_heads, Sk = p.k_rows();
   if (H != Hkv) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
     dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
   }
-  return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+  if (p.varlen()) {  // (1, H, total, *) -> (total, H, *)
+    const auto tokens_first = [&](const at::Tensor& t) {
+      return t.squeeze(0).transpose(0, 1).to(dtype).contiguous();
+    };
+    dq = tokens_first(dq), dk = tokens_first(dk), dv = tokens_first(dv);
+  } else {
+    dq = dq.to(dtype), dk = dk.to(dtype), dv = dv.to(dtype);
+  }
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  at::Tensor dsinks = has_sinks ? g.dsinks.to(sinks->scalar_type())
+                                : at::empty({0}, dq.options().dtype(at::kFloat));
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace attn_ext

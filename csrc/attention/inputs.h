@@ -19,6 +19,10 @@ struct AttentionOptions {
   std::optional<int64_t> key_offset;
   double dropout_p = 0.0;
   std::optional<at::Tensor> rng_state;
+  // Score modifiers (common/score_mod.h).
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;  // (H,) or (B, H)
+  std::optional<at::Tensor> sinks;         // (H,)
 };
 
 // Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
@@ -26,7 +30,8 @@ struct AttentionOptions {
 // own reduced-precision type.
 struct PreparedInputs {
   at::Tensor q, k, v, mask;
-  AttentionParams params;  // shapes, strides, scale, band, mask and dropout; no outputs
+  at::Tensor alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k;  // as the kernels read them
+  AttentionParams params;  // shapes, strides, scale, band, mask, dropout, modifiers; no outputs
 };
 
 // The q/k/v checks every attention-like op shares: 4-D, one floating dtype, one device, one
@@ -36,8 +41,18 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
 PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const AttentionOptions& opts);
 
+// The varlen form (attn_ext.attention_varlen): q (total_q, H, D), k (total_k, Hkv, D),
+// v (total_k, Hkv, Dv), cu_seqlens (B + 1,) int32 on q's device. On the CPU the offsets are
+// checked (0 first, non-decreasing, last = total, lengths within max_seqlen); a CUDA caller's
+// values cannot be read without a sync, so the CUDA kernels stay in bounds for any offsets
+// that are non-decreasing and end within the tensors (as FlashAttention requires).
+PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                        const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                        int64_t max_seqlen_k, const AttentionOptions& opts);
+
 // Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
-// float32, and points the params at them.
+// float32 (varlen: out (total_q, H, Dv), lse (H, total_q)), and points the params at them.
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q);
 
 // The backward's inputs: q/k/v and the options as prepare_attention takes them, then
@@ -54,17 +69,24 @@ PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& gr
                                             const at::Tensor& lse,
                                             const std::optional<at::Tensor>& grad_lse,
                                             const AttentionOptions& opts);
+// The same for the varlen form: `in` from prepare_attention_varlen.
+PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at::Tensor& grad_out,
+                                     const at::Tensor& out, const at::Tensor& lse,
+                                     const std::optional<at::Tensor>& grad_lse);
 
 // Zeroed gradient accumulators in q's compute type, and the params pointed at them:
-// dq as `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_grads(AttentionBwdParams& p,
-                                                              const at::Tensor& q,
-                                                              int64_t dq_partials = 1);
+// dq as `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head
+// (varlen: (H, total, *)), dsinks (H,) when the op has sinks.
+struct Grads {
+  at::Tensor dq, dk, dv, dsinks;
+};
+Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials = 1);
 // The op's results from the accumulators: dq's partials summed in a fixed order, each GQA
-// group's dk / dv summed in the compute type, all cast to `dtype`.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_grads(const AttentionBwdParams& p,
-                                                            at::Tensor dq, at::Tensor dk,
-                                                            at::Tensor dv, at::ScalarType dtype);
+// group's dk / dv summed in the compute type, all cast to `dtype`, in the op's layout;
+// grad_sinks in `sinks`' dtype (an empty float32 tensor without sinks).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_grads(
+    const AttentionBwdParams& p, Grads g, at::ScalarType dtype,
+    const std::optional<at::Tensor>& sinks);
 
 // Reads (seed, offset) from an int64 rng_state tensor of shape (2,).
 void read_rng_state(const char* op, const std::optional<at::Tensor>& rng_state, double dropout_p,

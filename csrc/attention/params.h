@@ -40,20 +40,72 @@ struct AttentionParams {
   double dropout_p = 0.0;
   uint64_t seed = 0, rng_offset = 0;
 
+  // Score modifiers (common/score_mod.h), applied to the scaled scores in this order, before
+  // the band and attn_mask: softcap (> 0: s = softcap * tanh(s / softcap), Gemma 2), then
+  // ALiBi (s -= slope * |i + key_offset - j|). Both arrays are in the accumulation type.
+  double softcap = 0.0;
+  const void* alibi_slopes = nullptr;  // (B, H) or (H,): slope of (b, h) at
+  int64_t alibi_batch_stride = 0;      // b * alibi_batch_stride + h (0 for (H,))
+  // Attention sinks: a per-head logit sinks[h] (natural-log units, not scaled) that joins
+  // every row's softmax denominator without a value; lse includes it.
+  const void* sinks = nullptr;  // (H,) in the accumulation type, or null
+
+  // Variable-length batches (FlashAttention's varlen layout): sequence b owns query tokens
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+  // of q (total_q, H, D) / k, v (total_k, Hkv, *); batch strides are 0 and rows are tokens.
+  // seqlen_q / seqlen_k then hold the callers' max_seqlen_q / max_seqlen_k (grid sizes only:
+  // kernels read each sequence's true length from cu_seqlens). Null: fixed-length batch.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0, total_k = 0;  // varlen: token counts of q and k
+
   C10_HOST_DEVICE int64_t group() const { return heads / kv_heads; }
+  C10_HOST_DEVICE bool varlen() const { return cu_seqlens_q != nullptr; }
+  // Per-head row arrays (lse, the dropout streams, the backward's accumulators) are
+  // head-major: row r of (b, h) is at head_row(b, h, rows) + r, where rows = q_rows() for
+  // query rows (Sq; varlen: total_q, with r = the token) and k_rows() for key rows. So
+  // lse is (B, H, Sq), or (H, total_q) for a varlen batch.
+  C10_HOST_DEVICE int64_t q_rows() const { return varlen() ? total_q : seqlen_q; }
+  C10_HOST_DEVICE int64_t k_rows() const { return varlen() ? total_k : seqlen_k; }
+  C10_HOST_DEVICE int64_t row_batches() const { return varlen() ? 1 : batch; }
+  C10_HOST_DEVICE int64_t head_row(int64_t b, int64_t h, int64_t rows) const {
+    return ((varlen() ? 0 : b) * heads + h) * rows;
+  }
 };
+
+// Where sequence b's rows lie and how its queries align with its keys.
+struct SeqBounds {
+  int64_t q_begin, seqlen_q;  // first query row (token) and count
+  int64_t k_begin, seqlen_k;  // first key row (token) and count
+  int64_t key_offset;         // query i sits at key position i + key_offset
+};
+
+C10_HOST_DEVICE inline SeqBounds seq_bounds(const AttentionParams& p, int64_t b) {
+  if (!p.varlen()) return {0, p.seqlen_q, 0, p.seqlen_k, p.key_offset};
+  const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+  const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+  return {q0, q1 - q0, k0, k1 - k0, (k1 - k0) - (q1 - q0)};  // bottom-right per sequence
+}
+
+// Index of query row i (relative to the sequence) of (b, h) in lse and the dropout streams.
+C10_HOST_DEVICE inline int64_t row_index(const AttentionParams& p, const SeqBounds& s, int64_t b,
+                                         int64_t h, int64_t i) {
+  return p.head_row(b, h, p.q_rows()) + s.q_begin + i;
+}
 
 // The backward pass reads the forward's tensors and writes gradients.
 struct AttentionBwdParams : AttentionParams {
   const void* dout = nullptr;
-  const float* grad_lse = nullptr;  // (B, H, Sq) contiguous, or null
+  const float* grad_lse = nullptr;  // laid out as lse, or null
   int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
-  // Accumulators in the compute type, contiguous:
-  //   dq (B, H, Sq, D); dk (B, H, Sk, D), dv (B, H, Sk, Dv) per *query* head
-  //   (summed over each GQA group afterwards, so no two threads share a row).
+  // Accumulators in the compute type, rows contiguous and head-major (head_row): dq
+  // (partials, B, H, Sq, D); dk (B, H, Sk, D), dv (B, H, Sk, Dv) per *query* head (summed over
+  // each GQA group afterwards, so no two threads share a row); varlen: (H, total, *).
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  // d loss / d sinks[h] in the compute type, or null without sinks.
+  void* dsinks = nullptr;
 };
 
 }  // namespace attn_ext

@@ -14,6 +14,8 @@
 #include "common/cpu/kernel_traits.h"
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
+#include "common/cpu/work_queue.h"
+#include "common/score_mod.h"
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
@@ -26,22 +28,25 @@ namespace {
 // in float32 (design), which caps fp64 gradients at ~1e-7 relative error; fp64 callers ask
 // for exactness, so for them the backward recomputes it in fp64 (one extra Q K^T pass).
 template <typename scalar_t, typename acc_t>
-void recompute_lse2(const AttentionParams& p, int64_t b, int64_t h, const scalar_t* q,
-                    const scalar_t* k, acc_t* s_buf, int64_t ld_s, int64_t block_m, int64_t block_n,
-                    acc_t* lse2) {
-  const LocalBand band{p.key_offset, p.window_left, p.window_right};
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
-  for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += block_m) {
-    const int64_t m = std::min(block_m, p.seqlen_q - i0);
-    std::vector<SoftmaxState<acc_t>> st(m);
-    const int64_t n_end = band.key_end(i0 + m, p.seqlen_k);
-    for (int64_t j0 = band.key_begin(i0, p.seqlen_k); j0 < n_end; j0 += block_n) {
+void recompute_lse2(const AttentionParams& p, const SeqBounds& sb, int64_t b, int64_t h,
+                    const scalar_t* q, const scalar_t* k, acc_t* s_buf, int64_t ld_s,
+                    int64_t block_m, int64_t block_n, acc_t* lse2) {
+  const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+  const acc_t log2e = static_cast<acc_t>(kLog2e);
+  const ScoreMod<acc_t> mod = ScoreMod<acc_t>::make(p, b, h, sb.key_offset, log2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+  for (int64_t i0 = 0; i0 < sb.seqlen_q; i0 += block_m) {
+    const int64_t m = std::min(block_m, sb.seqlen_q - i0);
+    std::vector<SoftmaxState<acc_t>> st(m, initial_state<acc_t>(p, h, log2e));
+    const int64_t n_end = band.key_end(i0 + m, sb.seqlen_k);
+    for (int64_t j0 = band.key_begin(i0, sb.seqlen_k); j0 < n_end; j0 += block_n) {
       const int64_t n = std::min(block_n, n_end - j0);
       gemm(false, true, m, n, p.head_dim, acc_t(1), q + i0 * p.q_row_stride, p.q_row_stride,
            k + j0 * p.k_row_stride, p.k_row_stride, acc_t(0), s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) scale_row(s_buf + r * ld_s, n, s_scale);
-      mask_tile<scalar_t>(p, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n), s_buf,
-                          ld_s);
+      if (mod.active()) modify_tile(mod, i0, m, j0, n, s_buf, ld_s);
+      mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, !band.tile_unmasked(i0, i0 + m, j0, j0 + n),
+                          s_buf, ld_s);
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s_buf + r * ld_s;
         st[r].rescale_to(row_max(sr, n));
@@ -69,11 +74,13 @@ inline int64_t bwd_key_chunks(int64_t batch_heads, int64_t key_blocks, int64_t s
   return std::max<int64_t>(chunks, 1);
 }
 
+// Varlen batches use the same count for every sequence, from the longest (max_seqlen_k) and
+// the total query rows (the partial dq's size).
 template <typename scalar_t>
 int64_t flash_bwd_chunks(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
   const int64_t key_blocks = (p.seqlen_k + Traits::kBwdBlockN - 1) / Traits::kBwdBlockN;
-  return bwd_key_chunks(p.batch * p.heads, key_blocks, p.seqlen_q, p.head_dim,
+  return bwd_key_chunks(p.row_batches() * p.heads, key_blocks, p.q_rows(), p.head_dim,
                         sizeof(typename Traits::acc_t));
 }
 
@@ -180,142 +187,202 @@ struct PackedBwdProducts {
 };
 #endif
 
-// dq must hold chunks x (B, H, Sq, D) partials (chunk-major).
+// dq must hold chunks x (B, H, Sq, D) partials (chunk-major; varlen: chunks x (H, total_q, D)).
 template <typename scalar_t, typename Products>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   constexpr int64_t kM = Traits::kBwdBlockM, kN = Traits::kBwdBlockN;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int64_t BH = p.batch * p.heads;
-  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const int64_t BH = p.batch * p.heads, QR = p.q_rows(), KR = p.k_rows();
+  const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const acc_t s_scale = scale * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = scale * log2e;
   const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
-  auto q_of = [&](int64_t b, int64_t h) {
+  auto q_of = [&](int64_t b, int64_t h, const SeqBounds& sb) {
     return row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
-                   p.q_row_stride, b, h, 0);
+                   p.q_row_stride, b, h, sb.q_begin);
   };
-  auto k_of = [&](int64_t b, int64_t hk) {
+  auto k_of = [&](int64_t b, int64_t hk, const SeqBounds& sb) {
     return row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                   p.k_row_stride, b, hk, 0);
+                   p.k_row_stride, b, hk, sb.k_begin);
   };
 
   // ---- prologue, per (batch, head): delta_i = rowsum(dO_i * O_i) (minus the lse gradient)
-  // and the log2-domain lse each probability is recomputed from.
+  // and the log2-domain lse each probability is recomputed from, indexed as lse; with sinks,
+  // each (batch, head)'s share of d sink = -sum_i P_sink,i * delta_i.
   // lse in the log2 domain as a float pair hi + lo (see exp2_scale_shift2).
-  std::vector<acc_t> delta(BH * Sq), lse2(BH * Sq), lse2_lo(BH * Sq, acc_t(0));
+  const int64_t rows = p.row_batches() * p.heads * QR;
+  std::vector<acc_t> delta(rows), lse2(rows), lse2_lo(rows, acc_t(0));
+  std::vector<acc_t> dsink_part(p.sinks != nullptr ? BH : 0, acc_t(0));
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> s_buf(std::is_same_v<scalar_t, double> ? kM * kN : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.heads, h = bh % p.heads;
+      const SeqBounds sb = seq_bounds(p, b);
+      const int64_t r0 = row_index(p, sb, b, h, 0), Sq = sb.seqlen_q;
       const auto* o = row_ptr(static_cast<const scalar_t*>(p.out), p.o_batch_stride,
-                              p.o_head_stride, p.o_row_stride, b, h, 0);
+                              p.o_head_stride, p.o_row_stride, b, h, sb.q_begin);
       const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
-                                 p.do_head_stride, p.do_row_stride, b, h, 0);
+                                 p.do_head_stride, p.do_row_stride, b, h, sb.q_begin);
       for (int64_t i = 0; i < Sq; ++i) {
         acc_t d = 0;
         for (int64_t c = 0; c < Dv; ++c)
           d += static_cast<acc_t>(dout[i * p.do_row_stride + c]) *
                static_cast<acc_t>(o[i * p.o_row_stride + c]);
         // d lse_i / d s_ij = P_ij, so an lse gradient enters as dS_ij += P_ij * glse_i.
-        delta[bh * Sq + i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[bh * Sq + i]) : d;
+        delta[r0 + i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[r0 + i]) : d;
       }
       if constexpr (std::is_same_v<scalar_t, double>) {
-        recompute_lse2(p, b, h, q_of(b, h), k_of(b, h / p.group()), s_buf.get(), kN, kM, kN,
-                       lse2.data() + bh * Sq);
+        recompute_lse2(p, sb, b, h, q_of(b, h, sb), k_of(b, h / p.group(), sb), s_buf.get(), kN, kM,
+                       kN, lse2.data() + r0);
       } else {
         for (int64_t i = 0; i < Sq; ++i) {
-          const double l2 = static_cast<double>(p.lse[bh * Sq + i]) * kLog2e;
-          lse2[bh * Sq + i] = static_cast<acc_t>(l2);
-          lse2_lo[bh * Sq + i] =
+          const double l2 = static_cast<double>(p.lse[r0 + i]) * kLog2e;
+          lse2[r0 + i] = static_cast<acc_t>(l2);
+          lse2_lo[r0 + i] =
               std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
         }
       }
+      if (p.sinks != nullptr) {
+        // The sink's probability in row i is exp2(sink2 - lse2_i); it holds no value, so
+        // d loss / d sink = sum_i P_sink,i * (0 - delta_i).
+        const acc_t sink2 = static_cast<const acc_t*>(p.sinks)[h] * log2e;
+        acc_t g = 0;
+        for (int64_t i = 0; i < Sq; ++i)
+          g -= std::exp2((sink2 - lse2[r0 + i]) - lse2_lo[r0 + i]) * delta[r0 + i];
+        dsink_part[bh] = g;
+      }
     }
   });
+  if (p.sinks != nullptr) {  // summed over the batch in a fixed order (deterministic)
+    auto* dsinks = static_cast<acc_t*>(p.dsinks);
+    for (int64_t bh = 0; bh < BH; ++bh) dsinks[bh % p.heads] += dsink_part[bh];
+  }
 
-  const int64_t key_blocks = (Sk + kN - 1) / kN;
-  const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
-  at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
-    Products prod(p, kM, kN);
-    Buffer<acc_t> p_buf(kM * kN), dp_buf(kM * kN);
-    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
+  // ---- main loop, per (batch, head, key chunk): the chunk's key blocks outside, the query
+  // rows that see them inside; each task owns its dq partial and its dk / dv rows.
+  auto task = [&](Products& prod, Buffer<acc_t>& p_buf, Buffer<acc_t>& dp_buf,
+                  Buffer<acc_t>& dcap_buf, Buffer<uint8_t>& keep, int64_t b, int64_t h,
+                  int64_t chunk) {
+    const SeqBounds sb = seq_bounds(p, b);
+    const int64_t Sq = sb.seqlen_q, Sk = sb.seqlen_k, hk = h / p.group();
+    const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+    const ScoreMod<acc_t> mod = ScoreMod<acc_t>::make(p, b, h, sb.key_offset, log2e);
+    const auto* q = q_of(b, h, sb);
+    const auto* k = k_of(b, hk, sb);
+    const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                            p.v_row_stride, b, hk, sb.k_begin);
+    const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
+                               p.do_head_stride, p.do_row_stride, b, h, sb.q_begin);
+    const int64_t r0 = row_index(p, sb, b, h, 0);
+    const acc_t* lse_r = lse2.data() + r0;
+    const acc_t* lse_lo_r = lse2_lo.data() + r0;
+    const acc_t* delta_r = delta.data() + r0;
+    auto* dq = static_cast<acc_t*>(p.dq) + (chunk * rows + r0) * D;
+    auto* dk = static_cast<acc_t*>(p.dk) + (p.head_row(b, h, KR) + sb.k_begin) * D;
+    auto* dv = static_cast<acc_t*>(p.dv) + (p.head_row(b, h, KR) + sb.k_begin) * Dv;
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task % chunks, bh = task / chunks;
-      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
-      const auto* q = q_of(b, h);
-      const auto* k = k_of(b, hk);
-      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
-                              p.v_row_stride, b, hk, 0);
-      const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
-                                 p.do_head_stride, p.do_row_stride, b, h, 0);
-      const acc_t* lse_r = lse2.data() + bh * Sq;
-      const acc_t* lse_lo_r = lse2_lo.data() + bh * Sq;
-      const acc_t* delta_r = delta.data() + bh * Sq;
-      auto* dq = static_cast<acc_t*>(p.dq) + (chunk * BH + bh) * Sq * D;
-      auto* dk = static_cast<acc_t*>(p.dk) + bh * Sk * D;
-      auto* dv = static_cast<acc_t*>(p.dv) + bh * Sk * Dv;
+    const int64_t key_blocks = (Sk + kN - 1) / kN;
+    const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
+    const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
+    for (int64_t j0 = chunk * blocks_per_chunk * kN; j0 < j_end; j0 += kN) {
+      const int64_t n = std::min(kN, Sk - j0);
+      const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
+      if (r_begin >= r_end) continue;
+      prod.load_keys(k + j0 * p.k_row_stride, p.k_row_stride, v + j0 * p.v_row_stride,
+                     p.v_row_stride, n);
 
-      // ---- main loop: this chunk's key blocks outside, the query rows that see them inside
-      const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
-      for (int64_t j0 = chunk * blocks_per_chunk * kN; j0 < j_end; j0 += kN) {
-        const int64_t n = std::min(kN, Sk - j0);
-        const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
-        if (r_begin >= r_end) continue;
-        prod.load_keys(k + j0 * p.k_row_stride, p.k_row_stride, v + j0 * p.v_row_stride,
-                       p.v_row_stride, n);
+      for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
+        const int64_t m = std::min(kM, r_end - i0);
+        prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
+                          p.do_row_stride, m);
+        acc_t* pt = p_buf.get();
+        acc_t* dpt = dp_buf.get();
+        acc_t* dcap = mod.softcapped() ? dcap_buf.get() : nullptr;
 
-        for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
-          const int64_t m = std::min(kM, r_end - i0);
-          prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
-                            p.do_row_stride, m);
-          acc_t* pt = p_buf.get();
-          acc_t* dpt = dp_buf.get();
-
-          // P = exp(scale * Q K^T - lse), masked entries 0; the scores are scaled as the
-          // forward scaled them, so they match its lse to the rounding of the products.
-          prod.scores(m, n, s_scale, pt, kN);
-          const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-          if (band_partial || p.mask_kind != MaskKind::kNone)
-            mask_tile<scalar_t>(p, b, h, i0, m, j0, n, band_partial, pt, kN);
-          for (int64_t r = 0; r < m; ++r) {
-            const acc_t l2 = lse_r[i0 + r];
-            acc_t* pr = pt + r * kN;
-            if (l2 == -std::numeric_limits<acc_t>::infinity()) {
-              std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
-            } else {
-              exp2_scale_shift2(pr, n, acc_t(1), l2, lse_lo_r[i0 + r]);
-            }
+        // P = exp(modified scores - lse), masked entries 0; the scores are scaled and
+        // modified as the forward did, so they match its lse to the rounding of the products.
+        prod.scores(m, n, s_scale, pt, kN);
+        if (mod.active()) modify_tile(mod, i0, m, j0, n, pt, kN, dcap);
+        const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
+        if (band_partial || p.mask_kind != MaskKind::kNone)
+          mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, pt, kN);
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t l2 = lse_r[i0 + r];
+          acc_t* pr = pt + r * kN;
+          if (l2 == -std::numeric_limits<acc_t>::infinity()) {
+            std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
+          } else {
+            exp2_scale_shift2(pr, n, acc_t(1), l2, lse_lo_r[i0 + r]);
           }
-
-          // dV += P_dropped^T dO
-          const acc_t* pv = pt;
-          if (dropout) {
-            dropout_tile(p, b, h, i0, m, j0, n, keep.get());
-            for (int64_t r = 0; r < m; ++r) {
-              std::copy(pt + r * kN, pt + r * kN + n, dpt + r * kN);
-              apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
-            }
-            pv = dpt;
-          }
-          prod.add_dv(pv, kN, m, n, dv + j0 * Dv);
-
-          // dS = scale * P * (dP - delta), dP = (dO V^T) through the dropout mask
-          prod.dprobs(m, n, dpt, kN);
-          for (int64_t r = 0; r < m; ++r) {
-            if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
-            softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
-            scale_row(dpt + r * kN, n, scale);
-          }
-
-          // dQ += dS K,  dK += dS^T Q
-          prod.add_dq(dpt, kN, m, n, dq + i0 * D);
-          prod.add_dk(dpt, kN, m, n, dk + j0 * D);
         }
+
+        // dV += P_dropped^T dO
+        const acc_t* pv = pt;
+        if (dropout) {
+          dropout_tile(p, r0 + i0, m, j0, n, keep.get());
+          for (int64_t r = 0; r < m; ++r) {
+            std::copy(pt + r * kN, pt + r * kN + n, dpt + r * kN);
+            apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+          }
+          pv = dpt;
+        }
+        prod.add_dv(pv, kN, m, n, dv + j0 * Dv);
+
+        // dS = scale * P * (dP - delta) (* softcap'), dP = (dO V^T) through the dropout mask
+        prod.dprobs(m, n, dpt, kN);
+        for (int64_t r = 0; r < m; ++r) {
+          if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+          softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
+          if (dcap != nullptr)
+            for (int64_t c = 0; c < n; ++c) dpt[r * kN + c] *= dcap[r * n + c];
+          scale_row(dpt + r * kN, n, scale);
+        }
+
+        // dQ += dS K,  dK += dS^T Q
+        prod.add_dq(dpt, kN, m, n, dq + i0 * D);
+        prod.add_dk(dpt, kN, m, n, dk + j0 * D);
       }
+    }
+  };
+
+  struct Worker {
+    Products prod;
+    Buffer<acc_t> p_buf, dp_buf, dcap_buf;
+    Buffer<uint8_t> keep;
+  };
+  auto make_worker = [&] {
+    return Worker{Products(p, kM, kN), Buffer<acc_t>(kM * kN), Buffer<acc_t>(kM * kN),
+                  Buffer<acc_t>(p.softcap > 0.0 ? kM * kN : 0),
+                  Buffer<uint8_t>(dropout ? kM * kN : 0)};
+  };
+  auto run = [&](Worker& w, int64_t b, int64_t h, int64_t chunk) {
+    task(w.prod, w.p_buf, w.dp_buf, w.dcap_buf, w.keep, b, h, chunk);
+  };
+  if (p.varlen()) {
+    // (sequence, head, chunk) tasks, the sequences with the most work first.
+    std::vector<std::pair<int64_t, int64_t>> order;  // (-work, sequence)
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqBounds sb = seq_bounds(p, b);
+      if (sb.seqlen_q > 0 && sb.seqlen_k > 0) order.emplace_back(-sb.seqlen_q * sb.seqlen_k, b);
+    }
+    std::stable_sort(order.begin(), order.end());
+    std::vector<int64_t> seqs;
+    for (const auto& o : order) seqs.push_back(o.second);
+    const int64_t per_seq = p.heads * chunks;
+    parallel_claim(static_cast<int64_t>(seqs.size()) * per_seq, make_worker,
+                   [&](Worker& w, int64_t t) {
+                     run(w, seqs[t / per_seq], (t % per_seq) / chunks, t % chunks);
+                   });
+    return;
+  }
+  at::parallel_for(0, BH * chunks, 1, [&](int64_t begin, int64_t end) {
+    Worker w = make_worker();
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunk = t % chunks, bh = t / chunks;
+      run(w, bh / p.heads, bh % p.heads, chunk);
     }
   });
 }
@@ -331,31 +398,59 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   flash_bwd<scalar_t, BlasBwdProducts<scalar_t>>(p, chunks);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
+    const char* op, PreparedBackward& in, const std::optional<at::Tensor>& sinks) {
+  AttentionBwdParams& p = in.params;
+  const at::Tensor& q = in.in.q;
+  int64_t chunks = 1;
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
+  Grads g = allocate_grads(p, q, chunks);
+  if (p.batch * p.heads * p.q_rows() > 0) {
+    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { flash_bwd<scalar_t>(p, chunks); });
+  }
+  return finish_grads(p, std::move(g), q.scalar_type(), sinks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool causal,
     int64_t window_left, int64_t window_right, std::optional<int64_t> key_offset, double dropout_p,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   check_cpu_support(kOp);
-  PreparedBackward in = prepare_attention_backward(
-      kOp, grad_out, q, k, v, out, lse, grad_lse,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
-  AttentionBwdParams& p = in.params;
-  int64_t chunks = 1;
-  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
-  auto [dq, dk, dv] = allocate_grads(p, q, chunks);
-  if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_bwd<scalar_t>(p, chunks); });
-  }
-  return finish_grads(p, dq, dk, dv, q.scalar_type());
+  PreparedBackward in =
+      prepare_attention_backward(kOp, grad_out, q, k, v, out, lse, grad_lse,
+                                 {attn_mask, scale, causal, window_left, window_right, key_offset,
+                                  dropout_p, rng_state, softcap, alibi_slopes, sinks});
+  return run_bwd(kOp, in, sinks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& grad_lse, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double softcap) {
+  constexpr const char* kOp = "attn_ext.attention_varlen_backward";
+  check_cpu_support(kOp);
+  PreparedBackward in = prepare_backward_of(
+      kOp,
+      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               {std::nullopt, scale, causal, window_left, window_right,
+                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks}),
+      grad_out, out, lse, grad_lse);
+  return run_bwd(kOp, in, sinks);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_cpu);
 }
 
 }  // namespace attn_ext::cpu

@@ -13,6 +13,8 @@
 #include "common/cpu/kernel_traits.h"
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
+#include "common/cpu/work_queue.h"
+#include "common/score_mod.h"
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
@@ -52,7 +54,7 @@ struct BlasProducts {
 
   // Keys [n_begin, n_end) of head `head_id` (rows k / v) are about to be used.
   void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
-                 int64_t v_stride, int64_t n_begin, int64_t n_end) {
+                 int64_t v_stride, int64_t n_begin, int64_t n_end, int64_t /*keys*/) {
     k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
     if (!whole_head || n_begin >= n_end) return;
     // Consecutive query blocks of one head ask for growing (causal) or equal key ranges.
@@ -96,7 +98,7 @@ struct PackedProducts {
   using Traits = FlashTraits<scalar_t>;
   static constexpr int64_t kKeyAlign = avx2::kCols;
 
-  int64_t d, dv, dv_pad, sk, sk_pad;
+  int64_t d, dv, dv_pad, sk_pad;
   bool whole_head;
   const scalar_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
@@ -111,7 +113,6 @@ struct PackedProducts {
       : d(p.head_dim),
         dv(p.head_dim_v),
         dv_pad(avx2::round_up_cols(dv)),
-        sk(p.seqlen_k),
         sk_pad(avx2::round_up_cols(p.seqlen_k)),
         whole_head(sk_pad * (d + dv_pad) <= Traits::kMaxPackedHeadElems),
         panel_keys(whole_head ? sk_pad : block_n),
@@ -119,15 +120,16 @@ struct PackedProducts {
         k_panels(panel_keys * d),
         v_panels(panel_keys * dv_pad) {}
 
+  // `keys` is the head's key count (the sequence's, for a varlen batch): no row past it is read.
   void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
-                 int64_t v_stride, int64_t n_begin, int64_t n_end) {
+                 int64_t v_stride, int64_t n_begin, int64_t n_end, int64_t keys) {
     k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
     if (!whole_head || n_begin >= n_end) return;
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
     // Whole panels only (the last one zero-padded), so a later, longer range extends them.
-    const int64_t stop = std::min(avx2::round_up_cols(n_end), sk_pad);
+    const int64_t stop = std::min(avx2::round_up_cols(n_end), avx2::round_up_cols(keys));
     if (hi >= stop) return;
-    const int64_t n = std::min(stop, sk) - hi;
+    const int64_t n = std::min(stop, keys) - hi;
     avx2::pack_key_panels(k + hi * k_ld, k_ld, n, d, k_panels.get() + hi * d);
     avx2::pack_value_panels(v + hi * v_ld, v_ld, n, dv, v_panels.get() + hi * avx2::kCols,
                             v_panel_stride);
@@ -157,76 +159,140 @@ struct PackedProducts {
 };
 #endif
 
+// One thread's forward: its block products and buffers, run on (sequence, head, query block)
+// tasks in any order.
+template <typename scalar_t, typename Products>
+struct FwdWorker {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  static constexpr int64_t kN = Traits::kFwdBlockN;
+
+  const AttentionParams& p;
+  int64_t kM;
+  Products prod;
+  Buffer<acc_t> q_buf, s_buf, o_buf, factor;
+  Buffer<uint8_t> keep;
+  std::vector<SoftmaxState<acc_t>> state;
+
+  FwdWorker(const AttentionParams& params, int64_t block_m)
+      : p(params),
+        kM(block_m),
+        prod(params, kN),
+        q_buf(Traits::kConvert ? block_m * params.head_dim : 0),
+        s_buf(block_m * kN),
+        o_buf(block_m * params.head_dim_v),
+        factor(block_m),
+        keep(params.dropout_p > 0.0 ? block_m * kN : 0),
+        state(block_m) {}
+
+  void run(int64_t b, int64_t h, int64_t mb) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    const acc_t log2e = static_cast<acc_t>(kLog2e);
+    const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+    const bool dropout = p.dropout_p > 0.0;
+    const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+
+    // ---- prologue: this task's rows, the keys they may see, the query tile
+    const SeqBounds sb = seq_bounds(p, b);
+    const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+    const ScoreMod<acc_t> mod = ScoreMod<acc_t>::make(p, b, h, sb.key_offset, log2e);
+    const int64_t hk = h / p.group(), Sk = sb.seqlen_k;
+    const int64_t i0 = mb * kM, m = std::min(kM, sb.seqlen_q - i0);
+    const int64_t n_end = band.key_end(i0 + m, Sk);
+    const int64_t n_begin = band.key_begin(i0, Sk) / Products::kKeyAlign * Products::kKeyAlign;
+
+    const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
+                            p.q_row_stride, b, h, sb.q_begin + i0);
+    int64_t ldq;
+    const acc_t* qt = load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
+    prod.load_head(b * p.kv_heads + hk,
+                   row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                           p.k_row_stride, b, hk, sb.k_begin),
+                   p.k_row_stride,
+                   row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                           p.v_row_stride, b, hk, sb.k_begin),
+                   p.v_row_stride, n_begin, n_end, Sk);
+    std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
+    std::fill(state.begin(), state.begin() + m, initial_state<acc_t>(p, h, log2e));
+    const int64_t row0 = row_index(p, sb, b, h, i0);
+
+    // ---- main loop over key blocks; tiles crossing the band's edge are masked per element
+    for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
+      const int64_t n = std::min(kN, n_end - j0);
+      acc_t* s = s_buf.get();
+      prod.load_tile(j0, n);
+      prod.scores(qt, ldq, m, n, s_scale, s, kN);
+      // Scaled scores (log2 domain), then modifiers and masks (which expect it), then each
+      // row's max.
+      if (mod.active()) modify_tile(mod, i0, m, j0, n, s, kN);
+      const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
+      if (band_partial || p.mask_kind != MaskKind::kNone)
+        mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
+      if (dropout) dropout_tile(p, row0, m, j0, n, keep.get());
+      for (int64_t r = 0; r < m; ++r) {
+        acc_t* sr = s + r * kN;
+        factor.get()[r] = state[r].rescale_to(row_max(sr, n));
+        state[r].sum += exp2_shift_sum(sr, n, state[r].shift());
+        if (dropout) apply_keep(sr, keep.get() + r * n, n, keep_scale);
+      }
+      prod.accumulate(s, kN, m, n, factor.get(), o_buf.get());
+    }
+
+    // ---- epilogue: normalize, store, log-sum-exp (rows that saw no key give 0 / -inf, or
+    // lse = the sink's logit)
+    auto* o = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
+                      p.o_row_stride, b, h, sb.q_begin + i0);
+    float* lse = p.lse + row0;
+    for (int64_t r = 0; r < m; ++r) {
+      store_row(o_buf.get() + r * Dv, o + r * p.o_row_stride, Dv, state[r].inv_sum());
+      lse[r] = state[r].lse();
+    }
+  }
+};
+
+// A varlen batch's (sequence, head, query block) tasks, the sequences with the most work
+// first (work of a block ~ the keys it sees), a sequence's heads and blocks in order so that a
+// thread's consecutive tasks share its packed keys; for parallel_claim.
+struct VarlenTask {
+  int32_t b, h, mb;
+};
+inline std::vector<VarlenTask> varlen_tasks(const AttentionParams& p, int64_t block_m) {
+  std::vector<std::pair<int64_t, int64_t>> order;  // (-work, sequence)
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqBounds sb = seq_bounds(p, b);
+    if (sb.seqlen_q > 0) order.emplace_back(-sb.seqlen_q * std::max<int64_t>(sb.seqlen_k, 1), b);
+  }
+  std::stable_sort(order.begin(), order.end());
+  std::vector<VarlenTask> tasks;
+  for (const auto& [work, b] : order) {
+    const int64_t num_m = (seq_bounds(p, b).seqlen_q + block_m - 1) / block_m;
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t mb = 0; mb < num_m; ++mb)
+        tasks.push_back(
+            {static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(mb)});
+  }
+  return tasks;
+}
+
 template <typename scalar_t, typename Products>
 void flash_fwd(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
-  using acc_t = typename Traits::acc_t;
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
   const int64_t kM = Traits::fwd_block_m(band.has_right(), p.seqlen_k);
-  constexpr int64_t kN = Traits::kFwdBlockN;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int64_t num_m = (Sq + kM - 1) / kM;
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
-  const bool dropout = p.dropout_p > 0.0;
-  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
-
+  using Worker = FwdWorker<scalar_t, Products>;
+  if (p.varlen()) {
+    const std::vector<VarlenTask> tasks = varlen_tasks(p, kM);
+    parallel_claim(
+        static_cast<int64_t>(tasks.size()), [&] { return Worker(p, kM); },
+        [&](Worker& w, int64_t t) { w.run(tasks[t].b, tasks[t].h, tasks[t].mb); });
+    return;
+  }
+  const int64_t num_m = (p.seqlen_q + kM - 1) / kM;
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {
-    Products prod(p, kN);
-    Buffer<acc_t> q_buf(Traits::kConvert ? kM * D : 0), s_buf(kM * kN), o_buf(kM * Dv);
-    Buffer<acc_t> factor(kM);
-    Buffer<uint8_t> keep(dropout ? kM * kN : 0);
-    std::vector<SoftmaxState<acc_t>> state(kM);
-
+    Worker w(p, kM);
     for (int64_t task = begin; task < end; ++task) {
-      // ---- prologue: this task's rows, the keys they may see, the query tile
       const int64_t mb = task % num_m, bh = task / num_m;
-      const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
-      const int64_t i0 = mb * kM, m = std::min(kM, Sq - i0);
-      const int64_t n_end = band.key_end(i0 + m, Sk);
-      const int64_t n_begin = band.key_begin(i0, Sk) / Products::kKeyAlign * Products::kKeyAlign;
-
-      const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
-                              p.q_row_stride, b, h, i0);
-      int64_t ldq;
-      const acc_t* qt = load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
-      prod.load_head(b * p.kv_heads + hk,
-                     row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                             p.k_row_stride, b, hk, 0),
-                     p.k_row_stride,
-                     row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
-                             p.v_row_stride, b, hk, 0),
-                     p.v_row_stride, n_begin, n_end);
-      std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
-      std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
-
-      // ---- main loop over key blocks; tiles crossing the band's edge are masked per element
-      for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
-        const int64_t n = std::min(kN, n_end - j0);
-        acc_t* s = s_buf.get();
-        prod.load_tile(j0, n);
-        prod.scores(qt, ldq, m, n, s_scale, s, kN);
-        // Scaled scores (log2 domain), then masks (which expect it), then each row's max.
-        const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-        if (band_partial || p.mask_kind != MaskKind::kNone)
-          mask_tile<scalar_t>(p, b, h, i0, m, j0, n, band_partial, s, kN);
-        if (dropout) dropout_tile(p, b, h, i0, m, j0, n, keep.get());
-        for (int64_t r = 0; r < m; ++r) {
-          acc_t* sr = s + r * kN;
-          factor.get()[r] = state[r].rescale_to(row_max(sr, n));
-          state[r].sum += exp2_shift_sum(sr, n, state[r].shift());
-          if (dropout) apply_keep(sr, keep.get() + r * n, n, keep_scale);
-        }
-        prod.accumulate(s, kN, m, n, factor.get(), o_buf.get());
-      }
-
-      // ---- epilogue: normalize, store, log-sum-exp (rows that saw no key give 0 / -inf)
-      auto* o = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
-                        p.o_row_stride, b, h, i0);
-      float* lse = p.lse + (b * p.heads + h) * Sq + i0;
-      for (int64_t r = 0; r < m; ++r) {
-        store_row(o_buf.get() + r * Dv, o + r * p.o_row_stride, Dv, state[r].inv_sum());
-        lse[r] = state[r].lse();
-      }
+      w.run(bh / p.heads, bh % p.heads, mb);
     }
   });
 }
@@ -244,20 +310,45 @@ void flash_fwd(const AttentionParams& p) {
   flash_fwd<scalar_t, BlasProducts<scalar_t>>(p);
 }
 
+void run_fwd(const char* op, AttentionParams& p, const at::Tensor& q) {
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { flash_fwd<scalar_t>(p); });
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    std::optional<int64_t> key_offset, double dropout_p) {
+    std::optional<int64_t> key_offset, double dropout_p, double softcap) {
   constexpr const char* kOp = "attn_ext.attention";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, v,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  PreparedInputs in =
+      prepare_attention(kOp, q, k, v,
+                        {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p,
+                         rng_state, softcap, alibi_slopes, sinks});
   AttentionParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { flash_fwd<scalar_t>(p); });
+  run_fwd(kOp, p, q);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> scale, bool causal,
+    int64_t window_left, int64_t window_right, double dropout_p, double softcap) {
+  constexpr const char* kOp = "attn_ext.attention_varlen";
+  check_cpu_support(kOp);
+  PreparedInputs in =
+      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               {std::nullopt, scale, causal, window_left, window_right,
+                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks});
+  AttentionParams& p = in.params;
+  auto [out, lse] = allocate_outputs(p, q);
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  run_fwd(kOp, p, q);
   return {out, lse};
 }
 
@@ -265,6 +356,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention", &attention_cpu);
+  m.impl("attention_varlen", &attention_varlen_cpu);
 }
 
 }  // namespace attn_ext::cpu

@@ -1,6 +1,7 @@
 #pragma once
-// Applies the explicit mask, the local band and dropout to one score / probability tile.
-// Scores are in the log2 domain, so an additive mask (natural-log units) is scaled by log2(e).
+// Applies the score modifiers, the explicit mask, the local band and dropout to one score /
+// probability tile. Scores are in the log2 domain, so an additive mask (natural-log units) is
+// scaled by log2(e) and the modifiers are built with unit log2(e).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include "common/constants.h"
 #include "common/dropout.h"
 #include "common/mask.h"
+#include "common/score_mod.h"
 #include "attention/params.h"
 #include "common/cpu/vec_math.h"
 
@@ -72,12 +74,30 @@ inline void add_row(acc_t* row, const mask_t* mk, int64_t n, int64_t cs) {
   for (; c < n; ++c) row[c] = std::fma(static_cast<acc_t>(mk[c * cs]), log2e, row[c]);
 }
 
-// s[r * lds + c] holds the score of query row i0 + r and key j0 + c.
+// Softcap and ALiBi on the tile's scores (before the masks); s[r * lds + c] holds the score of
+// query row i0 + r and key j0 + c. With softcap, dcap (when given, m x n) receives the
+// softcap's derivative for the backward.
+template <typename acc_t>
+void modify_tile(const ScoreMod<acc_t>& mod, int64_t i0, int64_t m, int64_t j0, int64_t n, acc_t* s,
+                 int64_t lds, acc_t* dcap = nullptr) {
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = s + r * lds;
+    if (mod.softcapped()) {
+      for (int64_t c = 0; c < n; ++c) row[c] = mod.softcap(row[c]);
+      if (dcap != nullptr)
+        for (int64_t c = 0; c < n; ++c) dcap[r * n + c] = mod.softcap_grad(row[c]);
+    }
+    if (mod.slope != acc_t(0))
+      for (int64_t c = 0; c < n; ++c) row[c] += mod.alibi(i0 + r, j0 + c);
+  }
+}
+
+// s[r * lds + c] holds the score of query row i0 + r and key j0 + c; mask rows are indexed
+// by (b, h, i0 + r, j0 + c), the band by the sequence's rows and keys.
 template <typename scalar_t, typename acc_t>
-void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0,
-               int64_t n, bool band_partial, acc_t* s, int64_t lds) {
+void mask_tile(const AttentionParams& p, const LocalBand& band, int64_t b, int64_t h, int64_t i0,
+               int64_t m, int64_t j0, int64_t n, bool band_partial, acc_t* s, int64_t lds) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  const LocalBand band{p.key_offset, p.window_left, p.window_right};
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t base = b * p.mask_batch_stride + h * p.mask_head_stride;
     const int64_t cs = p.mask_col_stride;
@@ -112,12 +132,12 @@ void mask_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64
   }
 }
 
-// keep[r * n + c] for the tile's rows and keys.
-inline void dropout_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t m,
-                         int64_t j0, int64_t n, uint8_t* keep) {
+// keep[r * n + c] for the tile's rows and keys; row0 = row_index() of the tile's first row.
+inline void dropout_tile(const AttentionParams& p, int64_t row0, int64_t m, int64_t j0, int64_t n,
+                         uint8_t* keep) {
   const DropoutPolicy drop{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)};
   for (int64_t r = 0; r < m; ++r)
-    drop.row_keep(drop.row_id(b, h, i0 + r, p.heads, p.seqlen_q), j0, n, keep + r * n);
+    drop.row_keep(static_cast<uint64_t>(row0 + r), j0, n, keep + r * n);
 }
 
 // x[c] = keep[c] ? x[c] * keep_scale : 0

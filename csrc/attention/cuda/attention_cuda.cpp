@@ -26,16 +26,25 @@ void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bo
               ")");
 }
 
+// The score modifiers have no CUDA kernel yet.
+void check_no_score_mods(const char* op, const AttentionParams& p) {
+  TORCH_CHECK(p.softcap == 0.0 && p.alibi_slopes == nullptr && p.sinks == nullptr, op,
+              ": softcap, alibi_slopes and sinks are not yet supported on CUDA");
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    std::optional<int64_t> key_offset, double dropout_p) {
+    std::optional<int64_t> key_offset, double dropout_p, double softcap) {
   constexpr const char* kOp = "attn_ext.attention";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, v,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  PreparedInputs in =
+      prepare_attention(kOp, q, k, v,
+                        {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p,
+                         rng_state, softcap, alibi_slopes, sinks});
+  check_no_score_mods(kOp, in.params);
   AttentionParams& p = in.params;
   const ElemKind kind = elem_kind(kOp, q.scalar_type());
   auto [out, lse] = allocate_outputs(p, q);
@@ -45,28 +54,31 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, bool causal,
     int64_t window_left, int64_t window_right, std::optional<int64_t> key_offset, double dropout_p,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_backward";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedBackward in = prepare_attention_backward(
-      kOp, grad_out, q, k, v, out, lse, grad_lse,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  PreparedBackward in =
+      prepare_attention_backward(kOp, grad_out, q, k, v, out, lse, grad_lse,
+                                 {attn_mask, scale, causal, window_left, window_right, key_offset,
+                                  dropout_p, rng_state, softcap, alibi_slopes, sinks});
   AttentionBwdParams& p = in.params;
+  check_no_score_mods(kOp, p);
   const ElemKind kind = elem_kind(kOp, q.scalar_type());
-  auto [dq, dk, dv] = allocate_grads(p, q);
+  Grads g = allocate_grads(p, q);
   if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
     check_supported(kOp, p, kind, /*backward=*/true);
     // delta, lse2 and lse2_lo of every row, in the compute type
-    at::Tensor ws = at::empty({3, p.batch * p.heads * p.seqlen_q}, dq.options());
+    at::Tensor ws = at::empty({3, p.batch * p.heads * p.seqlen_q}, g.dq.options());
     const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
     C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, c10::cuda::getCurrentCUDAStream()));
   }
-  return finish_grads(p, dq, dk, dv, q.scalar_type());
+  return finish_grads(p, std::move(g), q.scalar_type(), sinks);
 }
 
 }  // namespace

@@ -95,13 +95,19 @@ int64_t auto_splits(int64_t blocks, int64_t capacity) {
   return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q,
-                                                         const at::Tensor& k_cache,
-                                                         const at::Tensor& v_cache,
-                                                         const at::Tensor& cache_seqlens,
-                                                         std::optional<double> scale, bool causal,
-                                                         int64_t window_left, int64_t num_splits) {
+std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal, int64_t window_left,
+    int64_t window_right, int64_t num_splits, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* kOp = "attn_ext.decode_attention";
+  TORCH_CHECK(window_right == -1 && softcap == 0.0 && !alibi_slopes.has_value() &&
+                  !sinks.has_value() && !cache_batch_idx.has_value() && !cache_leftpad.has_value(),
+              kOp,
+              ": window_right, softcap, alibi_slopes, sinks, cache_batch_idx and "
+              "cache_leftpad are not yet supported");
   c10::cuda::CUDAGuard guard(q.device());
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
                                      window_left, num_splits, /*check_values=*/false);
