@@ -76,6 +76,12 @@ def decode_attention(
     window_left: int = -1,
     num_splits: int = 0,
     return_lse: bool = False,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
 ):
     """Attention of ``Sq`` new queries against a KV cache with per-sequence lengths.
 
@@ -88,6 +94,13 @@ def decode_attention(
     once for all the query heads sharing it. ``num_splits`` splits the key sequence for short
     batches (0 = automatic); partial results are merged by their log-sum-exp.
 
+    ``window_right`` (not causal) bounds the keys after ``pos``; ``softcap``, ``alibi_slopes``
+    ((H,) or (B, H); distance from ``pos``) and ``sinks`` (H,) as in :func:`attention`.
+    FlashAttention's ``with_kvcache`` arguments: ``cache_batch_idx`` (B,) int, sequence b reads
+    cache batch row ``cache_batch_idx[b]`` (the cache may hold more rows than B);
+    ``cache_leftpad`` (B,) int, sequence b's keys start at ``cache_leftpad[b]``. (CPU; on CUDA
+    these arguments are not yet supported and raise.)
+
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.
     """
@@ -99,7 +112,13 @@ def decode_attention(
         scale=scale,
         causal=causal,
         window_left=window_left,
+        window_right=window_right,
         num_splits=num_splits,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
     )
     return (out, lse) if return_lse else out
 

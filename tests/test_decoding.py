@@ -323,6 +323,81 @@ def test_decode_attention(device, dtype, num_splits, case):
     assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
 
 
+# FlashAttention's with_kvcache arguments and the score modifiers. Each case: B, H, Hkv, Sq, L,
+# lengths, and a function of (B, H, cache rows, device) giving the extra arguments.
+def _fa_case_args(kind, B, H, rows, device):
+    g = torch.Generator().manual_seed(3)
+    if kind == "window_right":
+        return dict(causal=False, window_left=5, window_right=3)
+    if kind == "softcap":
+        return dict(softcap=2.0)
+    if kind == "alibi_head":
+        return dict(alibi_slopes=torch.rand(H, generator=g).to(device))
+    if kind == "alibi_batch_noncausal":
+        return dict(alibi_slopes=torch.rand(B, H, generator=g).to(device), causal=False)
+    if kind == "sinks":
+        return dict(sinks=torch.randn(H, generator=g).to(device))
+    if kind == "batch_idx":
+        return dict(cache_batch_idx=torch.randperm(rows, generator=g)[:B].int().to(device))
+    if kind == "leftpad":
+        return dict(cache_leftpad=torch.tensor([3, 0, 40][:B], dtype=torch.int32, device=device))
+    if kind == "everything":
+        return dict(
+            softcap=3.0,
+            alibi_slopes=torch.rand(B, H, generator=g).to(device),
+            sinks=torch.randn(H, generator=g).to(device),
+            cache_batch_idx=torch.tensor([4, 1, 2][:B], dtype=torch.int32, device=device),
+            cache_leftpad=torch.tensor([2, 0, 5][:B], dtype=torch.int32, device=device),
+            window_left=50,
+        )
+    raise ValueError(kind)
+
+
+FA_DECODE_KINDS = [
+    "window_right",
+    "softcap",
+    "alibi_head",
+    "alibi_batch_noncausal",
+    "sinks",
+    "batch_idx",
+    "leftpad",
+    "everything",
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("kind", FA_DECODE_KINDS)
+def test_decode_flash_attn_arguments(dtype, num_splits, sq, kind):
+    """CPU only: on CUDA these arguments are not yet supported (they raise)."""
+    B, H, Hkv, L, rows = 3, 8, 2, 300, 5
+    extra = _fa_case_args(kind, B, H, rows, "cpu")
+    indexed = "cache_batch_idx" in extra
+    k, v, _ = _filled_cache("cpu", rows if indexed else B, Hkv, L, 32, 24, dtype, [0])
+    # An empty sequence (or, with leftpad, one whose keys all lie before its start)
+    lens = torch.tensor([300, 41, 40 if "cache_leftpad" in extra else 0], dtype=torch.int32)
+    q = rand((B, H, sq, 32), dtype, "cpu", layout="bshd")
+    out, lse = attn_ext.decode_attention(
+        q, k, v, lens, num_splits=num_splits, return_lse=True, **extra
+    )
+    ref_out, ref_lse = decode_reference(q, k, v, lens, **extra)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **extra)
+    assert_error_rule(out, ref_out, t_out, name="decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
+
+
+def test_decode_flash_attn_argument_errors():
+    k, v, lens = _filled_cache("cpu", 2, 2, 10, 8, 8, torch.float32, [5, 6])
+    q = torch.randn(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match=r"cache_batch_idx\[1\] must be in \[0, 1\]"):
+        attn_ext.decode_attention(q, k, v, lens, cache_batch_idx=torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match=r"cache_leftpad\[0\] = 6 exceeds cache_seqlens"):
+        attn_ext.decode_attention(q, k, v, lens, cache_leftpad=torch.tensor([6, 0]))
+    with pytest.raises(RuntimeError, match="sinks must have shape"):
+        attn_ext.decode_attention(q, k, v, lens, sinks=torch.zeros(3))
+
+
 def test_decode_split_invariance(device):
     """The split-KV merge changes the summation order only."""
     k, v, lens = _filled_cache(device, 1, 2, 5000, 64, 64, torch.float64, [4999])

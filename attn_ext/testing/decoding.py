@@ -93,23 +93,50 @@ doc000_apply_rope = doc000.apply_rope
 Doc000KVCacheAttention = doc000.KVCacheAttention
 
 
-def decode_reference(q, k_cache, v_cache, lengths, *, scale=None, causal=True, window_left=-1):
-    """Attention of q (B, H, Sq, D) against each sequence's first lengths[b] cache rows,
-    bottom-right aligned, GQA by expanding the KV heads (document 003's repeat_kv).
+def decode_reference(
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    scale=None,
+    causal=True,
+    window_left=-1,
+    window_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+):
+    """Attention of q (B, H, Sq, D) against each sequence's cache rows [leftpad_b, lengths[b])
+    of cache batch row cache_batch_idx[b] (default b), query i at key position
+    lengths[b] - Sq + i (bottom-right), GQA by expanding the KV heads (document 003's
+    repeat_kv); softcap / alibi_slopes ((H,) or (B, H)) / sinks as attention_reference.
     Returns (out, lse) like attention_reference."""
     outs, lses = [], []
     n_rep = q.size(1) // k_cache.size(1)
+    sq = q.size(2)
     for b in range(q.size(0)):
         n = int(lengths[b])
-        k = repeat_kv(k_cache[b : b + 1, :, :n], n_rep)
-        v = repeat_kv(v_cache[b : b + 1, :, :n], n_rep)
+        first = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        k = repeat_kv(k_cache[row : row + 1, :, first:n], n_rep)
+        v = repeat_kv(v_cache[row : row + 1, :, first:n], n_rep)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
         out, lse = attention_reference(
             q[b : b + 1],
             k,
             v,
             scale=scale,
             causal=causal,
-            window_size=(window_left, 0 if causal else -1),
+            window_size=(window_left, 0 if causal else window_right),
+            softcap=softcap,
+            alibi_slopes=slopes,
+            sinks=sinks,
+            key_offset=(n - first) - sq,
             return_lse=True,
         )
         outs.append(out)

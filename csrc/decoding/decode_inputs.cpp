@@ -212,36 +212,70 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
 
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
-                              std::optional<double> scale, bool causal, int64_t window_left,
-                              int64_t num_splits, bool check_values) {
-  TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ", num_splits);
+                              const DecodeOptions& o, bool check_values) {
+  TORCH_CHECK(o.num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ",
+              o.num_splits);
   check_float_4d(op, "q", q, "(B, H, Sq, D)");
   check_float_4d(op, "k_cache", k_cache, "(B, Hkv, L, D)");
   check_float_4d(op, "v_cache", v_cache, "(B, Hkv, L, Dv)");
   check_same(op, "k_cache", k_cache, "q", q);
   check_same(op, "v_cache", v_cache, "q", q);
-  check_size(op, "k_cache", k_cache, 0, "batch size", q.size(0));
-  check_size(op, "v_cache", v_cache, 0, "batch size", q.size(0));
+  const bool indexed = o.cache_batch_idx.has_value() && o.cache_batch_idx->defined();
+  if (!indexed) check_size(op, "k_cache", k_cache, 0, "batch size", q.size(0));
+  check_size(op, "v_cache", v_cache, 0, "batch size", k_cache.size(0));
   check_size(op, "v_cache", v_cache, 1, "heads", k_cache.size(1));
   check_size(op, "v_cache", v_cache, 2, "capacity", k_cache.size(2));
   check_size(op, "k_cache", k_cache, 3, "head dim", q.size(3));
   TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, op,
               ": q heads must be a multiple of the cache's kv heads (GQA), got H=", q.size(1),
               " and Hkv=", k_cache.size(1));
+  TORCH_CHECK(!indexed || k_cache.size(0) > 0 || q.size(0) == 0, op,
+              ": cache_batch_idx needs a cache with at least one batch row");
   // The cache is the key/value input of an ordinary attention call with Sk = capacity;
-  // the per-sequence lengths then narrow what each sequence sees.
-  PreparedInputs in = prepare_attention(
-      op, q, k_cache, v_cache,
-      {std::nullopt, scale, causal, window_left, -1, std::nullopt, 0.0, std::nullopt});
+  // the per-sequence lengths then narrow what each sequence sees. With cache_batch_idx the
+  // cache's batch differs from q's: validation sees row 0 broadcast over q's batch, and the
+  // kernels then step over the cache's own rows.
+  const auto per_query_batch = [&](const at::Tensor& c) {
+    return indexed ? c.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : c;
+  };
   PreparedDecode r;
-  r.q = in.q;
-  r.k_cache = in.k;
-  r.v_cache = in.v;
-  static_cast<AttentionParams&>(r.params) = in.params;
+  r.attention =
+      prepare_attention(op, q, per_query_batch(k_cache), per_query_batch(v_cache),
+                        {std::nullopt, o.scale, o.causal, o.window_left, o.window_right,
+                         std::nullopt, 0.0, std::nullopt, o.softcap, o.alibi_slopes, o.sinks});
+  r.q = r.attention.q;
+  r.k_cache = indexed ? blas_rows(k_cache) : r.attention.k;
+  r.v_cache = indexed ? blas_rows(v_cache) : r.attention.v;
+  static_cast<AttentionParams&>(r.params) = r.attention.params;
+  if (indexed) {
+    DecodeParams& p = r.params;
+    p.k = r.k_cache.data_ptr();
+    p.v = r.v_cache.data_ptr();
+    p.k_batch_stride = r.k_cache.stride(0);
+    p.v_batch_stride = r.v_cache.stride(0);
+    p.k_head_stride = r.k_cache.stride(1);
+    p.v_head_stride = r.v_cache.stride(1);
+    p.k_row_stride = blas_row_stride(r.k_cache);
+    p.v_row_stride = blas_row_stride(r.v_cache);
+    r.batch_idx = int64_lengths(op, "cache_batch_idx", *o.cache_batch_idx, q.size(0), k_cache,
+                                k_cache.size(0) - 1, check_values);
+    p.batch_idx = r.batch_idx.data_ptr<int64_t>();
+  }
   r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, k_cache.size(2),
                             check_values);
   r.params.lengths = r.lengths.data_ptr<int64_t>();
-  r.params.num_splits = num_splits;
+  if (o.cache_leftpad.has_value() && o.cache_leftpad->defined()) {
+    r.leftpad = int64_lengths(op, "cache_leftpad", *o.cache_leftpad, q.size(0), k_cache,
+                              k_cache.size(2), check_values);
+    if (check_values) {
+      const int64_t* lp = r.leftpad.data_ptr<int64_t>();
+      for (int64_t b = 0; b < q.size(0); ++b)
+        TORCH_CHECK(lp[b] <= r.params.lengths[b], op, ": cache_leftpad[", b, "] = ", lp[b],
+                    " exceeds cache_seqlens[", b, "] = ", r.params.lengths[b]);
+    }
+    r.params.leftpad = r.leftpad.data_ptr<int64_t>();
+  }
+  r.params.num_splits = o.num_splits;
   return r;
 }
 

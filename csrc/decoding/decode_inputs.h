@@ -4,6 +4,7 @@
 // and the actual value; nothing is written before every check has passed.
 #include <optional>
 #include <ATen/core/Tensor.h>
+#include "attention/inputs.h"
 #include "decoding/decode_params.h"
 
 namespace attn_ext {
@@ -72,12 +73,19 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                                      bool rope_interleaved, bool check_values);
 
 struct PreparedDecode {
-  at::Tensor q, k_cache, v_cache, lengths;
-  DecodeParams params;  // everything but the outputs
+  at::Tensor q, k_cache, v_cache, lengths, batch_idx, leftpad;
+  PreparedInputs attention;  // keeps the modifiers' converted tensors alive
+  DecodeParams params;       // everything but the outputs
+};
+struct DecodeOptions {
+  std::optional<double> scale;
+  bool causal = true;
+  int64_t window_left = -1, window_right = -1, num_splits = 0;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes, sinks, cache_batch_idx, cache_leftpad;
 };
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
-                              std::optional<double> scale, bool causal, int64_t window_left,
-                              int64_t num_splits, bool check_values);
+                              const DecodeOptions& o, bool check_values);
 
 }  // namespace attn_ext

@@ -53,6 +53,16 @@ struct KVAppendParams {
 struct DecodeParams : AttentionParams {
   const int64_t* lengths = nullptr;  // (B,) int64 on the op's device (CPU: checked in [0, L])
   int64_t num_splits = 1;            // key-sequence splits per (batch, kv head)
+  // FlashAttention's with_kvcache arguments (int64 on the op's device, or null): sequence b
+  // reads cache batch row batch_idx[b] (k/v batch strides are the cache's), and its keys
+  // start at leftpad[b] (keys before it are never seen).
+  const int64_t* batch_idx = nullptr;
+  const int64_t* leftpad = nullptr;
+
+  C10_HOST_DEVICE int64_t cache_row(int64_t b) const {
+    return batch_idx != nullptr ? batch_idx[b] : b;
+  }
+  C10_HOST_DEVICE int64_t first_key(int64_t b) const { return leftpad != nullptr ? leftpad[b] : 0; }
 };
 
 }  // namespace attn_ext

@@ -19,6 +19,8 @@
 #include "common/cpu/kernel_traits.h"
 #include "common/cpu/split_kv.h"
 #include "common/cpu/vec_math.h"
+#include "common/score_mod.h"
+#include "attention/cpu/tile_mask.h"
 
 namespace attn_ext::cpu {
 namespace {
@@ -40,7 +42,9 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
   const int64_t rows = G * Sq;  // row r = i * G + g: query i of head hk * G + g
   const int64_t kM = std::min(Traits::kDecodeBlockM, rows);
   const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t log2e = static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+  const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
 
   at::parallel_for(0, p.batch * p.kv_heads * num_m * splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
@@ -53,9 +57,10 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       const int64_t bk = task / (splits * num_m), b = bk / p.kv_heads, hk = bk % p.kv_heads;
       const int64_t r0 = mb * kM, m = std::min(kM, rows - r0);
       const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
-      const int64_t len = p.lengths[b];
+      const int64_t len = p.lengths[b], first = p.first_key(b), bc = p.cache_row(b);
       const LocalBand band{len - Sq, p.window_left, p.window_right};
-      const int64_t lo = band.key_begin(i_begin, len), hi = band.key_end(i_end, len);
+      const int64_t lo = std::max(band.key_begin(i_begin, len), first);
+      const int64_t hi = std::max(band.key_end(i_end, len), lo);
       const auto [j_begin, j_end] = split_range(lo, hi, splits, split, kN);
 
       for (int64_t rr = 0; rr < m; ++rr) {
@@ -65,11 +70,15 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
         load_row(q, q_buf.get() + rr * D, D, acc_t(1));
       }
       std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
-      std::fill(state.begin(), state.begin() + m, SoftmaxState<acc_t>{});
+      // A head's sink joins its rows' denominators once: in the first split only (the merge
+      // adds the splits' sums).
+      for (int64_t rr = 0; rr < m; ++rr)
+        state[rr] = split == 0 ? initial_state<acc_t>(p, hk * G + (r0 + rr) % G, log2e)
+                               : SoftmaxState<acc_t>{};
       const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                              p.k_row_stride, b, hk, 0);
+                              p.k_row_stride, bc, hk, 0);
       const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
-                              p.v_row_stride, b, hk, 0);
+                              p.v_row_stride, bc, hk, 0);
 
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
       for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
@@ -81,16 +90,23 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
             load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
-        // Scores to the log2 domain (see scale_row_max), band edges masked, rows' maxima.
-        const bool masked = !band.tile_unmasked(i_begin, i_end, j0, j0 + n);
+        // Scores to the log2 domain (see scale_row_max), modifiers (per head: a row block
+        // spans G heads), band edges masked, rows' maxima.
+        const bool band_partial = !band.tile_unmasked(i_begin, i_end, j0, j0 + n);
+        const bool masked = band_partial || modified;
         if (masked) {
           constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
           for (int64_t rr = 0; rr < m; ++rr) {
-            const int64_t i = (r0 + rr) / G;
+            const int64_t r = r0 + rr, i = r / G;
             acc_t* sr = s + rr * kN;
             scale_row(sr, n, s_scale);
-            for (int64_t c = 0; c < n; ++c)
-              if (!band.allowed(i, j0 + c)) sr[c] = kNegInf;
+            if (modified) {
+              const auto mod = ScoreMod<acc_t>::make(p, b, hk * G + r % G, len - Sq, log2e);
+              modify_tile(mod, i, 1, j0, n, sr, kN);
+            }
+            if (band_partial)
+              for (int64_t c = 0; c < n; ++c)
+                if (!band.allowed(i, j0 + c)) sr[c] = kNegInf;
           }
         }
         for (int64_t rr = 0; rr < m; ++rr) {
@@ -173,14 +189,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
     const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* kOp = "attn_ext.decode_attention";
-  TORCH_CHECK(window_right == -1 && softcap == 0.0 && !alibi_slopes.has_value() &&
-                  !sinks.has_value() && !cache_batch_idx.has_value() && !cache_leftpad.has_value(),
-              kOp,
-              ": window_right, softcap, alibi_slopes, sinks, cache_batch_idx and "
-              "cache_leftpad are not yet supported");
   check_cpu_support(kOp);
-  PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens, scale, causal,
-                                     window_left, num_splits, /*check_values=*/true);
+  PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
+                                     {scale, causal, window_left, window_right, num_splits, softcap,
+                                      alibi_slopes, sinks, cache_batch_idx, cache_leftpad},
+                                     /*check_values=*/true);
   DecodeParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
