@@ -347,11 +347,17 @@ PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at
 
 Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials) {
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  const int64_t B = p.row_batches(), H = p.heads, Sq = p.q_rows(), Sk = p.k_rows();
+  const int64_t B = p.batch, H = p.heads, D = p.head_dim, Dv = p.head_dim_v;
   Grads g;
-  g.dq = at::zeros({dq_partials, B, H, Sq, p.head_dim}, acc);
-  g.dk = at::zeros({B, H, Sk, p.head_dim}, acc);
-  g.dv = at::zeros({B, H, Sk, p.head_dim_v}, acc);
+  if (p.varlen()) {
+    g.dq = at::zeros({dq_partials, p.total_q, H, D}, acc);
+    g.dk = at::zeros({p.total_k, H, D}, acc);
+    g.dv = at::zeros({p.total_k, H, Dv}, acc);
+  } else {
+    g.dq = at::zeros({dq_partials, B, H, p.seqlen_q, D}, acc);
+    g.dk = at::zeros({B, H, p.seqlen_k, D}, acc);
+    g.dv = at::zeros({B, H, p.seqlen_k, Dv}, acc);
+  }
   p.dq = g.dq.data_ptr();
   p.dk = g.dk.data_ptr();
   p.dv = g.dv.data_ptr();
@@ -367,24 +373,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_grads(
     const std::optional<at::Tensor>& sinks) {
   at::Tensor dq = g.dq.size(0) == 1 ? g.dq.squeeze(0) : g.dq.sum(0);
   at::Tensor dk = g.dk, dv = g.dv;
-  const int64_t B = p.row_batches(), H = p.heads, Hkv = p.kv_heads, Sk = p.k_rows();
+  const int64_t H = p.heads, Hkv = p.kv_heads, D = p.head_dim, Dv = p.head_dim_v;
   if (H != Hkv) {
-    const int64_t D = p.head_dim, Dv = p.head_dim_v;
-    dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
-    dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
-  }
-  if (p.varlen()) {  // (1, H, total, *) -> (total, H, *)
-    const auto tokens_first = [&](const at::Tensor& t) {
-      return t.squeeze(0).transpose(0, 1).to(dtype).contiguous();
-    };
-    dq = tokens_first(dq), dk = tokens_first(dk), dv = tokens_first(dv);
-  } else {
-    dq = dq.to(dtype), dk = dk.to(dtype), dv = dv.to(dtype);
+    if (p.varlen()) {  // (total_k, H, *) -> (total_k, Hkv, *)
+      const int64_t T = p.total_k;
+      dk = Hkv == 0 ? dk.new_zeros({T, 0, D}) : dk.view({T, Hkv, H / Hkv, D}).sum(2);
+      dv = Hkv == 0 ? dv.new_zeros({T, 0, Dv}) : dv.view({T, Hkv, H / Hkv, Dv}).sum(2);
+    } else {
+      const int64_t B = p.batch, Sk = p.seqlen_k;
+      dk = Hkv == 0 ? dk.new_zeros({B, 0, Sk, D}) : dk.view({B, Hkv, H / Hkv, Sk, D}).sum(2);
+      dv = Hkv == 0 ? dv.new_zeros({B, 0, Sk, Dv}) : dv.view({B, Hkv, H / Hkv, Sk, Dv}).sum(2);
+    }
   }
   const bool has_sinks = sinks.has_value() && sinks->defined();
   at::Tensor dsinks = has_sinks ? g.dsinks.to(sinks->scalar_type())
                                 : at::empty({0}, dq.options().dtype(at::kFloat));
-  return {dq, dk, dv, dsinks};
+  return {dq.to(dtype), dk.to(dtype), dv.to(dtype), dsinks};
 }
 
 }  // namespace attn_ext

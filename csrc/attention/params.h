@@ -98,12 +98,19 @@ struct AttentionBwdParams : AttentionParams {
   const void* dout = nullptr;
   const float* grad_lse = nullptr;  // laid out as lse, or null
   int64_t do_batch_stride = 0, do_head_stride = 0, do_row_stride = 0;
-  // Accumulators in the compute type, rows contiguous and head-major (head_row): dq
-  // (partials, B, H, Sq, D); dk (B, H, Sk, D), dv (B, H, Sk, Dv) per *query* head (summed over
-  // each GQA group afterwards, so no two threads share a row); varlen: (H, total, *).
+  // Accumulators in the compute type: dq (partials, B, H, Sq, D); dk (B, H, Sk, D), dv
+  // (B, H, Sk, Dv) per *query* head (summed over each GQA group afterwards, so no two threads
+  // share a row). Fixed-length batches are head-major (rows of a head contiguous); varlen ones
+  // token-major like their inputs, (partials,) (total, H, *), so the results need no
+  // transpose. acc_row() is a row's index in units of rows, acc_row_step() the distance
+  // between consecutive rows of one head.
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  C10_HOST_DEVICE int64_t acc_row(int64_t b, int64_t h, int64_t r, int64_t rows) const {
+    return varlen() ? r * heads + h : head_row(b, h, rows) + r;
+  }
+  C10_HOST_DEVICE int64_t acc_row_step() const { return varlen() ? heads : 1; }
   // d loss / d sinks[h] in the compute type, or null without sinks.
   void* dsinks = nullptr;
 };

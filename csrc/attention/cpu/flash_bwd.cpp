@@ -60,28 +60,27 @@ void recompute_lse2(const AttentionParams& p, const SeqBounds& sb, int64_t b, in
   }
 }
 
-// Key blocks of one (batch, head) are split into this many chunks so that few heads still
+// Key blocks of one (sequence, head) are split into this many chunks so that few heads still
 // give every thread work; each chunk owns a partial dq, summed in a fixed order afterwards
 // (deterministic). Depends only on shapes, never on the thread count.
-inline int64_t bwd_key_chunks(int64_t batch_heads, int64_t key_blocks, int64_t sq, int64_t d,
-                              int64_t acc_bytes) {
+inline int64_t bwd_key_chunks(int64_t seq_heads, int64_t key_blocks, int64_t partial_bytes) {
   constexpr int64_t kTargetTasks = 16;                      // enough for a 16-core machine
   constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // memory for partial dq's
-  if (batch_heads == 0) return 1;
-  int64_t chunks = std::min(key_blocks, (kTargetTasks + batch_heads - 1) / batch_heads);
-  const int64_t per_chunk = std::max<int64_t>(batch_heads * sq * d * acc_bytes, 1);
-  chunks = std::min(chunks, kMaxPartialBytes / per_chunk);
+  if (seq_heads == 0) return 1;
+  int64_t chunks = std::min(key_blocks, (kTargetTasks + seq_heads - 1) / seq_heads);
+  chunks = std::min(chunks, kMaxPartialBytes / std::max<int64_t>(partial_bytes, 1));
   return std::max<int64_t>(chunks, 1);
 }
 
-// Varlen batches use the same count for every sequence, from the longest (max_seqlen_k) and
-// the total query rows (the partial dq's size).
+// Varlen batches use the same count for every sequence, from the longest (max_seqlen_k); their
+// (sequence, head) tasks count every sequence.
 template <typename scalar_t>
 int64_t flash_bwd_chunks(const AttentionParams& p) {
   using Traits = FlashTraits<scalar_t>;
   const int64_t key_blocks = (p.seqlen_k + Traits::kBwdBlockN - 1) / Traits::kBwdBlockN;
-  return bwd_key_chunks(p.row_batches() * p.heads, key_blocks, p.q_rows(), p.head_dim,
-                        sizeof(typename Traits::acc_t));
+  const int64_t partial_bytes =
+      p.row_batches() * p.heads * p.q_rows() * p.head_dim * sizeof(typename Traits::acc_t);
+  return bwd_key_chunks(p.batch * p.heads, key_blocks, partial_bytes);
 }
 
 // The backward's five block products, one policy per backend, for a key block (K_j, V_j)
@@ -121,14 +120,17 @@ struct BlasBwdProducts {
   void dprobs(int64_t m, int64_t n, acc_t* dp, int64_t lds) const {
     gemm(false, true, m, n, dv, acc_t(1), dot, ldo, vt, ldv, acc_t(0), dp, lds);
   }
-  void add_dv(const acc_t* pm, int64_t lds, int64_t m, int64_t n, acc_t* dv_rows) const {
-    gemm(true, false, n, dv, m, acc_t(1), pm, lds, dot, ldo, acc_t(1), dv_rows, dv);
+  void add_dv(const acc_t* pm, int64_t lds, int64_t m, int64_t n, acc_t* dv_rows,
+              int64_t ld) const {
+    gemm(true, false, n, dv, m, acc_t(1), pm, lds, dot, ldo, acc_t(1), dv_rows, ld);
   }
-  void add_dq(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dq_rows) const {
-    gemm(false, false, m, d, n, acc_t(1), ds, lds, kt, ldk, acc_t(1), dq_rows, d);
+  void add_dq(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dq_rows,
+              int64_t ld) const {
+    gemm(false, false, m, d, n, acc_t(1), ds, lds, kt, ldk, acc_t(1), dq_rows, ld);
   }
-  void add_dk(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dk_rows) const {
-    gemm(true, false, n, d, m, acc_t(1), ds, lds, qt, ldq, acc_t(1), dk_rows, d);
+  void add_dk(const acc_t* ds, int64_t lds, int64_t m, int64_t n, acc_t* dk_rows,
+              int64_t ld) const {
+    gemm(true, false, n, d, m, acc_t(1), ds, lds, qt, ldq, acc_t(1), dk_rows, ld);
   }
 };
 
@@ -175,14 +177,17 @@ struct PackedBwdProducts {
   void dprobs(int64_t m, int64_t n, float* dp, int64_t lds) const {
     kernels.scores(dot, ldo, m, v_key.get(), n, dv, 1.f, dp, lds);
   }
-  void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float* dv_rows) const {
-    kernels.atb(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, dv);
+  void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float* dv_rows,
+              int64_t ld) const {
+    kernels.atb(pm, lds, m, n, do_val.get(), bm * avx2::kCols, dv, dv_rows, ld);
   }
-  void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows) const {
-    kernels.pv(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, d);
+  void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows,
+              int64_t ld) const {
+    kernels.pv(ds, lds, m, k_val.get(), bn * avx2::kCols, n, d, nullptr, dq_rows, ld);
   }
-  void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows) const {
-    kernels.atb(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, d);
+  void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows,
+              int64_t ld) const {
+    kernels.atb(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, ld);
   }
 };
 #endif
@@ -280,9 +285,10 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
     const acc_t* lse_r = lse2.data() + r0;
     const acc_t* lse_lo_r = lse2_lo.data() + r0;
     const acc_t* delta_r = delta.data() + r0;
-    auto* dq = static_cast<acc_t*>(p.dq) + (chunk * rows + r0) * D;
-    auto* dk = static_cast<acc_t*>(p.dk) + (p.head_row(b, h, KR) + sb.k_begin) * D;
-    auto* dv = static_cast<acc_t*>(p.dv) + (p.head_row(b, h, KR) + sb.k_begin) * Dv;
+    const int64_t step = p.acc_row_step();  // rows apart of a head's consecutive rows
+    auto* dq = static_cast<acc_t*>(p.dq) + (chunk * rows + p.acc_row(b, h, sb.q_begin, QR)) * D;
+    auto* dk = static_cast<acc_t*>(p.dk) + p.acc_row(b, h, sb.k_begin, KR) * D;
+    auto* dv = static_cast<acc_t*>(p.dv) + p.acc_row(b, h, sb.k_begin, KR) * Dv;
 
     const int64_t key_blocks = (Sk + kN - 1) / kN;
     const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
@@ -329,7 +335,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
           }
           pv = dpt;
         }
-        prod.add_dv(pv, kN, m, n, dv + j0 * Dv);
+        prod.add_dv(pv, kN, m, n, dv + j0 * step * Dv, step * Dv);
 
         // dS = scale * P * (dP - delta) (* softcap'), dP = (dO V^T) through the dropout mask
         prod.dprobs(m, n, dpt, kN);
@@ -342,8 +348,8 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         }
 
         // dQ += dS K,  dK += dS^T Q
-        prod.add_dq(dpt, kN, m, n, dq + i0 * D);
-        prod.add_dk(dpt, kN, m, n, dk + j0 * D);
+        prod.add_dq(dpt, kN, m, n, dq + i0 * step * D, step * D);
+        prod.add_dk(dpt, kN, m, n, dk + j0 * step * D, step * D);
       }
     }
   };
