@@ -245,6 +245,26 @@ def test_opcheck_decode_attention(device, splits):
     )
 
 
+def test_opcheck_decode_attention_flash_attn_arguments():
+    """CPU only: on CUDA these arguments are not yet supported."""
+    q = torch.randn(2, 4, 2, 16)
+    kc = torch.randn(3, 40, 2, 16).transpose(1, 2)  # FlashAttention's (B, L, Hkv, D) cache
+    vc = torch.randn(3, 40, 2, 16).transpose(1, 2)
+    lens = torch.tensor([40, 9], dtype=torch.int32)
+    kw = dict(
+        causal=False,
+        window_left=6,
+        window_right=2,
+        softcap=3.0,
+        alibi_slopes=torch.rand(2, 4),
+        sinks=torch.randn(4),
+        cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+        cache_leftpad=torch.tensor([1, 4], dtype=torch.int32),
+        num_splits=2,
+    )
+    torch.library.opcheck(ops.decode_attention.default, (q, kc, vc, lens), kw)
+
+
 # ------------------------------------------------------------------------- spatial (CBAM) ops
 
 

@@ -363,6 +363,10 @@ def varlen_op_samples(device):
             dict(max_seqlen_q=6, max_seqlen_k=6, causal=True, softcap=2.0),
         )
     )
+    wide = torch.randn(9, 4, 16, device=device)
+    qs = wide[..., :8].requires_grad_(False)  # token stride 64, head stride 16
+    ks = torch.randn(2, 9, 8, device=device).transpose(0, 1)  # (total, Hkv, D), head-major
+    s.append(("strided", (qs, ks, v, c, c), dict(max_seqlen_q=6, max_seqlen_k=6, causal=True)))
     s.append(
         (
             "dropout_window",
