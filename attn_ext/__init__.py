@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (drop-in and canonical modules)
     _C,  # noqa: F401  (registers the operators)
     _registration,  # noqa: F401
     compat,
+    flash_attn,
     nn,
 )
 from .cache_size import kv_cache_bytes

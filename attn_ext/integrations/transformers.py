@@ -24,21 +24,38 @@ no 4-D mask: ``None`` when nothing is padded, else the ``(B, Sk)`` bool keep-mas
 (the convention of transformers' flash-attention backends). The attention function then passes
 the structure as ``causal=True`` (taken from the ``is_causal`` argument or ``module.is_causal``)
 and ``window_size=(sliding_window - 1, 0)`` (from the ``sliding_window`` argument that models
-give their attention function, as for flash attention), bottom-right aligned, and the padding
-as a ``(B, 1, 1, Sk)`` bool mask read through stride-0 views. Everything else (static caches
-other than an aligned prefill, chunked attention, packed sequences, custom ``or``/``and`` mask
-functions, bidirectional masks, and sliding windows inside ``torch.compile``, where the mask
-function cannot be recognized) gets the 4-D bool mask that ``sdpa_mask`` builds (or ``None``
-where ``sdpa_mask`` itself skips a bidirectional mask); a 4-D mask handed to the attention
-function (bool: True = keep, floating: additive) is used as it is, with no causal flag.
+give their attention function, as for flash attention), bottom-right aligned, and the padding:
+
+- a padded batch whose queries are its keys (training, prefill; outside ``torch.compile``) runs
+  as a varlen batch (:func:`attn_ext.attention_varlen`): the real tokens of each row (one run,
+  left or right padding) are gathered, attended with no work for the padding, and scattered back;
+- decoding steps (and compiled models) pass the padding as a ``(B, 1, 1, Sk)`` bool mask read
+  through stride-0 views.
+
+Packed sequences (``position_ids`` that restart, as ``DataCollatorWithFlattening`` produces, no
+attention mask): the mask function recognizes transformers' packed-sequence mask and returns
+the ``(B, S)`` int64 sequence ids instead of the block-diagonal 4-D mask; the attention function
+runs the sequences as one varlen batch (causal, and the sliding window, within each), so packed
+training computes what unpacked training does.
+
+Everything else (static caches other than an aligned prefill, chunked attention, custom
+``or``/``and`` mask functions, bidirectional masks, and sliding windows or packing inside
+``torch.compile``, where the mask function cannot be recognized) gets the 4-D bool mask that
+``sdpa_mask`` builds (or ``None`` where ``sdpa_mask`` itself skips a bidirectional mask); a 4-D
+mask handed to the attention function (bool: True = keep, floating: additive) is used as it is,
+with no causal flag.
+
+Score modifiers: ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss; their gradient
+flows to the sinks parameter) go to the kernels. No model of transformers 5.23 routes ALiBi
+through the attention interface (BLOOM, MPT and Falcon compute it in their own eager code), so
+``alibi_slopes`` has no entry here; :func:`attn_ext.attention` takes it directly.
 
 Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 ``q_length``/``q_offset`` arguments of recent versions and the older ``cache_position``), in
 eager mode and under ``torch.compile(fullgraph=True)``.
 
 Differences from ``"sdpa"``: a query row that sees no key (e.g. a left-padding position) gets
-zeros instead of whatever the torch backend returns there. ``softcap`` and attention sinks
-(``s_aux``) are not supported and raise, as in ``"sdpa"``; attention weights are never returned
+zeros instead of whatever the torch backend returns there; attention weights are never returned
 (``None``).
 """
 
@@ -110,6 +127,28 @@ def _sliding_window_of(mask_function: Callable, local_size: Optional[int]) -> Op
     return local_size
 
 
+def _packed_sequence_ids(mask_function: Callable, local_size: Optional[int]):
+    """The (B, S) sequence ids if ``mask_function`` is transformers' packed-sequence form
+    (``packed_sequence_compatibility_function``: ``and_masks(packed_sequence_mask_function(ids),
+    remap_positions_for_packed_sequence(base, position_ids))``) of the causal or sliding-window
+    causal mask; None otherwise."""
+    if _compiling():
+        return None
+    parts = _closure(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    same_sequence, remapped = parts
+    if not getattr(same_sequence, "__qualname__", "").startswith("packed_sequence_mask_function."):
+        return None
+    if not getattr(remapped, "__qualname__", "").startswith("remap_positions_for_packed_sequence."):
+        return None
+    base = _closure(remapped, "mask_function")
+    if base is not causal_mask_function and _sliding_window_of(base, local_size) is None:
+        return None
+    ids = _closure(same_sequence, "packed_sequence_mask")
+    return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
 def _padding_keep(
     attention_mask: torch.Tensor, kv_length: int, kv_offset: int, device
 ) -> torch.Tensor:
@@ -139,8 +178,9 @@ def attn_ext_mask(
     ``cache_position`` form of transformers < 5.2 is accepted too).
 
     Returns ``None`` (plain causal / sliding-window causal, nothing padded), a ``(B, kv_length)``
-    bool keep-mask (the same with padding), or the 4-D ``(B, 1, q_length, kv_length)`` bool mask
-    of ``sdpa_mask`` for every other pattern. The first two only when transformers allows the
+    bool keep-mask (the same with padding), the ``(B, S)`` int64 sequence ids of packed
+    sequences (causal within each), or the 4-D ``(B, 1, q_length, kv_length)`` bool mask of
+    ``sdpa_mask`` for every other pattern. The first two only when transformers allows the
     structure to replace the mask (``allow_is_causal_skip``) and the queries are aligned with the
     end of the keys, which is what attn_ext's bottom-right ``causal``/``window_size`` express.
     """
@@ -161,6 +201,18 @@ def attn_ext_mask(
         and isinstance(kv_length, int)
         and q_offset + q_length == kv_offset + kv_length
     )
+    if (
+        allow_is_causal_skip is False
+        and attention_mask is None
+        and aligned
+        and q_offset == 0
+        and (ids := _packed_sequence_ids(mask_function, local_size)) is not None
+        and ids.shape == (batch_size, q_length)
+    ):
+        # Packed sequences (position_ids restarts, DataCollatorWithFlattening): the int64
+        # sequence ids stand for the block-diagonal mask; the attention function runs them as
+        # a varlen batch.
+        return ids
     if structured and aligned:
         if attention_mask is None:
             return None
@@ -211,12 +263,6 @@ def attn_ext_attention_forward(
     """The attention function registered under ``"attn_ext"`` (same contract as
     ``sdpa_attention_forward``): query ``(B, H, Sq, D)``, key/value ``(B, Hkv, Sk, D|Dv)``;
     returns ``(out (B, Sq, H, Dv) contiguous, None)``."""
-    if softcap is not None:
-        raise ValueError(
-            "attn_ext attention does not support `softcap`; use `eager` or `flex_attention`"
-        )
-    if s_aux is not None:
-        raise NotImplementedError("attn_ext attention does not support attention sinks (`s_aux`)")
     if kwargs.get("output_attentions", False):
         warnings.warn(
             "attn_ext attention does not return attention weights (output_attentions=True); "
@@ -230,15 +276,22 @@ def attn_ext_attention_forward(
 
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    causal = False
-    window = (-1, -1)
+    mods = dict(softcap=float(softcap) if softcap else 0.0, sinks=s_aux)
+    window = (int(sliding_window) - 1, 0) if is_causal and sliding_window is not None else (-1, -1)
     mask = attention_mask
+    if mask is not None and mask.dim() == 2 and position_bias is None:
+        if not mask.dtype.is_floating_point and mask.dtype != torch.bool:
+            # packed sequences (attn_ext_mask): a varlen batch of the sequences, causal in each
+            return _packed(query, key, value, mask, is_causal, window, scaling, dropout, mods)
+        if query.size(-2) == key.size(-2) and not _compiling():
+            out = _unpadded(query, key, value, mask, is_causal, window, scaling, dropout, mods)
+            if out is not None:
+                return out
+    causal = False
     if mask is None or mask.dim() == 2:
         # Structure from the module (see attn_ext_mask): causal / sliding window, bottom-right
         # aligned, and at most a (B, Sk) padding keep-mask.
         causal = bool(is_causal)
-        if causal and sliding_window is not None:
-            window = (int(sliding_window) - 1, 0)
         if mask is not None:
             if mask.size(-1) != key.size(-2):
                 raise ValueError(
@@ -268,11 +321,61 @@ def attn_ext_attention_forward(
         value,
         scale=scaling,
         causal=causal,
-        window_size=window,
+        window_size=window if causal else (-1, -1),
         attn_mask=mask,
         dropout_p=float(dropout),
+        **mods,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B * S, H, D) tokens (a view when x is a transposed (B, S, H, D))."""
+    return x.transpose(1, 2).reshape(-1, x.size(1), x.size(3))
+
+
+def _cu_seqlens(lengths: torch.Tensor):
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return cu, int(lengths.max()) if lengths.numel() else 0
+
+
+def _packed(query, key, value, ids, is_causal, window, scaling, dropout, mods):
+    """Packed sequences as one varlen batch: sequence boundaries where the (B, S) ids change
+    (or a batch row ends); every token is real, so nothing is gathered or scattered."""
+    B, H, S, _ = query.shape
+    row = torch.arange(B, device=ids.device).view(B, 1) * (S + 1)
+    _, lengths = torch.unique_consecutive((ids + row).flatten(), return_counts=True)
+    cu, longest = _cu_seqlens(lengths)
+    cu = cu.to(query.device)
+    out = _F.attention_varlen(
+        _tokens(query), _tokens(key), _tokens(value), cu, cu, longest, longest,
+        scale=scaling, causal=bool(is_causal), window_size=window, dropout_p=float(dropout),
+        **mods,
+    )  # fmt: skip
+    return out.view(B, S, H, -1), None
+
+
+def _unpadded(query, key, value, keep, is_causal, window, scaling, dropout, mods):
+    """A padded batch (the (B, S) keep-mask of attn_ext_mask, queries aligned with the keys) as
+    a varlen batch of its real tokens: gathered, attended with no work for the padding, and
+    scattered back (padding rows get zeros, as when they see no key). None when some row's
+    real tokens are not one run (their positions would not be those of the padded call)."""
+    B, H, S, _ = query.shape
+    if keep.shape != (B, S):
+        return None
+    keep = keep.to(device=query.device, dtype=torch.bool)
+    runs = keep[:, 0].long() + (keep[:, 1:] & ~keep[:, :-1]).sum(1)
+    if bool((runs > 1).any()):
+        return None
+    idx = keep.flatten().nonzero().squeeze(1)
+    cu, longest = _cu_seqlens(keep.sum(1))
+    out = _F.attention_varlen(
+        *(_tokens(x).index_select(0, idx) for x in (query, key, value)), cu, cu, longest, longest,
+        scale=scaling, causal=bool(is_causal), window_size=window, dropout_p=float(dropout),
+        **mods,
+    )  # fmt: skip
+    full = out.new_zeros(B * S, H, out.size(-1)).index_copy(0, idx, out)
+    return full.view(B, S, H, -1), None
 
 
 # ----------------------------------------------------------------------------------------------
