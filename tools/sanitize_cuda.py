@@ -4,6 +4,9 @@
 attention (forward and backward): tensor-core forward at head dims 64 / 128 / 256 and a padded
 one, the generic forward and backward in every dtype, masks (bool, additive, broadcast), causal
 and window bands, fully masked rows, GQA, Dv != D, dropout, strided and misaligned inputs.
+attention with softcap / ALiBi / sinks, and attention_varlen (empty and one-token sequences,
+a sequence longer than the max_seqlen passed, GQA, causal window, dropout), forward and
+backward, through the kernels that are off by default (ATTN_EXT_UNVERIFIED_CUDA=1 set here).
 The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append (left padding,
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
@@ -18,6 +21,7 @@ Exits 0 after every case ran (printing one line per case), 0 with a note without
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -91,6 +95,41 @@ def run_case(name, dtype, B, H, Hkv, Sq, Sk, D, Dv, opts):
     out = attn_ext.attention(q, k, v, **opts)
     out.float().square().sum().backward()
     return _report(name, [out, q.grad, k.grad, v.grad])
+
+
+def modifier_and_varlen_cases():
+    """The unverified kernels (varlen, score modifiers); see common/cuda/unverified.h."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        q, k, v = (
+            torch.randn(2, h, 37, 64, device=dev).to(dtype).requires_grad_(True) for h in (4, 2, 2)
+        )
+        sinks = torch.randn(4, device=dev).to(dtype).requires_grad_(True)
+        out = attn_ext.attention(
+            q, k, v, causal=True, softcap=5.0, alibi_slopes=torch.rand(2, 4, device=dev),
+            sinks=sinks,
+        )  # fmt: skip
+        out.float().square().sum().backward()
+        ok.append(
+            _report(f"softcap+alibi+sinks {dtype}", [out, q.grad, k.grad, v.grad, sinks.grad])
+        )
+        lens = [0, 1, 45, 7]
+        cu = torch.tensor([0, 0, 1, 46, 53], dtype=torch.int32, device=dev)
+        q, k, v = (
+            torch.randn(sum(lens), h, 64, device=dev).to(dtype).requires_grad_(True)
+            for h in (4, 2, 2)
+        )
+        for max_len, opts in ((45, dict(causal=True, window_size=(9, 0))), (16, {})):
+            # max_len 16 < 45: the kernels must still compute the long sequence whole
+            out = attn_ext.attention_varlen(
+                q, k, v, cu, cu, max_len, max_len, dropout_p=0.1, softcap=3.0, sinks=sinks,
+                **opts,
+            )  # fmt: skip
+            out.float().square().sum().backward()
+            ok.append(_report(f"varlen max_seqlen={max_len} {dtype}", [out, q.grad, k.grad]))
+            q.grad = k.grad = v.grad = None
+    return ok
 
 
 def decoding_cases():
@@ -196,7 +235,11 @@ def main() -> int:
         return 0
     torch.manual_seed(0)
     results = (
-        [run_case(*c) for c in CASES] + decoding_cases() + compression_cases() + spatial_cases()
+        [run_case(*c) for c in CASES]
+        + modifier_and_varlen_cases()
+        + decoding_cases()
+        + compression_cases()
+        + spatial_cases()
     )
     return 0 if all(results) else 1
 

@@ -278,8 +278,13 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q) {
   at::Tensor out, lse, out4;
   if (p.varlen()) {
-    out = at::empty({p.total_q, p.heads, p.head_dim_v}, q.options());
-    lse = at::empty({p.heads, p.total_q}, q.options().dtype(at::kFloat));
+    // On a GPU the offsets are not checked (a sync): tokens outside every sequence, which the
+    // kernels never write, read as zeros and -inf rather than as garbage.
+    const bool unchecked = !q.device().is_cpu();
+    out = unchecked ? at::zeros({p.total_q, p.heads, p.head_dim_v}, q.options())
+                    : at::empty({p.total_q, p.heads, p.head_dim_v}, q.options());
+    lse = unchecked ? at::full({p.heads, p.total_q}, -INFINITY, q.options().dtype(at::kFloat))
+                    : at::empty({p.heads, p.total_q}, q.options().dtype(at::kFloat));
     out4 = out.transpose(0, 1).unsqueeze(0);
   } else {
     out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());

@@ -1,5 +1,6 @@
-// CUDA op wrappers of attn_ext.attention and attention_backward: validation shared with the
-// CPU ops (prepare_attention), the current stream, a checked launch; nothing synchronizes.
+// CUDA op wrappers of attn_ext.attention, attention_varlen and their backwards: validation
+// shared with the CPU ops (prepare_attention*), the current stream, a checked launch; nothing
+// synchronizes.
 // The backward is deterministic by construction (flash/flash_bwd_generic.cuh), so it
 // honours torch.use_deterministic_algorithms without a flag.
 #include <ATen/ATen.h>
@@ -11,6 +12,8 @@
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
 #include "attention/cuda/attention_launch.h"
+#include "common/constants.h"
+#include "common/cuda/unverified.h"
 
 namespace attn_ext::cuda {
 namespace {
@@ -26,10 +29,54 @@ void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bo
               ")");
 }
 
-// The score modifiers have no CUDA kernel yet.
-void check_no_score_mods(const char* op, const AttentionParams& p) {
-  TORCH_CHECK(p.softcap == 0.0 && p.alibi_slopes == nullptr && p.sinks == nullptr, op,
-              ": softcap, alibi_slopes and sinks are not yet supported on CUDA");
+// Varlen batches and the score modifiers run on kernels that compile but have not yet run on
+// a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h).
+void check_verified(const char* op, const AttentionParams& p) {
+  if (p.varlen()) require_verified_or_opt_in(op, "the varlen kernel");
+  if (p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
+    require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
+}
+
+std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
+  AttentionParams& p = in.params;
+  check_verified(op, p);
+  const ElemKind kind = elem_kind(op, in.q.scalar_type());
+  auto [out, lse] = allocate_outputs(p, in.q);
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  check_supported(op, p, kind, /*backward=*/false);
+  C10_CUDA_CHECK(launch_attention_fwd(p, kind, c10::cuda::getCurrentCUDAStream()));
+  return {out, lse};
+}
+
+// The gradient of each head's sink from the backward's per-row workspace, laid out as lse:
+// d sink_h = -sum over h's rows of P_sink,i * delta_i, P_sink,i = exp2(sink2_h - lse2_i).
+at::Tensor sink_grads(const AttentionBwdParams& p, const at::Tensor& ws, const at::Tensor& sinks) {
+  const at::Tensor sink2 = sinks.to(ws.scalar_type()) * kLog2e;
+  const std::vector<int64_t> shape = p.varlen()
+                                         ? std::vector<int64_t>{1, p.heads, p.total_q}
+                                         : std::vector<int64_t>{p.batch, p.heads, p.seqlen_q};
+  const at::Tensor delta = ws[0].view(shape), lse2 = ws[1].view(shape), lo = ws[2].view(shape);
+  const at::Tensor prob = at::exp2((sink2.view({1, -1, 1}) - lse2) - lo);
+  return -(prob * delta).sum({0, 2});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
+    const char* op, PreparedBackward& in, const std::optional<at::Tensor>& sinks) {
+  AttentionBwdParams& p = in.params;
+  check_verified(op, p);
+  const at::Tensor& q = in.in.q;
+  const ElemKind kind = elem_kind(op, q.scalar_type());
+  Grads g = allocate_grads(p, q);
+  const int64_t rows = p.row_batches() * p.heads * p.q_rows();
+  if (rows > 0) {
+    check_supported(op, p, kind, /*backward=*/true);
+    // delta, lse2 and lse2_lo of every row (indexed as lse), in the compute type
+    at::Tensor ws = at::empty({3, rows}, g.dq.options());
+    const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
+    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, c10::cuda::getCurrentCUDAStream()));
+    if (p.sinks != nullptr) g.dsinks.copy_(sink_grads(p, ws, in.in.sinks));
+  }
+  return finish_grads(p, std::move(g), q.scalar_type(), sinks);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(
@@ -44,14 +91,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
       prepare_attention(kOp, q, k, v,
                         {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p,
                          rng_state, softcap, alibi_slopes, sinks});
-  check_no_score_mods(kOp, in.params);
-  AttentionParams& p = in.params;
-  const ElemKind kind = elem_kind(kOp, q.scalar_type());
-  auto [out, lse] = allocate_outputs(p, q);
-  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  check_supported(kOp, p, kind, /*backward=*/false);
-  C10_CUDA_CHECK(launch_attention_fwd(p, kind, c10::cuda::getCurrentCUDAStream()));
-  return {out, lse};
+  return run_fwd(kOp, in);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> scale, bool causal,
+    int64_t window_left, int64_t window_right, double dropout_p, double softcap) {
+  constexpr const char* kOp = "attn_ext.attention_varlen";
+  c10::cuda::CUDAGuard guard(q.device());
+  PreparedInputs in =
+      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               {std::nullopt, scale, causal, window_left, window_right,
+                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks});
+  return run_fwd(kOp, in);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
@@ -67,18 +122,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
       prepare_attention_backward(kOp, grad_out, q, k, v, out, lse, grad_lse,
                                  {attn_mask, scale, causal, window_left, window_right, key_offset,
                                   dropout_p, rng_state, softcap, alibi_slopes, sinks});
-  AttentionBwdParams& p = in.params;
-  check_no_score_mods(kOp, p);
-  const ElemKind kind = elem_kind(kOp, q.scalar_type());
-  Grads g = allocate_grads(p, q);
-  if (p.batch * p.heads * p.seqlen_q > 0 && p.seqlen_k > 0) {
-    check_supported(kOp, p, kind, /*backward=*/true);
-    // delta, lse2 and lse2_lo of every row, in the compute type
-    at::Tensor ws = at::empty({3, p.batch * p.heads * p.seqlen_q}, g.dq.options());
-    const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
-    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, c10::cuda::getCurrentCUDAStream()));
-  }
-  return finish_grads(p, std::move(g), q.scalar_type(), sinks);
+  return run_bwd(kOp, in, sinks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& grad_lse, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    double softcap) {
+  constexpr const char* kOp = "attn_ext.attention_varlen_backward";
+  c10::cuda::CUDAGuard guard(q.device());
+  PreparedBackward in = prepare_backward_of(
+      kOp,
+      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               {std::nullopt, scale, causal, window_left, window_right,
+                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks}),
+      grad_out, out, lse, grad_lse);
+  return run_bwd(kOp, in, sinks);
 }
 
 }  // namespace
@@ -86,6 +149,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention", &attention_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
+  m.impl("attention_varlen", &attention_varlen_cuda);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_cuda);
 }
 
 }  // namespace attn_ext::cuda

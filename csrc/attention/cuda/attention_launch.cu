@@ -41,9 +41,11 @@ constexpr bool mma_built(int idx) {
 constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
 
 // The index into kMmaHeadDims of the tensor-core kernel serving these inputs, or -1 for the
-// generic kernel.
+// generic kernel (which serves every varlen batch and score modifier).
 template <typename T>
 int mma_index(const AttentionParams& p) {
+  if (p.varlen() || p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
+    return -1;  // not in the tensor-core kernel yet (flash_fwd_mma.cuh)
   const int64_t need = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
     if (mma_built<T>(idx) && need <= kMmaHeadDims[idx]) return idx;

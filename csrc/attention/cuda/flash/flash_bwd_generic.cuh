@@ -3,16 +3,20 @@
 // no two thread blocks write one element and every sum runs in a fixed order.
 //   preprocess  one warp per query row: delta = rowsum(dO * O) - grad_lse, and the log2-domain
 //               lse the probabilities are rebuilt from (fp64: recomputed in fp64, since the
-//               forward reports float32; otherwise the float32 lse as hi + lo);
+//               forward reports float32; otherwise the float32 lse as hi + lo); rows indexed as
+//               lse (row_index), so a sink's gradient is formed from them afterwards;
 //   dk/dv pass  one block per (b, query head h, key block): P and dS for the query rows that
 //               see the block, tile by tile; dV += P_dropped^T dO, dK += scale dS^T Q;
 //   dq pass     one block per (b, h, query block): the same tiles recomputed over the keys the
 //               rows see; dQ += scale dS K.
 // dk / dv are per query head (AttentionBwdParams); the op sums each GQA group afterwards.
+// Varlen batches: rows and keys relative to each sequence (block_info.cuh), the passes looping
+// over grid-stride blocks of sequences longer than the grid; softcap's derivative scales dS.
 #include <cstdint>
 #include <type_traits>
 #include "common/constants.h"
 #include "common/online_softmax.h"
+#include "common/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "attention/cuda/flash/block_info.cuh"
 #include "attention/cuda/flash/launch_templates.h"
@@ -73,13 +77,25 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   constexpr int kWarp = GenericBwdTraits::kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
-  if (row >= p.batch * p.heads * p.seqlen_q) return;
-  const int64_t i = row % p.seqlen_q, bh = row / p.seqlen_q;
-  const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group();
+  const int64_t QR = p.q_rows();
+  if (row >= p.row_batches() * p.heads * QR || p.batch == 0) return;
+  // (b, h, i) of the row: row = head_row(b, h, QR) + q_begin + i
+  int64_t b, h, i;
+  if (p.varlen()) {
+    h = row / QR;
+    b = sequence_of_token(p, row % QR);
+    i = row % QR - p.cu_seqlens_q[b];
+  } else {
+    i = row % QR;
+    b = row / QR / p.heads;
+    h = row / QR % p.heads;
+  }
+  const int64_t hk = h / p.group();
+  const SeqBounds seq = seq_bounds(p, b);
   const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               i * p.o_row_stride;
+               (seq.q_begin + i) * p.o_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                  i * p.do_row_stride;
+                  (seq.q_begin + i) * p.do_row_stride;
   acc_t d = 0;
   for (int64_t c = lane; c < p.head_dim_v; c += kWarp)
     d += Elem<T>::load(dout[c]) * Elem<T>::load(o[c]);
@@ -88,15 +104,18 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   acc_t hi, lo = 0;
   if constexpr (std::is_same_v<acc_t, double>) {
     // lane-wise online softmax over the keys the row sees, then a fixed-order warp merge
-    const LocalBand band{p.key_offset, p.window_left, p.window_right};
-    const ScoreMask<acc_t> mask(p, b, h);
+    const LocalBand band{seq.key_offset, p.window_left, p.window_right};
+    const ScoreMask<acc_t> mask(p, b, h, seq);
     const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 i * p.q_row_stride;
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-    SoftmaxState<acc_t> st;
-    const int64_t j_end = band.key_end(i + 1, p.seqlen_k);
-    for (int64_t j = band.key_begin(i, p.seqlen_k) + lane; j < j_end; j += kWarp) {
+                 (seq.q_begin + i) * p.q_row_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+                 seq.k_begin * p.k_row_stride;
+    // lane 0 starts from the sink (if any): the merge below then counts it once
+    SoftmaxState<acc_t> st =
+        lane == 0 ? initial_state<acc_t>(p, h, static_cast<acc_t>(kLog2e)) : SoftmaxState<acc_t>{};
+    const int64_t j_end = band.key_end(i + 1, seq.seqlen_k);
+    for (int64_t j = band.key_begin(i, seq.seqlen_k) + lane; j < j_end; j += kWarp) {
       acc_t s = 0;
       for (int64_t c = 0; c < p.head_dim; ++c)
         s += Elem<T>::load(q[c]) * Elem<T>::load(k[j * p.k_row_stride + c]);
@@ -137,6 +156,7 @@ __device__ void load_rows(const T* src, int64_t row_stride, int64_t rows, int64_
 
 // P (dropped, for dV) and dS of the tile rows [i0, i0 + m) x keys [j0, j0 + n) from the
 // operand tiles; zero outside the tile, where the key is hidden, or for an empty row.
+// (rows: the sequence's, indexed by its row i.)
 template <typename acc_t>
 __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
                          const ScoreMask<acc_t>& mask, const DropoutBits& drop,
@@ -152,7 +172,8 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       const acc_t l2 = rows.lse2[i];
       acc_t s = 0;
       for (int64_t x = 0; x < p.head_dim; ++x) s += t.q[r * p.head_dim + x] * t.k[c * t.ldk + x];
-      s = mask.apply(s, s_scale, i, j);  // the forward's log2-domain score
+      acc_t dcap = 1;                           // d softcap(s) / d s
+      s = mask.apply(s, s_scale, i, j, &dcap);  // the forward's log2-domain score
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
       for (int64_t x = 0; x < p.head_dim_v; ++x)
@@ -163,7 +184,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
         pd = keep ? prob * keep_scale : acc_t(0);
         dp = keep ? dp * keep_scale : acc_t(0);
       }
-      ds = prob * (dp - rows.delta[i]);
+      ds = prob * (dp - rows.delta[i]) * dcap;
     }
     t.p[idx] = pd;
     t.ds[idx] = ds;
@@ -178,49 +199,56 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const BwdTiles<acc_t> t(reinterpret_cast<acc_t*>(smem_raw), D, Dv);
-  const KeyBlockInfo bi(p, Tr::kBlockN, blockIdx.x);
-  const int64_t bh = bi.b * p.heads + bi.h;
-  const ScoreMask<acc_t> mask(p, bi.b, bi.h);
-  const DropoutBits drop(p, bi.b, bi.h);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bh * p.seqlen_q,
-                            static_cast<const acc_t*>(ws.lse2) + bh * p.seqlen_q,
-                            static_cast<const acc_t*>(ws.lse2_lo) + bh * p.seqlen_q};
+  KeyBlockInfo bi(p, Tr::kBlockN, blockIdx.x);
+  if (bi.keys <= 0) return;  // past the end of a short sequence of a varlen batch
+  const ScoreMask<acc_t> mask(p, bi.b, bi.h, bi.seq);
+  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
+  const int64_t r0 = row_index(p, bi.seq, bi.b, bi.h, 0);
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + r0,
+                            static_cast<const acc_t*>(ws.lse2) + r0,
+                            static_cast<const acc_t*>(ws.lse2_lo) + r0};
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride;
-  const T* dout =
-      static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride + bi.h * p.do_head_stride;
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
-               bi.n0 * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
-               bi.n0 * p.v_row_stride;
-  acc_t* dk = static_cast<acc_t*>(p.dk) + (bh * p.seqlen_k + bi.n0) * D;
-  acc_t* dv = static_cast<acc_t*>(p.dv) + (bh * p.seqlen_k + bi.n0) * Dv;
+  const int64_t step = p.acc_row_step();  // accumulator rows between a head's rows
+  const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
+               bi.seq.q_begin * p.q_row_stride;
+  const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
+                  bi.h * p.do_head_stride + bi.seq.q_begin * p.do_row_stride;
+  do {
+    const int64_t key0 = bi.seq.k_begin + bi.n0;
+    const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+                 key0 * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+                 key0 * p.v_row_stride;
+    acc_t* dk = static_cast<acc_t*>(p.dk) + p.acc_row(bi.b, bi.h, key0, p.k_rows()) * D;
+    acc_t* dv = static_cast<acc_t*>(p.dv) + p.acc_row(bi.b, bi.h, key0, p.k_rows()) * Dv;
 
-  load_rows(k, p.k_row_stride, bi.keys, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
-  load_rows(v, p.v_row_stride, bi.keys, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
-  for (int64_t i0 = bi.r_begin; i0 < bi.r_end; i0 += Tr::kBlockM) {
-    const int64_t m = min(int64_t(Tr::kBlockM), bi.r_end - i0);
-    load_rows(q + i0 * p.q_row_stride, p.q_row_stride, m, Tr::kBlockM, D, t.q, D, acc_t(1));
-    load_rows(dout + i0 * p.do_row_stride, p.do_row_stride, m, Tr::kBlockM, Dv, t.dout, Dv,
-              acc_t(1));
-    __syncthreads();
-    bwd_tile(p, t, mask, drop, rows, i0, m, bi.n0, bi.keys);
-    __syncthreads();
-    // thread per (key, feature): each element of this block's dk / dv rows has one owner
-    for (int64_t idx = threadIdx.x; idx < bi.keys * Dv; idx += blockDim.x) {
-      const int64_t c = idx / Dv, f = idx % Dv;
-      acc_t acc = 0;
-      for (int r = 0; r < m; ++r) acc += t.p[r * Tr::kBlockN + c] * t.dout[r * Dv + f];
-      dv[c * Dv + f] += acc;
+    load_rows(k, p.k_row_stride, bi.keys, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
+    load_rows(v, p.v_row_stride, bi.keys, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
+    for (int64_t i0 = bi.r_begin; i0 < bi.r_end; i0 += Tr::kBlockM) {
+      const int64_t m = min(int64_t(Tr::kBlockM), bi.r_end - i0);
+      load_rows(q + i0 * p.q_row_stride, p.q_row_stride, m, Tr::kBlockM, D, t.q, D, acc_t(1));
+      load_rows(dout + i0 * p.do_row_stride, p.do_row_stride, m, Tr::kBlockM, Dv, t.dout, Dv,
+                acc_t(1));
+      __syncthreads();
+      bwd_tile(p, t, mask, drop, rows, i0, m, bi.n0, bi.keys);
+      __syncthreads();
+      // thread per (key, feature): each element of this block's dk / dv rows has one owner
+      for (int64_t idx = threadIdx.x; idx < bi.keys * Dv; idx += blockDim.x) {
+        const int64_t c = idx / Dv, f = idx % Dv;
+        acc_t acc = 0;
+        for (int r = 0; r < m; ++r) acc += t.p[r * Tr::kBlockN + c] * t.dout[r * Dv + f];
+        dv[c * step * Dv + f] += acc;
+      }
+      for (int64_t idx = threadIdx.x; idx < bi.keys * D; idx += blockDim.x) {
+        const int64_t c = idx / D, f = idx % D;
+        acc_t acc = 0;
+        for (int r = 0; r < m; ++r) acc += t.ds[r * Tr::kBlockN + c] * t.q[r * D + f];
+        dk[c * step * D + f] += acc * scale;
+      }
+      __syncthreads();
     }
-    for (int64_t idx = threadIdx.x; idx < bi.keys * D; idx += blockDim.x) {
-      const int64_t c = idx / D, f = idx % D;
-      acc_t acc = 0;
-      for (int r = 0; r < m; ++r) acc += t.ds[r * Tr::kBlockN + c] * t.q[r * D + f];
-      dk[c * D + f] += acc * scale;
-    }
-    __syncthreads();
-  }
+    __syncthreads();  // the tiles are read before the next keys overwrite them
+  } while (bi.advance(p));
 }
 
 template <typename T>
@@ -231,39 +259,47 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const BwdTiles<acc_t> t(reinterpret_cast<acc_t*>(smem_raw), D, Dv);
-  const QueryBlockInfo bi(p, Tr::kBlockM, blockIdx.x);
-  const int64_t bh = bi.b * p.heads + bi.h;
-  const ScoreMask<acc_t> mask(p, bi.b, bi.h);
-  const DropoutBits drop(p, bi.b, bi.h);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bh * p.seqlen_q,
-                            static_cast<const acc_t*>(ws.lse2) + bh * p.seqlen_q,
-                            static_cast<const acc_t*>(ws.lse2_lo) + bh * p.seqlen_q};
+  QueryBlockInfo bi(p, Tr::kBlockM, blockIdx.x);
+  if (bi.rows <= 0) return;  // past the end of a short sequence of a varlen batch
+  const ScoreMask<acc_t> mask(p, bi.b, bi.h, bi.seq);
+  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
+  const int64_t r0 = row_index(p, bi.seq, bi.b, bi.h, 0);
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + r0,
+                            static_cast<const acc_t*>(ws.lse2) + r0,
+                            static_cast<const acc_t*>(ws.lse2_lo) + r0};
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-               bi.m0 * p.q_row_stride;
-  const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
-                  bi.h * p.do_head_stride + bi.m0 * p.do_row_stride;
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride;
-  acc_t* dq = static_cast<acc_t*>(p.dq) + (bh * p.seqlen_q + bi.m0) * D;
+  const int64_t step = p.acc_row_step();
+  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+               bi.seq.k_begin * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+               bi.seq.k_begin * p.v_row_stride;
+  do {
+    const int64_t row0 = bi.seq.q_begin + bi.m0;
+    const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
+                 row0 * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
+                    bi.h * p.do_head_stride + row0 * p.do_row_stride;
+    acc_t* dq = static_cast<acc_t*>(p.dq) + p.acc_row(bi.b, bi.h, row0, p.q_rows()) * D;
 
-  load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, acc_t(1));
-  load_rows(dout, p.do_row_stride, bi.rows, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
-  for (int64_t j0 = bi.n_begin; j0 < bi.n_end; j0 += Tr::kBlockN) {
-    const int64_t n = min(int64_t(Tr::kBlockN), bi.n_end - j0);
-    load_rows(k + j0 * p.k_row_stride, p.k_row_stride, n, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
-    load_rows(v + j0 * p.v_row_stride, p.v_row_stride, n, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
-    __syncthreads();
-    bwd_tile(p, t, mask, drop, rows, bi.m0, bi.rows, j0, n);
-    __syncthreads();
-    for (int64_t idx = threadIdx.x; idx < bi.rows * D; idx += blockDim.x) {
-      const int64_t r = idx / D, f = idx % D;
-      acc_t acc = 0;
-      for (int c = 0; c < n; ++c) acc += t.ds[r * Tr::kBlockN + c] * t.k[c * t.ldk + f];
-      dq[r * D + f] += acc * scale;
+    load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, acc_t(1));
+    load_rows(dout, p.do_row_stride, bi.rows, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
+    for (int64_t j0 = bi.n_begin; j0 < bi.n_end; j0 += Tr::kBlockN) {
+      const int64_t n = min(int64_t(Tr::kBlockN), bi.n_end - j0);
+      load_rows(k + j0 * p.k_row_stride, p.k_row_stride, n, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
+      load_rows(v + j0 * p.v_row_stride, p.v_row_stride, n, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
+      __syncthreads();
+      bwd_tile(p, t, mask, drop, rows, bi.m0, bi.rows, j0, n);
+      __syncthreads();
+      for (int64_t idx = threadIdx.x; idx < bi.rows * D; idx += blockDim.x) {
+        const int64_t r = idx / D, f = idx % D;
+        acc_t acc = 0;
+        for (int c = 0; c < n; ++c) acc += t.ds[r * Tr::kBlockN + c] * t.k[c * t.ldk + f];
+        dq[r * step * D + f] += acc * scale;
+      }
+      __syncthreads();
     }
-    __syncthreads();
-  }
+    __syncthreads();  // the tiles are read before the next rows overwrite them
+  } while (bi.advance(p));
 }
 
 inline cudaError_t set_smem(const void* kernel, size_t smem) {
@@ -274,25 +310,32 @@ inline cudaError_t set_smem(const void* kernel, size_t smem) {
 template <typename T>
 cudaError_t run_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
   using Tr = GenericBwdTraits;
-  const int64_t rows = p.batch * p.heads * p.seqlen_q;
-  if (rows == 0 || p.seqlen_k == 0) return cudaSuccess;
+  const int64_t rows = p.row_batches() * p.heads * p.q_rows();
+  if (rows == 0) return cudaSuccess;
   constexpr int kRowsPerBlock = Tr::kThreads / Tr::kWarp;  // one warp per row
   flash_bwd_preprocess_kernel<T>
       <<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0, stream>>>(p, ws);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  if (p.k_rows() == 0) return cudaSuccess;  // no key: no gradient but the sinks'
 
+  // A varlen grid has at least one block per (sequence, head), so that a caller's max_seqlen
+  // of 0 still covers its sequences (the blocks loop over what the grid does not).
+  const int64_t grid_q = p.varlen() && p.seqlen_q == 0 ? 1 : p.seqlen_q;
+  const int64_t grid_k = p.varlen() && p.seqlen_k == 0 ? 1 : p.seqlen_k;
   const size_t smem = bwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
   const int64_t bh = p.batch * p.heads;
   if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T>), smem)) != cudaSuccess)
     return e;
-  flash_bwd_dkdv_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_k, Tr::kBlockN)),
-                             Tr::kThreads, smem, stream>>>(p, ws);
+  flash_bwd_dkdv_kernel<T>
+      <<<static_cast<unsigned>(bh * ceil_div(grid_k, Tr::kBlockN)), Tr::kThreads, smem, stream>>>(
+          p, ws);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dq_kernel<T>), smem)) != cudaSuccess)
     return e;
-  flash_bwd_dq_kernel<T><<<static_cast<unsigned>(bh * ceil_div(p.seqlen_q, Tr::kBlockM)),
-                           Tr::kThreads, smem, stream>>>(p, ws);
+  flash_bwd_dq_kernel<T>
+      <<<static_cast<unsigned>(bh * ceil_div(grid_q, Tr::kBlockM)), Tr::kThreads, smem, stream>>>(
+          p, ws);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,7 @@
 #pragma once
 // Tensor-core flash-attention forward for bf16 / fp16 (FlashAttention-2 structure), sm_80+.
+// Fixed-length batches without score modifiers (attention_launch.cu routes varlen batches and
+// softcap / ALiBi / sinks to the generic kernel until this one has run them on a GPU).
 // One thread block owns kBlockM query rows of one (b, h); each of its warps owns 16 rows.
 //   prologue   the query tile to shared memory (zero-padded to kHeadDim and kBlockM);
 //   main loop  key blocks from the last to the first, so that under a causal band the
@@ -165,8 +167,8 @@ __global__ void __launch_bounds__(Tr::kThreads) flash_fwd_mma_kernel(AttentionPa
 
   // ---- prologue
   const QueryBlockInfo bi(p, Tr::kBlockM, blockIdx.x);
-  const ScoreMask<float> mask(p, bi.b, bi.h);
-  const DropoutBits drop(p, bi.b, bi.h);
+  const ScoreMask<float> mask(p, bi.b, bi.h, bi.seq);
+  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
   const float s_scale = static_cast<float>(p.scale * kLog2e);
   const float keep_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
   const int64_t row0 = bi.m0 + warp * Tr::kMmaM;  // this warp's first row

@@ -1,12 +1,13 @@
 #pragma once
-// The element-wise pieces every flash kernel applies to a score: the explicit mask, the
-// local band, the key range, and dropout. Scores are in the log2 domain, so an additive mask
-// (natural-log units) is scaled by log2(e), as attention/cpu/tile_mask.h does (here added to the
-// scaled score in one fma).
+// The element-wise pieces every flash kernel applies to a score: the score modifiers
+// (common/score_mod.h), the explicit mask, the local band, the key range, and dropout. Scores
+// are in the log2 domain, so an additive mask (natural-log units) is scaled by log2(e), as
+// attention/cpu/tile_mask.h does (here added to the scaled score in one fma).
 #include <cstdint>
 #include "common/constants.h"
 #include "common/dropout.h"
 #include "common/mask.h"
+#include "common/score_mod.h"
 #include "attention/params.h"
 
 namespace attn_ext::cuda {
@@ -18,59 +19,72 @@ struct ScoreMask {
   const void* mask;  // at (b, h), row 0, key 0
   int64_t row_stride, col_stride;
   int64_t key_limit;  // keys >= key_limit are out of the sequence
+  ScoreMod<acc_t> mod;
 
-  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h)
-      : band{p.key_offset, p.window_left, p.window_right},
+  // For (b, h) of the sequence `seq` (its rows and keys are relative to the sequence).
+  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, const SeqBounds& seq)
+      : band{seq.key_offset, p.window_left, p.window_right},
         kind(p.mask_kind),
         mask(nullptr),
         row_stride(p.mask_row_stride),
         col_stride(p.mask_col_stride),
-        key_limit(p.seqlen_k) {
+        key_limit(seq.seqlen_k),
+        mod(ScoreMod<acc_t>::make(p, b, h, seq.key_offset, static_cast<acc_t>(kLog2e))) {
     const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride;
     if (kind == MaskKind::kBool) mask = static_cast<const bool*>(p.mask) + off;
     if (kind == MaskKind::kAdditive) mask = static_cast<const acc_t*>(p.mask) + off;
   }
 
-  // True when no element of rows [r0, r1) x keys [c0, c1) needs a test.
+  // True when no element of rows [r0, r1) x keys [c0, c1) needs a test or a modifier.
   __device__ bool tile_free(int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
-    return kind == MaskKind::kNone && c1 <= key_limit && band.tile_unmasked(r0, r1, c0, c1);
+    return kind == MaskKind::kNone && !mod.active() && c1 <= key_limit &&
+           band.tile_unmasked(r0, r1, c0, c1);
   }
 
-  // The log2-domain score of (row i, key j) from its raw dot product: raw * s_scale plus the
-  // additive mask in log2 units, -inf where the key is hidden. The additive case is one fma
-  // (the product is not rounded before the mask is added: one rounding fewer in fp32).
-  __device__ acc_t apply(acc_t raw, acc_t s_scale, int64_t i, int64_t j) const {
+  // The log2-domain score of (row i, key j) from its raw dot product: raw * s_scale, the
+  // modifiers, plus the additive mask in log2 units, -inf where the key is hidden. Without
+  // modifiers the additive case is one fma (the product is not rounded before the mask is
+  // added: one rounding fewer in fp32). With softcap, *dcap (when given) receives the
+  // softcap's derivative for the backward.
+  __device__ acc_t apply(acc_t raw, acc_t s_scale, int64_t i, int64_t j,
+                         acc_t* dcap = nullptr) const {
     if (j >= key_limit) return -INFINITY;
     acc_t s;
-    if (kind == MaskKind::kAdditive) {
+    if (mod.active()) {
+      s = raw * s_scale;
+      if (mod.softcapped()) {
+        s = mod.softcap(s);
+        if (dcap != nullptr) *dcap = mod.softcap_grad(s);
+      }
+      if (mod.slope != acc_t(0)) s += mod.alibi(i, j);
+      if (kind == MaskKind::kAdditive)
+        s += static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e);
+    } else if (kind == MaskKind::kAdditive) {
       s = fma(raw, s_scale,
               static_cast<const acc_t*>(mask)[i * row_stride + j * col_stride] * acc_t(kLog2e));
     } else {
       s = raw * s_scale;
-      if (kind == MaskKind::kBool &&
-          !static_cast<const bool*>(mask)[i * row_stride + j * col_stride])
-        s = -INFINITY;
     }
+    if (kind == MaskKind::kBool && !static_cast<const bool*>(mask)[i * row_stride + j * col_stride])
+      s = -INFINITY;
     return band.allowed(i, j) ? s : acc_t(-INFINITY);
   }
 };
 
-// Dropout of one (b, h): the keep bit of (row i, key j), from the shared counter-based policy.
+// Dropout of one (b, h): the keep bit of (row i, key j), from the shared counter-based policy;
+// row i's stream is row_index() of the row (as on the CPU).
 struct DropoutBits {
   DropoutPolicy policy;
-  int64_t b, h, heads, sq;
+  int64_t row0;  // row_index() of the sequence's row 0
 
-  __device__ DropoutBits(const AttentionParams& p, int64_t b_, int64_t h_)
+  __device__ DropoutBits(const AttentionParams& p, int64_t b, int64_t h, const SeqBounds& seq)
       : policy{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)},
-        b(b_),
-        h(h_),
-        heads(p.heads),
-        sq(p.seqlen_q) {}
+        row0(row_index(p, seq, b, h, 0)) {}
 
   __device__ bool active() const { return policy.active(); }
   // Bits of keys [4 g, 4 g + 4) of row i.
   __device__ uint32_t group(int64_t i, int64_t g) const {
-    return policy.group_keep_bits(policy.row_id(b, h, i, heads, sq), g);
+    return policy.group_keep_bits(static_cast<uint64_t>(row0 + i), g);
   }
   __device__ bool keep(int64_t i, int64_t j) const {
     return (group(i, j / kDrawsPerCounter) >> (j % kDrawsPerCounter)) & 1u;
