@@ -11,7 +11,7 @@
 //   bottom-right) and sees keys [i + key_offset - window_left, i + key_offset + window_right],
 //   -1 meaning unbounded; causal sets window_right = 0. attn_mask is bool (true = keep) or
 //   floating (additive), broadcastable to (B, H, Sq, Sk).
-// Score modifiers (common/score_mod.h), on the scaled scores in this order, before masking:
+// Score modifiers (attention/score_mod.h), on the scaled scores in this order, before masking:
 //   softcap > 0: s = softcap * tanh(s / softcap) (Gemma 2); alibi_slopes (H,) or (B, H):
 //   s -= slope[b, h] * |i + key_offset - j|; sinks (H,): a logit per head that joins every
 //   row's softmax denominator without a value (gpt-oss); lse includes it. Slopes and sinks

@@ -19,7 +19,7 @@ struct AttentionOptions {
   std::optional<int64_t> key_offset;
   double dropout_p = 0.0;
   std::optional<at::Tensor> rng_state;
-  // Score modifiers (common/score_mod.h).
+  // Score modifiers (attention/score_mod.h).
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;  // (H,) or (B, H)
   std::optional<at::Tensor> sinks;         // (H,)

@@ -40,7 +40,7 @@ struct AttentionParams {
   double dropout_p = 0.0;
   uint64_t seed = 0, rng_offset = 0;
 
-  // Score modifiers (common/score_mod.h), applied to the scaled scores in this order, before
+  // Score modifiers (attention/score_mod.h), applied to the scaled scores in this order, before
   // the band and attn_mask: softcap (> 0: s = softcap * tanh(s / softcap), Gemma 2), then
   // ALiBi (s -= slope * |i + key_offset - j|). Both arrays are in the accumulation type.
   double softcap = 0.0;

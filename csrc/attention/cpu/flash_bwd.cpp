@@ -15,7 +15,7 @@
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
 #include "common/cpu/work_queue.h"
-#include "common/score_mod.h"
+#include "attention/score_mod.h"
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"

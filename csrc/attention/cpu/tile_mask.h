@@ -11,7 +11,7 @@
 #include "common/constants.h"
 #include "common/dropout.h"
 #include "common/mask.h"
-#include "common/score_mod.h"
+#include "attention/score_mod.h"
 #include "attention/params.h"
 #include "common/cpu/vec_math.h"
 

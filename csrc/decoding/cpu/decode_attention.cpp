@@ -19,7 +19,7 @@
 #include "common/cpu/kernel_traits.h"
 #include "common/cpu/split_kv.h"
 #include "common/cpu/vec_math.h"
-#include "common/score_mod.h"
+#include "attention/score_mod.h"
 #include "attention/cpu/tile_mask.h"
 
 namespace attn_ext::cpu {

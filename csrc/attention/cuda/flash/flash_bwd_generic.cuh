@@ -16,7 +16,7 @@
 #include <type_traits>
 #include "common/constants.h"
 #include "common/online_softmax.h"
-#include "common/score_mod.h"
+#include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "attention/cuda/flash/block_info.cuh"
 #include "attention/cuda/flash/launch_templates.h"

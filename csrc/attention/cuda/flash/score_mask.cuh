@@ -1,13 +1,13 @@
 #pragma once
 // The element-wise pieces every flash kernel applies to a score: the score modifiers
-// (common/score_mod.h), the explicit mask, the local band, the key range, and dropout. Scores
+// (attention/score_mod.h), the explicit mask, the local band, the key range, and dropout. Scores
 // are in the log2 domain, so an additive mask (natural-log units) is scaled by log2(e), as
 // attention/cpu/tile_mask.h does (here added to the scaled score in one fma).
 #include <cstdint>
 #include "common/constants.h"
 #include "common/dropout.h"
 #include "common/mask.h"
-#include "common/score_mod.h"
+#include "attention/score_mod.h"
 #include "attention/params.h"
 
 namespace attn_ext::cuda {
