@@ -98,8 +98,9 @@ def decode_attention(
     ((H,) or (B, H); distance from ``pos``) and ``sinks`` (H,) as in :func:`attention`.
     FlashAttention's ``with_kvcache`` arguments: ``cache_batch_idx`` (B,) int, sequence b reads
     cache batch row ``cache_batch_idx[b]`` (the cache may hold more rows than B);
-    ``cache_leftpad`` (B,) int, sequence b's keys start at ``cache_leftpad[b]``. (CPU; on CUDA
-    these arguments are not yet supported and raise.)
+    ``cache_leftpad`` (B,) int, sequence b's keys start at ``cache_leftpad[b]``. (On CUDA these
+    arguments raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: their kernel code has not yet
+    run on a GPU.)
 
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.

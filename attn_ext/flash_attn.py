@@ -25,8 +25,10 @@ Differences from FlashAttention, by design:
   not available together with ``softcap`` / ``alibi_slopes``.
 - ``flash_attn_with_kvcache`` applies ``rotary_cos`` / ``rotary_sin`` with torch element-wise
   ops (in fp32, fp64 for fp64 inputs) before appending; ``block_table`` (paged KV cache) is not
-  supported yet. On CUDA its ``cache_batch_idx``, ``cache_leftpad``, ``softcap``,
-  ``alibi_slopes`` and right windows are not supported yet (they raise).
+  supported yet.
+- On CUDA, the varlen functions, ``softcap``, ``alibi_slopes`` and ``flash_attn_with_kvcache``'s
+  ``cache_batch_idx`` / ``cache_leftpad`` / right windows run on kernel code that has not yet
+  run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in.
 """
 
 from typing import Optional, Tuple, Union

@@ -369,15 +369,18 @@ FA_DECODE_KINDS = [
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("kind", FA_DECODE_KINDS)
-def test_decode_flash_attn_arguments(dtype, num_splits, sq, kind):
-    """CPU only: on CUDA these arguments are not yet supported (they raise)."""
+def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind, monkeypatch):
+    """On CUDA this is what verifies the kernel code of these arguments, off by default until
+    it has run green (csrc/common/cuda/unverified.h)."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     B, H, Hkv, L, rows = 3, 8, 2, 300, 5
-    extra = _fa_case_args(kind, B, H, rows, "cpu")
+    extra = _fa_case_args(kind, B, H, rows, device)
     indexed = "cache_batch_idx" in extra
-    k, v, _ = _filled_cache("cpu", rows if indexed else B, Hkv, L, 32, 24, dtype, [0])
+    k, v, _ = _filled_cache(device, rows if indexed else B, Hkv, L, 32, 24, dtype, [0])
     # An empty sequence (or, with leftpad, one whose keys all lie before its start)
     lens = torch.tensor([300, 41, 40 if "cache_leftpad" in extra else 0], dtype=torch.int32)
-    q = rand((B, H, sq, 32), dtype, "cpu", layout="bshd")
+    lens = lens.to(device)
+    q = rand((B, H, sq, 32), dtype, device, layout="bshd")
     out, lse = attn_ext.decode_attention(
         q, k, v, lens, num_splits=num_splits, return_lse=True, **extra
     )

@@ -4,9 +4,11 @@
 attention (forward and backward): tensor-core forward at head dims 64 / 128 / 256 and a padded
 one, the generic forward and backward in every dtype, masks (bool, additive, broadcast), causal
 and window bands, fully masked rows, GQA, Dv != D, dropout, strided and misaligned inputs.
-attention with softcap / ALiBi / sinks, and attention_varlen (empty and one-token sequences,
-a sequence longer than the max_seqlen passed, GQA, causal window, dropout), forward and
-backward, through the kernels that are off by default (ATTN_EXT_UNVERIFIED_CUDA=1 set here).
+attention with softcap / ALiBi / sinks, attention_varlen (empty and one-token sequences, a
+sequence longer than the max_seqlen passed, GQA, causal window, dropout), forward and
+backward, and decode_attention with window_right / softcap / ALiBi / sinks / cache_batch_idx /
+cache_leftpad, through the kernels that are off by default (ATTN_EXT_UNVERIFIED_CUDA=1 set
+here).
 The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append (left padding,
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
@@ -129,6 +131,18 @@ def modifier_and_varlen_cases():
             out.float().square().sum().backward()
             ok.append(_report(f"varlen max_seqlen={max_len} {dtype}", [out, q.grad, k.grad]))
             q.grad = k.grad = v.grad = None
+        # decode with every FlashAttention argument (cache rows out of order, left padding)
+        kc, vc = (torch.randn(5, 2, 80, 64, device=dev).to(dtype) for _ in range(2))
+        qd = torch.randn(3, 4, 2, 64, device=dev).to(dtype)
+        for splits in (1, 3):
+            out = attn_ext.decode_attention(
+                qd, kc, vc, torch.tensor([80, 9, 0], dtype=torch.int32, device=dev),
+                causal=False, window_left=20, window_right=3, num_splits=splits, softcap=4.0,
+                alibi_slopes=torch.rand(4, device=dev), sinks=sinks.detach(),
+                cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32, device=dev),
+                cache_leftpad=torch.tensor([3, 9, 0], dtype=torch.int32, device=dev),
+            )  # fmt: skip
+            ok.append(_report(f"decode FlashAttention arguments splits={splits} {dtype}", [out]))
     return ok
 
 

@@ -260,6 +260,7 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
     r.batch_idx = int64_lengths(op, "cache_batch_idx", *o.cache_batch_idx, q.size(0), k_cache,
                                 k_cache.size(0) - 1, check_values);
     p.batch_idx = r.batch_idx.data_ptr<int64_t>();
+    p.cache_batch = k_cache.size(0);
   }
   r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, k_cache.size(2),
                             check_values);

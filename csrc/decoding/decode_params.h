@@ -58,11 +58,20 @@ struct DecodeParams : AttentionParams {
   // start at leftpad[b] (keys before it are never seen).
   const int64_t* batch_idx = nullptr;
   const int64_t* leftpad = nullptr;
+  int64_t cache_batch = 0;  // the cache's batch rows (batch_idx's range)
 
+  // The CPU op checks both values; a GPU op cannot read them without a sync, so they are
+  // clamped into range here: never a read outside the cache.
   C10_HOST_DEVICE int64_t cache_row(int64_t b) const {
-    return batch_idx != nullptr ? batch_idx[b] : b;
+    if (batch_idx == nullptr) return b;
+    const int64_t r = batch_idx[b];
+    return r < 0 ? 0 : (r >= cache_batch ? cache_batch - 1 : r);
   }
-  C10_HOST_DEVICE int64_t first_key(int64_t b) const { return leftpad != nullptr ? leftpad[b] : 0; }
+  C10_HOST_DEVICE int64_t first_key(int64_t b) const {
+    if (leftpad == nullptr) return 0;
+    const int64_t f = leftpad[b];
+    return f < 0 ? 0 : (f > seqlen_k ? seqlen_k : f);
+  }
 };
 
 }  // namespace attn_ext

@@ -8,11 +8,15 @@
 //             accumulates output feature t for every row from the tile's values (coalesced);
 //   epilogue  normalized output + lse, or the split's partial for the merge kernel, which
 //             folds splits with SoftmaxState::merge.
+// FlashAttention's with_kvcache arguments (cache_batch_idx, cache_leftpad), window_right and
+// the score modifiers (attention/score_mod.h: per row, since a block's rows span G heads; a
+// sink joins the first split's state only) follow the CPU kernel.
 #include <cstdint>
 #include <type_traits>
 #include "common/constants.h"
 #include "common/mask.h"
 #include "common/online_softmax.h"
+#include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "decoding/cuda/decoding_launch.h"
 
@@ -59,15 +63,19 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
   const BlockRows br = block_rows(p, rows);
   int64_t len = p.lengths[br.b];
   len = len < 0 ? 0 : (len > p.seqlen_k ? p.seqlen_k : len);  // a GPU op clamps, never reads past L
+  const int64_t bc = p.cache_row(br.b);
   const LocalBand band{len - Sq, p.window_left, p.window_right};
   const int64_t i_begin = br.r0 / G, i_end = (br.r0 + br.m - 1) / G + 1;
-  const int64_t lo = band.key_begin(i_begin, len), hi = band.key_end(i_end, len);
+  const int64_t lo = max(band.key_begin(i_begin, len), p.first_key(br.b));
+  const int64_t hi = max(band.key_end(i_end, len), lo);
+  const acc_t log2e = static_cast<acc_t>(kLog2e);
+  const bool modified = p.softcap != 0.0 || p.alibi_slopes != nullptr;
   const int64_t splits = gridDim.x, split = blockIdx.x;
   const int64_t span = hi > lo ? hi - lo : 0;
   const int64_t chunk = ((span + splits - 1) / splits + kTile - 1) / kTile * kTile;
   const int64_t j_begin = min(hi, lo + split * max(chunk, int64_t(kTile)));
   const int64_t j_end = min(hi, j_begin + max(chunk, int64_t(kTile)));
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
 
   for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
     const int64_t rr = idx / D, c = idx % D;
@@ -80,7 +88,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
     }
     q_s[idx] = val;
   }
-  if (threadIdx.x < kRows) state_s[threadIdx.x] = SoftmaxState<acc_t>{};
+  if (threadIdx.x < kRows) {
+    const int64_t h = br.hk * G + (br.r0 + threadIdx.x) % G;
+    state_s[threadIdx.x] =
+        split == 0 ? initial_state<acc_t>(p, h, log2e) : SoftmaxState<acc_t>{};  // sink once
+  }
   acc_t o[kRows][kMaxDvPerThread];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -88,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
     for (int c = 0; c < kMaxDvPerThread; ++c) o[r][c] = 0;
   __syncthreads();
 
-  const T* k = static_cast<const T*>(p.k) + br.b * p.k_batch_stride + br.hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + br.b * p.v_batch_stride + br.hk * p.v_head_stride;
+  const T* k = static_cast<const T*>(p.k) + bc * p.k_batch_stride + br.hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + bc * p.v_batch_stride + br.hk * p.v_head_stride;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 
   // ---- main loop over key tiles
@@ -118,8 +130,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
         band.tile_unmasked(i_begin, i_end, j0, j0 + kTile) && j0 + kTile <= j_end;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const bool ok = r < br.m && j < j_end && (tile_full || band.allowed((br.r0 + r) / G, j));
-      s_s[r * kTile + threadIdx.x] = ok ? s[r] * s_scale : -INFINITY;  // log2 domain
+      const int64_t i = (br.r0 + r) / G;
+      const bool ok = r < br.m && j < j_end && (tile_full || band.allowed(i, j));
+      acc_t sc = s[r] * s_scale;  // log2 domain
+      if (ok && modified) {
+        const int64_t h = br.hk * G + (br.r0 + r) % G;
+        sc = ScoreMod<acc_t>::make(p, br.b, h, len - Sq, log2e).apply(sc, i, j);
+      }
+      s_s[r * kTile + threadIdx.x] = ok ? sc : acc_t(-INFINITY);
     }
     __syncthreads();
 

@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/cuda/unverified.h"
+
 #include "decoding/decode_inputs.h"
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
@@ -103,15 +105,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* kOp = "attn_ext.decode_attention";
-  // The new arguments have no CUDA kernel yet.
-  TORCH_CHECK(window_right == -1 && softcap == 0.0 && !alibi_slopes.has_value() &&
-                  !sinks.has_value() && !cache_batch_idx.has_value() && !cache_leftpad.has_value(),
-              kOp,
-              ": window_right, softcap, alibi_slopes, sinks, cache_batch_idx and cache_leftpad "
-              "are not yet supported on CUDA");
+  // The new arguments run on kernel code that has not yet run on a GPU: off by default.
+  if (window_right != -1 || softcap != 0.0 || alibi_slopes.has_value() || sinks.has_value() ||
+      cache_batch_idx.has_value() || cache_leftpad.has_value()) {
+    require_verified_or_opt_in(kOp,
+                               "window_right / softcap / alibi_slopes / sinks / cache_batch_idx / "
+                               "cache_leftpad");
+  }
   c10::cuda::CUDAGuard guard(q.device());
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
-                                     {scale, causal, window_left, -1, num_splits},
+                                     {scale, causal, window_left, window_right, num_splits, softcap,
+                                      alibi_slopes, sinks, cache_batch_idx, cache_leftpad},
                                      /*check_values=*/false);
   DecodeParams& p = in.params;
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
