@@ -8,7 +8,9 @@ modules); this module only declares the cases and runs them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 import attn_ext
 from attn_ext.testing.attention import (
     attention_reference,
+    attention_varlen_reference,
     attention_weights_reference,
     sdpa_reference,
 )
@@ -103,6 +106,74 @@ def attention_case(name, make, grads=("q", "k", "v"), **opts):
         return (attn_ext.attention(q, k, v, attn_mask=attn_mask, **opts),)
 
     return Case(name, make, ext, ref, grads)
+
+
+@contextlib.contextmanager
+def _unverified_cuda():
+    """Opts in to CUDA kernel code not yet run on a GPU (csrc/common/cuda/unverified.h) for the
+    cases that check it: on a GPU, this self-check is part of that verification."""
+    old = os.environ.get("ATTN_EXT_UNVERIFIED_CUDA")
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ATTN_EXT_UNVERIFIED_CUDA"]
+        else:
+            os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = old
+
+
+def modifiers_case():
+    """softcap, ALiBi (B, H) and attention sinks (with their gradient), GQA, causal."""
+
+    def make(dev):
+        inputs = qkv(h=8, hkv=2, device=dev)
+        inputs["sinks"] = randn(8, device=dev)
+        return inputs
+
+    def slopes(q):
+        return torch.linspace(0.05, 0.4, 2 * 8, device=q.device).view(2, 8)
+
+    def ref(q, k, v, sinks):
+        kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q), sinks=sinks)
+        return (attention_reference(q, k, v, **kw),)
+
+    def ext(q, k, v, sinks):
+        with _unverified_cuda():
+            kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q).float(), sinks=sinks)
+            return (attn_ext.attention(q, k, v, **kw),)
+
+    return Case("attention softcap + ALiBi + sinks", make, ext, ref, grads=("q", "k", "v", "sinks"))
+
+
+VARLEN_LENGTHS = (37, 0, 1, 90, 12)
+
+
+def varlen_case():
+    """attention_varlen against the per-sequence reference: empty and one-token sequences."""
+
+    def make(dev):
+        total = sum(VARLEN_LENGTHS)
+        cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], device=dev)
+        return {
+            "q": randn(total, 8, 64, device=dev),
+            "k": randn(total, 2, 64, device=dev),
+            "v": randn(total, 2, 64, device=dev),
+            "cu": cu.to(torch.int32),
+        }
+
+    def ref(q, k, v, cu):
+        return (attention_varlen_reference(q, k, v, cu, cu, causal=True, window_size=(24, 0)),)
+
+    def ext(q, k, v, cu):
+        longest = max(VARLEN_LENGTHS)
+        with _unverified_cuda():
+            out = attn_ext.attention_varlen(
+                q, k, v, cu, cu, longest, longest, causal=True, window_size=(24, 0)
+            )
+        return (out,)
+
+    return Case("attention_varlen GQA causal window, lengths 0-90", make, ext, ref)
 
 
 def lse_case():
@@ -402,6 +473,8 @@ def all_cases() -> List[Case]:
         attention_case("attention MQA H=4 Hkv=1", lambda d: qkv(h=4, hkv=1, device=d)),
         lse_case(),
         dropout_case(),
+        modifiers_case(),
+        varlen_case(),
         sdpa_case("sdpa", lambda d: qkv(device=d)),
         sdpa_case(
             "sdpa is_causal Sq<Sk (top-left)", lambda d: qkv(sq=24, sk=53, device=d), is_causal=True
