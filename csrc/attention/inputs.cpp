@@ -309,6 +309,26 @@ PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& gr
                              grad_lse);
 }
 
+AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_t window_left,
+                                int64_t window_right, double dropout_p,
+                                const std::optional<at::Tensor>& rng_state, double softcap,
+                                const std::optional<at::Tensor>& alibi_slopes,
+                                const std::optional<at::Tensor>& sinks) {
+  return {std::nullopt, scale,     causal,  window_left,  window_right, std::nullopt,
+          dropout_p,    rng_state, softcap, alibi_slopes, sinks};
+}
+
+PreparedBackward prepare_attention_varlen_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts) {
+  return prepare_backward_of(op,
+                             prepare_attention_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      max_seqlen_q, max_seqlen_k, opts),
+                             grad_out, out, lse, grad_lse);
+}
+
 PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at::Tensor& grad_out,
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const std::optional<at::Tensor>& grad_lse) {

@@ -51,6 +51,13 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q, con
                                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                         int64_t max_seqlen_k, const AttentionOptions& opts);
 
+// The options of a varlen call (no attn_mask, no key_offset: bottom-right per sequence).
+AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_t window_left,
+                                int64_t window_right, double dropout_p,
+                                const std::optional<at::Tensor>& rng_state, double softcap,
+                                const std::optional<at::Tensor>& alibi_slopes,
+                                const std::optional<at::Tensor>& sinks);
+
 // Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
 // float32 (varlen: out (total_q, H, Dv), lse (H, total_q)), and points the params at them.
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q);
@@ -69,7 +76,13 @@ PreparedBackward prepare_attention_backward(const char* op, const at::Tensor& gr
                                             const at::Tensor& lse,
                                             const std::optional<at::Tensor>& grad_lse,
                                             const AttentionOptions& opts);
-// The same for the varlen form: `in` from prepare_attention_varlen.
+// The same for the varlen form.
+PreparedBackward prepare_attention_varlen_backward(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& grad_lse, const AttentionOptions& opts);
+// The backward's preparation around prepared forward inputs.
 PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at::Tensor& grad_out,
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const std::optional<at::Tensor>& grad_lse);

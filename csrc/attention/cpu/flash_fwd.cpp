@@ -343,8 +343,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
   check_cpu_support(kOp);
   PreparedInputs in =
       prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               {std::nullopt, scale, causal, window_left, window_right,
-                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks});
+                               varlen_options(scale, causal, window_left, window_right, dropout_p,
+                                              rng_state, softcap, alibi_slopes, sinks));
   AttentionParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};

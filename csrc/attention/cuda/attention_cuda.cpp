@@ -104,8 +104,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
   c10::cuda::CUDAGuard guard(q.device());
   PreparedInputs in =
       prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               {std::nullopt, scale, causal, window_left, window_right,
-                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks});
+                               varlen_options(scale, causal, window_left, window_right, dropout_p,
+                                              rng_state, softcap, alibi_slopes, sinks));
   return run_fwd(kOp, in);
 }
 
@@ -135,12 +135,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_back
     double softcap) {
   constexpr const char* kOp = "attn_ext.attention_varlen_backward";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedBackward in = prepare_backward_of(
-      kOp,
-      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               {std::nullopt, scale, causal, window_left, window_right,
-                                std::nullopt, dropout_p, rng_state, softcap, alibi_slopes, sinks}),
-      grad_out, out, lse, grad_lse);
+  PreparedBackward in = prepare_attention_varlen_backward(
+      kOp, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      grad_lse,
+      varlen_options(scale, causal, window_left, window_right, dropout_p, rng_state, softcap,
+                     alibi_slopes, sinks));
   return run_bwd(kOp, in, sinks);
 }
 
