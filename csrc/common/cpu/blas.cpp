@@ -13,6 +13,10 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
             const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
             const double* beta, double* c, const int* ldc) __attribute__((weak));
+// MKL's per-thread thread count (returns the previous one; 0 = the global setting); absent
+// from other BLAS builds. The by-value C entry point: in torch's libtorch_cpu the lowercase
+// mkl_set_num_threads_local is the Fortran one, which takes a pointer.
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 }
 
 namespace attn_ext::cpu {
@@ -58,7 +62,12 @@ void gemm_impl(Fn* blas, bool ta, bool tb, int64_t m, int64_t n, int64_t k, T al
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
   const int ilda = static_cast<int>(lda), ildb = static_cast<int>(ldb),
             ildc = static_cast<int>(ldc);
+  // One BLAS thread per call: the kernels parallelize over their own tasks, and a call made
+  // outside a parallel region (a small op running inline) would otherwise let MKL split it
+  // by the thread count, changing the result's bits with torch.set_num_threads.
+  const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
   blas(&opb, &opa, &in, &im, &ik, &alpha, b, &ildb, a, &ilda, &beta, c, &ildc);
+  if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
 }
 
 }  // namespace
