@@ -29,26 +29,40 @@ give their attention function, as for flash attention), bottom-right aligned, an
 - a padded batch whose queries are its keys (training, prefill; outside ``torch.compile``) runs
   as a varlen batch (:func:`attn_ext.attention_varlen`): the real tokens of each row (one run,
   left or right padding) are gathered, attended with no work for the padding, and scattered back;
-- decoding steps (and compiled models) pass the padding as a ``(B, 1, 1, Sk)`` bool mask read
-  through stride-0 views.
+- decoding steps, compiled models and rows whose real tokens are not one run pass the padding
+  as a ``(B, 1, 1, Sk)`` bool mask to the dense kernel, read through stride-0 views.
 
-Packed sequences (``position_ids`` that restart, as ``DataCollatorWithFlattening`` produces, no
-attention mask): the mask function recognizes transformers' packed-sequence mask and returns
-the ``(B, S)`` int64 sequence ids instead of the block-diagonal 4-D mask; the attention function
-runs the sequences as one varlen batch (causal, and the sliding window, within each), so packed
-training computes what unpacked training does.
+Packed sequences (several documents in one row, no padding, as ``DataCollatorWithFlattening``
+produces) run as one varlen batch (causal, and the sliding window, within each document), so
+packed training computes what unpacked training does. The attention function takes the
+document boundaries from, in FlashAttention 2's order:
+
+- FlashAttention's padding-free kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k``
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), as they are: no device read,
+  and the one form that also runs on the varlen kernel inside ``torch.compile``;
+- the ``(B, S)`` int64 sequence ids that the mask function returns instead of the block-diagonal
+  4-D mask when it recognizes transformers' packed-sequence mask. transformers builds that mask
+  only for a forward without a cache (``use_cache=False``, as the ``Trainer`` sets);
+- else ``position_ids`` that restart (transformers' ``find_packed_sequence_indices``), handed to
+  the attention function by the model: a training forward that leaves ``use_cache`` on gets no
+  packed mask from transformers, and ``"sdpa"``/``"eager"`` then attend across documents, while
+  this backend, like FlashAttention 2's, keeps them apart. This is checked only when no mask is
+  given and the queries are the keys (not while decoding), at one device read per layer.
 
 Everything else (static caches other than an aligned prefill, chunked attention, custom
-``or``/``and`` mask functions, bidirectional masks, and sliding windows or packing inside
-``torch.compile``, where the mask function cannot be recognized) gets the 4-D bool mask that
-``sdpa_mask`` builds (or ``None`` where ``sdpa_mask`` itself skips a bidirectional mask); a 4-D
-mask handed to the attention function (bool: True = keep, floating: additive) is used as it is,
-with no causal flag.
+``or``/``and`` mask functions, bidirectional masks, and, inside ``torch.compile`` where the mask
+function cannot be recognized, sliding windows and packing without FlashAttention's kwargs) gets
+the 4-D bool mask that ``sdpa_mask`` builds (or ``None`` where ``sdpa_mask`` itself skips a
+bidirectional mask); a 4-D mask handed to the attention function (bool: True = keep, floating:
+additive) is used as it is, with no causal flag.
 
 Score modifiers: ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss; their gradient
 flows to the sinks parameter) go to the kernels. No model of transformers 5.23 routes ALiBi
 through the attention interface (BLOOM, MPT and Falcon compute it in their own eager code), so
-``alibi_slopes`` has no entry here; :func:`attn_ext.attention` takes it directly.
+``alibi_slopes`` has no entry here (``tests/test_transformers.py`` scans the installed
+transformers for a model that would need one); :func:`attn_ext.attention` and
+:func:`attn_ext.attention_varlen` take it directly, and the tests check the latter against BLOOM's
+and MPT's own ALiBi attention.
 
 Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 ``q_length``/``q_offset`` arguments of recent versions and the older ``cache_position``), in
@@ -382,7 +396,9 @@ def _sequence_ids_from_positions(position_ids, query: torch.Tensor):
         or position_ids.dtype.is_floating_point
     ):
         return None
-    return _find_packed_sequence_indices(position_ids.expand(B, S))
+    ids = _find_packed_sequence_indices(position_ids.expand(B, S))
+    # some transformers versions return the ids even when every row is one sequence
+    return None if ids is None or bool((ids[:, -1] == 0).all()) else ids
 
 
 def _flash_kwargs_varlen(query, key, value, kw, *, is_causal, window, scaling, dropout, mods):
