@@ -103,6 +103,38 @@ def _batch(seq=20, pads=(0, 6), seed=0, side="left"):
     return ids, mask
 
 
+def _loss_and_grads(model, run):
+    model.zero_grad(set_to_none=True)
+    loss = run()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_same_padded_step(ref, ours, ids, mask, atol, rtol):
+    """The two models give the same logits on the real tokens of a padded batch and the same
+    parameter gradients of transformers' loss (labels: the tokens, padding ignored). With left
+    padding the loss also reads the last padding position (it predicts the first real token),
+    whose output is zeros in attn_ext: that needs a reference that gives zeros there too."""
+    labels = ids.masked_fill(mask == 0, -100)
+    steps = []
+    for model in (ref, ours):
+        logits = []
+
+        def run(model=model, logits=logits):
+            out = model(ids, attention_mask=mask, labels=labels)
+            logits.append(out.logits.detach()[mask.bool()])
+            return out.loss
+
+        _, grads = _loss_and_grads(model, run)
+        steps.append(dict(grads, logits=logits[0]))
+    assert steps[0].keys() == steps[1].keys() and len(steps[0]) > 1
+    for n in steps[0]:
+        torch.testing.assert_close(steps[1][n], steps[0][n], atol=atol, rtol=rtol, msg=n)
+    return steps[1]
+
+
 class _Spy:
     """Records the calls of attn_ext.functional.attention / attention_varlen made by the
     integration."""
@@ -282,16 +314,7 @@ def test_user_4d_mask_is_used_as_is():
 def test_gradients_match_sdpa(kind, side):
     ref, ours = _models(kind, torch.float64)
     ids, mask = _batch(seq=16, pads=(0, 4), seed=4, side=side)
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ref, ours):
-        model.zero_grad(set_to_none=True)
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        model.zero_grad(set_to_none=True)
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=2e-5, rtol=1e-4, msg=n)
+    _assert_same_padded_step(ref, ours, ids, mask, **TOL[torch.float64])
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -390,15 +413,6 @@ def test_mask_function_falls_back_to_the_full_mask(case):
 # ---- packed sequences, softcap (Gemma 2) and sinks (gpt-oss) -------------------------------
 
 
-def _loss_and_grads(model, run):
-    model.zero_grad(set_to_none=True)
-    loss = run()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("signal", ["packed_mask", "position_ids", "flash_kwargs"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_packed_training_equals_unpacked(kind, signal, monkeypatch):
@@ -477,13 +491,17 @@ def _gemma2():
 
 def test_gemma2_softcap_and_alternating_windows_match_eager(monkeypatch):
     """Gemma 2 (logit soft-capping; sliding-window and global layers alternating): same logits
-    as transformers' eager attention on a padded batch, and the same greedy generation."""
+    as transformers' eager attention on a left-padded batch, the same greedy generation, and the
+    same gradients (softcap's backward) on a right-padded training batch."""
     ref, ours = _gemma2()
     ids, mask = _batch(seq=20, pads=(0, 6, 13), seed=9)
     with torch.no_grad():
         want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], **TOL[torch.float32])
+    # eager gives a left-padding row (it sees no key) uniform weights, not zeros: right padding
+    right = _batch(seq=20, pads=(0, 6, 13), seed=9, side="right")
+    _assert_same_padded_step(ref, ours, *right, **TOL[torch.float32])
     args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     spy = _Spy(monkeypatch)
     with torch.no_grad():
@@ -503,19 +521,8 @@ def test_gpt_oss_sinks_match_eager():
     # float32: the experts' grouped matmul has no float64 kernel
     ref, ours = _pair(transformers.GptOssForCausalLM, cfg, torch.float32)
     ids, mask = _batch(seq=16, pads=(0, 4), seed=10)
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ref, ours):
-        model.zero_grad(set_to_none=True)
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        grads[-1]["logits"] = out.logits.detach()[mask.bool()]
-        model.zero_grad(set_to_none=True)
-    assert any(n.endswith("sinks") for n in grads[1])
-    assert grads[0].keys() == grads[1].keys()
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=2e-5, rtol=1e-4, msg=n)
+    step = _assert_same_padded_step(ref, ours, ids, mask, **TOL[torch.float32])
+    assert any(n.endswith("sinks") for n in step)
 
 
 # ---- ALiBi: no model hands it to the attention interface -----------------------------------
