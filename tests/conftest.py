@@ -39,8 +39,42 @@ def _exact_float32_matmul():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz",
+        action="store_true",
+        help="property fuzzing at full size (tests/test_fuzz.py: 10,000 examples per family, "
+        "random seeds) instead of CI's fixed-seed profile",
+    )
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=10_000,
+        help="examples per family of --fuzz (default 10,000)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a test that takes more than a second or two")
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # tests/test_fuzz.py skips without hypothesis
+        return
+    # CI: a few hundred derandomized examples per family (reproducible, within CI's budget);
+    # --fuzz: 10,000 fresh ones per family. No deadline: example times vary with the shapes.
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=150, derandomize=True, **common)
+    settings.register_profile("fuzz", max_examples=config.getoption("--fuzz-examples"), **common)
+    settings.load_profile("fuzz" if config.getoption("--fuzz") else "ci")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Examples run per family by tests/test_fuzz.py (the figure the README reports)."""
+    counts = getattr(terminalreporter.config, "_attn_ext_fuzz_counts", None)
+    if counts:
+        terminalreporter.write_sep("-", "fuzz examples per family")
+        for family, n in sorted(counts.items()):
+            terminalreporter.write_line(f"{family:24s} {n}")
 
 
 @pytest.fixture(scope="session")

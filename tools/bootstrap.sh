@@ -21,6 +21,7 @@ missing wheel && pkgs+=(wheel)
 if [ "${1:-}" = "test" ]; then
   missing pytest && pkgs+=("pytest>=7")
   missing numpy && pkgs+=(numpy)
+  missing hypothesis && pkgs+=(hypothesis)
 fi
 if [ ${#pkgs[@]} -gt 0 ]; then "$PY" -m pip install "${pkgs[@]}"; fi
 # The lint check (tests/test_lint.py) at the versions .pre-commit-config.yaml pins; offline

@@ -51,7 +51,7 @@ def _positions(x: torch.Tensor, positions, offset: int) -> torch.Tensor:
     S = x.size(-2)
     if positions is None:
         return (torch.arange(S, device=x.device) + offset).unsqueeze(0)
-    return positions.reshape(-1, S).to(x.device)
+    return (positions.view(1, S) if positions.dim() == 1 else positions).to(x.device)
 
 
 def rope_reference(

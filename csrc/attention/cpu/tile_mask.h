@@ -76,19 +76,26 @@ inline void add_row(acc_t* row, const mask_t* mk, int64_t n, int64_t cs) {
 
 // Softcap and ALiBi on the tile's scores (before the masks); s[r * lds + c] holds the score of
 // query row i0 + r and key j0 + c. With softcap, dcap (when given, m x n) receives the
-// softcap's derivative for the backward.
+// softcap's derivative for the backward. (ScoreMod's softcap and alibi in vector form:
+// softcap_row, and the ALiBi distance formed in acc_t, exact below 2^24 positions in float.)
 template <typename acc_t>
 void modify_tile(const ScoreMod<acc_t>& mod, int64_t i0, int64_t m, int64_t j0, int64_t n, acc_t* s,
                  int64_t lds, acc_t* dcap = nullptr) {
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = s + r * lds;
     if (mod.softcapped()) {
-      for (int64_t c = 0; c < n; ++c) row[c] = mod.softcap(row[c]);
+      softcap_row(row, n, mod.cap);
       if (dcap != nullptr)
         for (int64_t c = 0; c < n; ++c) dcap[r * n + c] = mod.softcap_grad(row[c]);
     }
-    if (mod.slope != acc_t(0))
-      for (int64_t c = 0; c < n; ++c) row[c] += mod.alibi(i0 + r, j0 + c);
+    if (mod.slope != acc_t(0)) {
+      const acc_t base = static_cast<acc_t>(i0 + r + mod.key_offset - j0);  // distance at c = 0
+      // (an int32 column converts to acc_t in vector registers, an int64 one does not on AVX2;
+      // n is a tile width)
+      const int32_t cols = static_cast<int32_t>(n);
+      for (int32_t c = 0; c < cols; ++c)
+        row[c] -= mod.slope * std::abs(base - static_cast<acc_t>(c));
+    }
   }
 }
 

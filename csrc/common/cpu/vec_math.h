@@ -8,6 +8,7 @@
 #include <limits>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include "common/constants.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ATTN_EXT_AVX2 1
@@ -95,6 +96,12 @@ inline T exp2_shift_sum(T* x, int64_t n, T shift) {
     s += x[j];
   }
   return s;
+}
+
+// x[j] = cap * tanh(x[j] / cap): logit soft-capping (Gemma 2) of a score row.
+template <typename T>
+inline void softcap_row(T* x, int64_t n, T cap) {
+  for (int64_t j = 0; j < n; ++j) x[j] = cap * std::tanh(x[j] / cap);
 }
 
 // x[j] = exp2((x[j] * a - hi) - lo): raw scores scaled as scale_row_max scales them, then
@@ -197,6 +204,51 @@ inline void scale_row<float>(float* x, int64_t n, float a) {
   for (; j + avx2::kWidth <= n; j += avx2::kWidth)
     _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), av));
   for (; j < n; ++j) x[j] *= a;
+}
+
+namespace detail {
+// tanh on 8 lanes, two formulas blended on |y| < kSmall:
+// - |y| >= kSmall: (1 - t) / (1 + t), t = e^(-2|y|) (avx2::exp2): no cancellation there, the
+//   result is >= 0.46;
+// - |y| < kSmall: the odd Taylor series through y^17 (Horner in y^2), whose first omitted term
+//   is below 1e-9 of the value (successive terms shrink by ~(2y / pi)^2 <= 0.1).
+inline __m256 tanh8(__m256 y) {
+  constexpr float kSmall = 0.5f;
+  // tanh's Taylor coefficients: 1, -1/3, 2/15, -17/315, 62/2835, -1382/155925,
+  // 21844/6081075, -929569/638512875, 6404582/10854718875
+  constexpr float kC[] = {1.f,
+                          -1.f / 3.f,
+                          2.f / 15.f,
+                          -17.f / 315.f,
+                          62.f / 2835.f,
+                          -1382.f / 155925.f,
+                          21844.f / 6081075.f,
+                          -929569.f / 638512875.f,
+                          6404582.f / 10854718875.f};
+  constexpr int kTerms = sizeof(kC) / sizeof(kC[0]);
+  const __m256 sign_mask = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign_mask, y);  // |y|
+  const __m256 y2 = _mm256_mul_ps(y, y);
+  __m256 poly = _mm256_set1_ps(kC[kTerms - 1]);
+  for (int c = kTerms - 2; c >= 0; --c) poly = _mm256_fmadd_ps(poly, y2, _mm256_set1_ps(kC[c]));
+  const __m256 small = _mm256_mul_ps(poly, y);
+  const __m256 t = avx2::exp2(_mm256_mul_ps(a, _mm256_set1_ps(-2.f * static_cast<float>(kLog2e))));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 large_abs = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+  const __m256 large = _mm256_or_ps(large_abs, _mm256_and_ps(sign_mask, y));  // sign of y
+  return _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(kSmall), _CMP_LT_OQ));
+}
+}  // namespace detail
+
+template <>
+inline void softcap_row<float>(float* x, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+  int64_t j = 0;
+  for (; j + avx2::kWidth <= n; j += avx2::kWidth) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + j), inv);
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(c, detail::tanh8(y)));
+  }
+  for (; j < n; ++j) x[j] = cap * std::tanh(x[j] / cap);
 }
 
 template <>
