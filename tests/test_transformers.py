@@ -1,15 +1,20 @@
-"""attn_implementation="attn_ext" in HuggingFace transformers against "sdpa".
+"""attn_implementation="attn_ext" in HuggingFace transformers against "sdpa" and "eager".
 
 Small Llama (GQA) and Mistral (GQA + sliding window shorter than the sequences) models with
 random weights (no download), on the CPU: same logits as "sdpa" on the non-padded positions with
-left padding, same greedy `generate` output (dynamic and static caches), same gradients, and
-checks that the model really runs attn_ext's kernel with the causal / sliding-window structure
-passed as flags rather than as a 4-D mask. Logits of padded positions are not compared: a query
-row that sees no key gives zeros in attn_ext and something else in torch's SDPA.
+left or right padding, same greedy `generate` output (dynamic and static caches), same
+gradients, and checks that the model really runs attn_ext's kernels with the causal /
+sliding-window structure passed as flags rather than as a 4-D mask (padded batches as varlen
+batches of their real tokens). Packed documents (DataCollatorWithFlattening) give the loss and
+gradients of the same documents padded and run one by one. Gemma 2 (softcap, alternating
+windows) and gpt-oss (sinks) against "eager"; ALiBi on the varlen op against BLOOM's and MPT's
+own attention. Logits of padded positions are not compared: a query row that sees no key gives
+zeros in attn_ext and something else in torch's SDPA.
 """
 
 import copy
 import inspect
+import pathlib
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ import attn_ext.functional  # noqa: E402
 from attn_ext.integrations import transformers as attn_ext_hf  # noqa: E402
 
 VOCAB, WINDOW, LAYERS = 128, 8, 2
+PACKED_LENGTHS = [7, 12, 5]  # documents of a packed batch; 12 > WINDOW: windows act inside one
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-11, rtol=1e-10)}
 
 
@@ -84,14 +90,49 @@ def _models(kind, dtype):
     return _MODELS[key]
 
 
-def _batch(seq=20, pads=(0, 6), seed=0):
+def _batch(seq=20, pads=(0, 6), seed=0, side="left"):
+    """Token ids and the 2-D attention mask of a batch whose row b has pads[b] padding tokens
+    on the given side (generation pads on the left, training usually on the right)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (len(pads), seq), generator=g)
     mask = torch.ones(len(pads), seq, dtype=torch.long)
     for b, p in enumerate(pads):
-        mask[b, :p] = 0
-        ids[b, :p] = 0
+        pad = slice(0, p) if side == "left" else slice(seq - p, seq)
+        mask[b, pad] = 0
+        ids[b, pad] = 0
     return ids, mask
+
+
+def _loss_and_grads(model, run):
+    model.zero_grad(set_to_none=True)
+    loss = run()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_same_padded_step(ref, ours, ids, mask, atol, rtol):
+    """The two models give the same logits on the real tokens of a padded batch and the same
+    parameter gradients of transformers' loss (labels: the tokens, padding ignored). With left
+    padding the loss also reads the last padding position (it predicts the first real token),
+    whose output is zeros in attn_ext: that needs a reference that gives zeros there too."""
+    labels = ids.masked_fill(mask == 0, -100)
+    steps = []
+    for model in (ref, ours):
+        logits = []
+
+        def run(model=model, logits=logits):
+            out = model(ids, attention_mask=mask, labels=labels)
+            logits.append(out.logits.detach()[mask.bool()])
+            return out.loss
+
+        _, grads = _loss_and_grads(model, run)
+        steps.append(dict(grads, logits=logits[0]))
+    assert steps[0].keys() == steps[1].keys() and len(steps[0]) > 1
+    for n in steps[0]:
+        torch.testing.assert_close(steps[1][n], steps[0][n], atol=atol, rtol=rtol, msg=n)
+    return steps[1]
 
 
 class _Spy:
@@ -141,11 +182,13 @@ def test_register_is_idempotent():
     assert "attn_ext" in ALL_ATTENTION_FUNCTIONS.valid_keys()
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_logits_match_sdpa_with_left_padding(kind, dtype):
+def test_logits_match_sdpa_with_padding(kind, dtype, side):
     ref, ours = _models(kind, dtype)
-    ids, mask = _batch(seq=20, pads=(0, 6, 13))  # 20 > WINDOW, and a row shorter than WINDOW
+    # 20 > WINDOW, and a row shorter than WINDOW
+    ids, mask = _batch(seq=20, pads=(0, 6, 13), side=side)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask).logits
@@ -266,33 +309,41 @@ def test_user_4d_mask_is_used_as_is():
             )
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_gradients_match_sdpa(kind):
+def test_gradients_match_sdpa(kind, side):
     ref, ours = _models(kind, torch.float64)
-    ids, mask = _batch(seq=16, pads=(0, 4), seed=4)
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ref, ours):
-        model.zero_grad(set_to_none=True)
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        model.zero_grad(set_to_none=True)
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=2e-5, rtol=1e-4, msg=n)
+    ids, mask = _batch(seq=16, pads=(0, 4), seed=4, side=side)
+    _assert_same_padded_step(ref, ours, ids, mask, **TOL[torch.float64])
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_compiled_model_matches_sdpa():
+@pytest.mark.parametrize("batch", ["padded", "packed_flash_kwargs"])
+def test_compiled_model_matches_sdpa(batch):
+    """torch.compile(fullgraph=True): a padded batch (the (B, Sk) padding mask on the dense
+    kernel) gives sdpa's logits; packed documents with FlashAttention's kwargs (the varlen
+    kernel; use_cache left on, so no mask separates the documents) give the logits of the
+    documents run one by one."""
     ref, ours = _models("llama", torch.float32)
-    ids, mask = _batch(seq=20, pads=(0, 6), seed=5)
+    if batch == "padded":
+        ids, mask = _batch(seq=20, pads=(0, 6), seed=5)
+        inputs, keep = dict(input_ids=ids, attention_mask=mask), mask.bool()
+        with torch.no_grad():
+            want = ref(**inputs).logits[keep]
+    else:
+        g = torch.Generator().manual_seed(5)
+        docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in PACKED_LENGTHS]
+        collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        inputs = collate([{"input_ids": d.tolist()} for d in docs])
+        keep = torch.ones(inputs["input_ids"].shape, dtype=torch.bool)
+        with torch.no_grad():
+            want = torch.cat([ours(d[None]).logits[0] for d in docs])
     torch._dynamo.reset()
     compiled = torch.compile(ours, fullgraph=True)
     with torch.no_grad():
-        got, want = compiled(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        got = compiled(**inputs).logits[keep]
     torch._dynamo.reset()
-    keep = mask.bool()
-    torch.testing.assert_close(got[keep], want[keep], **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 # ---- the mask function alone ---------------------------------------------------------------
@@ -362,44 +413,59 @@ def test_mask_function_falls_back_to_the_full_mask(case):
 # ---- packed sequences, softcap (Gemma 2) and sinks (gpt-oss) -------------------------------
 
 
-def _token_loss_sum(logits, ids):
-    """Next-token cross entropy of one document, summed."""
-    return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
-
-
+@pytest.mark.parametrize("signal", ["packed_mask", "position_ids", "flash_kwargs"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_packed_training_equals_unpacked(kind, monkeypatch):
-    """Documents packed into one row with restarting position_ids (DataCollatorWithFlattening)
-    run as one varlen batch and give the loss and gradients of the documents run one by one."""
+def test_packed_training_equals_unpacked(kind, signal, monkeypatch):
+    """Documents packed into one row by DataCollatorWithFlattening run as one varlen batch and
+    give the loss (transformers' own, from the collator's labels) and the gradients of the same
+    documents as a right-padded batch and run one by one. The packing reaches the backend three
+    ways: transformers' packed-sequence mask (use_cache=False, as the Trainer sets), restarting
+    position_ids alone (use_cache left on: transformers then builds no packed mask, and "sdpa"
+    mixes the documents), or FlashAttention's cu_seq_lens kwargs."""
     _, ours = _models(kind, torch.float32)
-    lengths = [7, 12, 5]  # 12 > WINDOW: Mistral's window acts inside a document
     g = torch.Generator().manual_seed(8)
-    docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in lengths]
-    packed = torch.cat(docs, 1)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-
-    def loss_and_grads(run):
-        ours.zero_grad(set_to_none=True)
-        loss = run()
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
-        ours.zero_grad(set_to_none=True)
-        return loss.detach(), grads
-
-    def run_packed():
-        # use_cache=False as in training: transformers detects packing only without a cache
-        logits = ours(packed, position_ids=position_ids, use_cache=False).logits
-        pieces = logits.split(lengths, dim=1)
-        return sum(_token_loss_sum(lg, d) for lg, d in zip(pieces, docs))
+    docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in PACKED_LENGTHS]
+    collate = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=signal == "flash_kwargs"
+    )
+    packed = collate([{"input_ids": d.tolist()} for d in docs])
+    if signal == "packed_mask":
+        packed["use_cache"] = False
+    if signal == "flash_kwargs":
+        # the kwargs alone must be enough: the ids / position_ids route is switched off
+        monkeypatch.setattr(attn_ext_hf, "_packed", None)
 
     spy = _Spy(monkeypatch)
-    got, got_grads = loss_and_grads(run_packed)
+    got, got_grads = _loss_and_grads(ours, lambda: ours(**packed).loss)
     window = (WINDOW - 1, 0) if kind == "mistral" else (-1, -1)
-    assert spy.calls == [dict(varlen=lengths, heads=(4, 2), causal=True, window=window)] * LAYERS
-    want, want_grads = loss_and_grads(lambda: sum(_token_loss_sum(ours(d).logits, d) for d in docs))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+    call = dict(varlen=PACKED_LENGTHS, heads=(4, 2), causal=True, window=window)
+    assert spy.calls == [call] * LAYERS
+
+    ids, mask = _batch(
+        seq=max(PACKED_LENGTHS),
+        pads=[max(PACKED_LENGTHS) - n for n in PACKED_LENGTHS],
+        side="right",
+    )
+    for b, d in enumerate(docs):
+        ids[b, : len(d)] = d
+    labels = ids.masked_fill(mask == 0, -100)
+    padded = _loss_and_grads(ours, lambda: ours(ids, attention_mask=mask, labels=labels).loss)
+    # transformers' loss is a mean over the predicted tokens (n - 1 per document)
+    weights = [n - 1 for n in PACKED_LENGTHS]
+    one_by_one = _loss_and_grads(
+        ours,
+        lambda: (
+            sum(w * ours(d[None], labels=d[None]).loss for w, d in zip(weights, docs))
+            / sum(weights)
+        ),
+    )
+    for want, want_grads in (padded, one_by_one):
+        # fp32: the three runs multiply matrices of different shapes, so the sums round in a
+        # different order (measured: one ulp of the loss)
+        torch.testing.assert_close(got, want, atol=0, rtol=1e-5)
+        assert want_grads.keys() == got_grads.keys()
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
 def _pair(cls, cfg, dtype, ref_impl="eager"):
@@ -425,13 +491,17 @@ def _gemma2():
 
 def test_gemma2_softcap_and_alternating_windows_match_eager(monkeypatch):
     """Gemma 2 (logit soft-capping; sliding-window and global layers alternating): same logits
-    as transformers' eager attention on a padded batch, and the same greedy generation."""
+    as transformers' eager attention on a left-padded batch, the same greedy generation, and the
+    same gradients (softcap's backward) on a right-padded training batch."""
     ref, ours = _gemma2()
     ids, mask = _batch(seq=20, pads=(0, 6, 13), seed=9)
     with torch.no_grad():
         want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], **TOL[torch.float32])
+    # eager gives a left-padding row (it sees no key) uniform weights, not zeros: right padding
+    right = _batch(seq=20, pads=(0, 6, 13), seed=9, side="right")
+    _assert_same_padded_step(ref, ours, *right, **TOL[torch.float32])
     args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     spy = _Spy(monkeypatch)
     with torch.no_grad():
@@ -451,16 +521,96 @@ def test_gpt_oss_sinks_match_eager():
     # float32: the experts' grouped matmul has no float64 kernel
     ref, ours = _pair(transformers.GptOssForCausalLM, cfg, torch.float32)
     ids, mask = _batch(seq=16, pads=(0, 4), seed=10)
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ref, ours):
-        model.zero_grad(set_to_none=True)
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        grads[-1]["logits"] = out.logits.detach()[mask.bool()]
-        model.zero_grad(set_to_none=True)
-    assert any(n.endswith("sinks") for n in grads[1])
-    assert grads[0].keys() == grads[1].keys()
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=2e-5, rtol=1e-4, msg=n)
+    step = _assert_same_padded_step(ref, ours, ids, mask, **TOL[torch.float32])
+    assert any(n.endswith("sinks") for n in step)
+
+
+# ---- ALiBi: no model hands it to the attention interface -----------------------------------
+
+
+def test_no_alibi_model_uses_the_attention_interface():
+    """The module docstring's claim that the backend needs no ALiBi entry: every model of this
+    transformers that computes ALiBi (BLOOM, MPT, Falcon in 5.23) runs its own attention code,
+    never an attention function. If this fails, a model now routes ALiBi through the interface
+    and the backend should pass its slopes to the kernel."""
+    models = pathlib.Path(transformers.__file__).parent / "models"
+    alibi = [f for f in models.glob("*/modeling_*.py") if "alibi" in f.read_text().lower()]
+    assert alibi, "no ALiBi model found: the scan looks in the wrong place"
+    assert [f.name for f in alibi if "ALL_ATTENTION_FUNCTIONS" in f.read_text()] == []
+
+
+def _alibi_attention(kind, heads, head_dim, seq):
+    """(eager attention module, its q, k, v (B, H, S, D) from hidden states, its output
+    projection, its eager call (hidden, keep (B, S) bool), its ALiBi slopes (H,) float32)."""
+    if kind == "bloom":
+        from transformers.models.bloom import modeling_bloom as mb
+
+        cfg = transformers.BloomConfig(hidden_size=heads * head_dim, n_head=heads)
+        attn = mb.BloomAttention(cfg, layer_idx=0).eval()
+
+        def eager(hidden, keep):
+            blocked = ~_causal_keep(keep)
+            bias = torch.zeros(blocked.shape).masked_fill(blocked, torch.finfo(hidden.dtype).min)
+            alibi = mb.build_alibi_tensor(keep.long(), heads, hidden.dtype)
+            return attn(hidden, torch.zeros_like(hidden), alibi, bias)[0]
+
+        def qkv(hidden):
+            return attn._reshape(attn.query_key_value(hidden))
+
+        return qkv, attn.dense, eager, mb._get_alibi_slopes(heads, torch.device("cpu"))
+    from transformers.models.mpt import modeling_mpt as mm
+
+    cfg = transformers.MptConfig(d_model=heads * head_dim, n_heads=heads, max_seq_len=seq)
+    attn = mm.MptAttention(cfg, layer_idx=0).eval()
+    bias = mm.build_mpt_alibi_tensor(heads, seq)  # (H, 1, S): slope_h * (j - S + 1)
+
+    def eager(hidden, keep):
+        return attn(hidden, bias, attention_mask=~_causal_keep(keep))[0]
+
+    def qkv(hidden):
+        B, S, _ = hidden.shape
+        parts = attn.Wqkv(hidden).chunk(3, dim=2)
+        return [x.reshape(B, S, heads, head_dim).transpose(1, 2) for x in parts]
+
+    return qkv, attn.out_proj, eager, (bias[:, 0, 1] - bias[:, 0, 0]).float()
+
+
+def _causal_keep(keep):
+    """(B, 1, S, S) keep-mask: causal, and only the real keys of each row."""
+    S = keep.size(1)
+    return torch.ones(S, S, dtype=torch.bool).tril() & keep[:, None, None, :]
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_alibi_on_the_varlen_op_matches_the_models_own_attention(kind):
+    """attention_varlen with alibi_slopes, on the real tokens of a left-padded batch, computes
+    what BLOOM's and MPT's eager attention computes with their own ALiBi tensors (BLOOM: slope
+    times the key's position from the row's first real token; MPT: slope times the key's
+    distance to the last key; softmax makes both equal to -slope * |i - j| under the causal
+    mask): outputs, and gradients with respect to the hidden states."""
+    H, D, S = 4, 16, 12
+    qkv, project, eager, slopes = _alibi_attention(kind, H, D, S)
+    keep = _batch(seq=S, pads=(0, 5), seed=11)[1].bool()
+    B = keep.size(0)
+    idx = keep.flatten().nonzero().squeeze(1)
+    lengths = keep.sum(1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    longest = int(lengths.max())
+    hidden = torch.randn(B, S, H * D, generator=torch.Generator().manual_seed(12))
+
+    results = []
+    for ours in (False, True):
+        h = hidden.clone().requires_grad_()
+        if ours:
+            tokens = [x.transpose(1, 2).reshape(B * S, H, D).index_select(0, idx) for x in qkv(h)]
+            out = attn_ext.functional.attention_varlen(
+                *tokens, cu, cu, longest, longest, causal=True, alibi_slopes=slopes
+            )
+            out = project(out.reshape(-1, H * D))
+        else:
+            out = eager(h, keep).reshape(B * S, -1).index_select(0, idx)
+        out.square().sum().backward()
+        results.append((out.detach(), h.grad))
+    # float32: both eager modules take their softmax in float32
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])

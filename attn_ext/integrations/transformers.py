@@ -29,26 +29,40 @@ give their attention function, as for flash attention), bottom-right aligned, an
 - a padded batch whose queries are its keys (training, prefill; outside ``torch.compile``) runs
   as a varlen batch (:func:`attn_ext.attention_varlen`): the real tokens of each row (one run,
   left or right padding) are gathered, attended with no work for the padding, and scattered back;
-- decoding steps (and compiled models) pass the padding as a ``(B, 1, 1, Sk)`` bool mask read
-  through stride-0 views.
+- decoding steps, compiled models and rows whose real tokens are not one run pass the padding
+  as a ``(B, 1, 1, Sk)`` bool mask to the dense kernel, read through stride-0 views.
 
-Packed sequences (``position_ids`` that restart, as ``DataCollatorWithFlattening`` produces, no
-attention mask): the mask function recognizes transformers' packed-sequence mask and returns
-the ``(B, S)`` int64 sequence ids instead of the block-diagonal 4-D mask; the attention function
-runs the sequences as one varlen batch (causal, and the sliding window, within each), so packed
-training computes what unpacked training does.
+Packed sequences (several documents in one row, no padding, as ``DataCollatorWithFlattening``
+produces) run as one varlen batch (causal, and the sliding window, within each document), so
+packed training computes what unpacked training does. The attention function takes the
+document boundaries from, in FlashAttention 2's order:
+
+- FlashAttention's padding-free kwargs ``cu_seq_lens_q/k`` and ``max_length_q/k``
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), as they are: no device read,
+  and the one form that also runs on the varlen kernel inside ``torch.compile``;
+- the ``(B, S)`` int64 sequence ids that the mask function returns instead of the block-diagonal
+  4-D mask when it recognizes transformers' packed-sequence mask. transformers builds that mask
+  only for a forward without a cache (``use_cache=False``, as the ``Trainer`` sets);
+- else ``position_ids`` that restart (transformers' ``find_packed_sequence_indices``), handed to
+  the attention function by the model: a training forward that leaves ``use_cache`` on gets no
+  packed mask from transformers, and ``"sdpa"``/``"eager"`` then attend across documents, while
+  this backend, like FlashAttention 2's, keeps them apart. This is checked only when no mask is
+  given and the queries are the keys (not while decoding), at one device read per layer.
 
 Everything else (static caches other than an aligned prefill, chunked attention, custom
-``or``/``and`` mask functions, bidirectional masks, and sliding windows or packing inside
-``torch.compile``, where the mask function cannot be recognized) gets the 4-D bool mask that
-``sdpa_mask`` builds (or ``None`` where ``sdpa_mask`` itself skips a bidirectional mask); a 4-D
-mask handed to the attention function (bool: True = keep, floating: additive) is used as it is,
-with no causal flag.
+``or``/``and`` mask functions, bidirectional masks, and, inside ``torch.compile`` where the mask
+function cannot be recognized, sliding windows and packing without FlashAttention's kwargs) gets
+the 4-D bool mask that ``sdpa_mask`` builds (or ``None`` where ``sdpa_mask`` itself skips a
+bidirectional mask); a 4-D mask handed to the attention function (bool: True = keep, floating:
+additive) is used as it is, with no causal flag.
 
 Score modifiers: ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss; their gradient
 flows to the sinks parameter) go to the kernels. No model of transformers 5.23 routes ALiBi
 through the attention interface (BLOOM, MPT and Falcon compute it in their own eager code), so
-``alibi_slopes`` has no entry here; :func:`attn_ext.attention` takes it directly.
+``alibi_slopes`` has no entry here (``tests/test_transformers.py`` scans the installed
+transformers for a model that would need one); :func:`attn_ext.attention` and
+:func:`attn_ext.attention_varlen` take it directly, and the tests check the latter against BLOOM's
+and MPT's own ALiBi attention.
 
 Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 ``q_length``/``q_offset`` arguments of recent versions and the older ``cache_position``), in
@@ -77,7 +91,16 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "and AttentionMaskInterface (transformers >= 4.57): pip install transformers"
     ) from e
 
+try:  # transformers >= 4.54
+    from transformers.masking_utils import (
+        find_packed_sequence_indices as _find_packed_sequence_indices,
+    )
+except ImportError:  # pragma: no cover - older transformers: packing only through the mask
+    _find_packed_sequence_indices = None
+
 from .. import functional as _F
+
+_FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 NAME = "attn_ext"
 
@@ -269,7 +292,7 @@ def attn_ext_attention_forward(
             "use attn_implementation='eager' for them",
             stacklevel=2,
         )
-    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+    if _paged(cache):
         key, value = cache.update(
             key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
         )
@@ -279,12 +302,20 @@ def attn_ext_attention_forward(
     mods = dict(softcap=float(softcap) if softcap else 0.0, sinks=s_aux)
     window = (int(sliding_window) - 1, 0) if is_causal and sliding_window is not None else (-1, -1)
     mask = attention_mask
+    varlen = dict(is_causal=is_causal, window=window, scaling=scaling, dropout=dropout, mods=mods)
+    packed_ids = mask is not None and mask.dim() == 2 and _is_sequence_ids(mask)
+    if (mask is None or packed_ids) and position_bias is None and query.size(-2) == key.size(-2):
+        # Padding-free batches, in FlashAttention 2's order: its varlen kwargs, then the
+        # sequence ids of attn_ext_mask, then restarting position_ids.
+        if all(kwargs.get(k) is not None for k in _FLASH_VARLEN_KWARGS) and not _paged(cache):
+            return _flash_kwargs_varlen(query, key, value, kwargs, **varlen)
+        if mask is None:
+            mask = _sequence_ids_from_positions(kwargs.get("position_ids"), query)
+        if mask is not None:
+            return _packed(query, key, value, mask, **varlen)
     if mask is not None and mask.dim() == 2 and position_bias is None:
-        if not mask.dtype.is_floating_point and mask.dtype != torch.bool:
-            # packed sequences (attn_ext_mask): a varlen batch of the sequences, causal in each
-            return _packed(query, key, value, mask, is_causal, window, scaling, dropout, mods)
         if query.size(-2) == key.size(-2) and not _compiling():
-            out = _unpadded(query, key, value, mask, is_causal, window, scaling, dropout, mods)
+            out = _unpadded(query, key, value, mask, **varlen)
             if out is not None:
                 return out
     causal = False
@@ -339,14 +370,60 @@ def _cu_seqlens(lengths: torch.Tensor):
     return cu, int(lengths.max()) if lengths.numel() else 0
 
 
-def _packed(query, key, value, ids, is_causal, window, scaling, dropout, mods):
+def _is_sequence_ids(mask: torch.Tensor) -> bool:
+    """The (B, S) int64 sequence ids of packed sequences that attn_ext_mask returns, as opposed
+    to a bool (or 0/1 floating) padding keep-mask."""
+    return not mask.dtype.is_floating_point and mask.dtype != torch.bool
+
+
+def _paged(cache) -> bool:
+    return cache is not None and type(cache).__name__ == "PagedAttentionCache"
+
+
+def _sequence_ids_from_positions(position_ids, query: torch.Tensor):
+    """The (B, S) sequence ids where ``position_ids`` restart (transformers'
+    ``find_packed_sequence_indices``), or None when no row holds several sequences. This is how
+    FlashAttention 2's backend recognizes packing when no mask says so, e.g. a training forward
+    that keeps ``use_cache=True``: transformers then builds no packed-sequence mask at all."""
+    B, _, S, _ = query.shape
+    if (
+        _find_packed_sequence_indices is None
+        or _compiling()  # the check is data-dependent control flow
+        or not isinstance(position_ids, torch.Tensor)
+        or position_ids.dim() != 2  # e.g. Qwen2-VL's (3, B, S) multimodal positions
+        or position_ids.size(0) not in (1, B)
+        or position_ids.size(1) != S
+        or position_ids.dtype.is_floating_point
+    ):
+        return None
+    ids = _find_packed_sequence_indices(position_ids.expand(B, S))
+    # some transformers versions return the ids even when every row is one sequence
+    return None if ids is None or bool((ids[:, -1] == 0).all()) else ids
+
+
+def _flash_kwargs_varlen(query, key, value, kw, *, is_causal, window, scaling, dropout, mods):
+    """FlashAttention 2's padding-free kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``, as
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` makes): the (B * S) tokens are
+    the packed sequences, passed to the varlen kernel as they are."""
+    B, H, S, _ = query.shape
+    cu_q, cu_k = (kw[k].to(device=query.device) for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    out = _F.attention_varlen(
+        _tokens(query), _tokens(key), _tokens(value), cu_q, cu_k,
+        int(kw["max_length_q"]), int(kw["max_length_k"]),
+        scale=scaling, causal=bool(is_causal), window_size=window, dropout_p=float(dropout),
+        **mods,
+    )  # fmt: skip
+    return out.view(B, S, H, -1), None
+
+
+def _packed(query, key, value, ids, *, is_causal, window, scaling, dropout, mods):
     """Packed sequences as one varlen batch: sequence boundaries where the (B, S) ids change
     (or a batch row ends); every token is real, so nothing is gathered or scattered."""
     B, H, S, _ = query.shape
+    ids = ids.to(query.device)
     row = torch.arange(B, device=ids.device).view(B, 1) * (S + 1)
     _, lengths = torch.unique_consecutive((ids + row).flatten(), return_counts=True)
     cu, longest = _cu_seqlens(lengths)
-    cu = cu.to(query.device)
     out = _F.attention_varlen(
         _tokens(query), _tokens(key), _tokens(value), cu, cu, longest, longest,
         scale=scaling, causal=bool(is_causal), window_size=window, dropout_p=float(dropout),
@@ -355,7 +432,7 @@ def _packed(query, key, value, ids, is_causal, window, scaling, dropout, mods):
     return out.view(B, S, H, -1), None
 
 
-def _unpadded(query, key, value, keep, is_causal, window, scaling, dropout, mods):
+def _unpadded(query, key, value, keep, *, is_causal, window, scaling, dropout, mods):
     """A padded batch (the (B, S) keep-mask of attn_ext_mask, queries aligned with the keys) as
     a varlen batch of its real tokens: gathered, attended with no work for the padding, and
     scattered back (padding rows get zeros, as when they see no key). None when some row's
