@@ -106,3 +106,28 @@ def test_inference_mode_and_no_grad_equal_grad_mode():
     with torch.inference_mode():
         got = attn_ext.attention(q, k, v, causal=True)
         assert got.is_inference() and torch.equal(got, want)
+
+
+def test_autocast_behaves_like_sdpa(device, monkeypatch):
+    """Inside torch.autocast the attention ops run at the autocast dtype as SDPA does (q, k, v
+    cast, differentiably: the fp32 leaves get fp32 gradients)."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")  # the CUDA varlen kernel, see unverified.h
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    q, k, v = (torch.randn(2, 4, 37, 32, device=device, requires_grad=True) for _ in range(3))
+    with torch.autocast(device, dtype=dtype):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = attn_ext.attention(q, k, v, causal=True)
+        # the same call on inputs cast by hand: the cast is all autocast adds
+        manual = attn_ext.attention(*(x.detach().to(dtype) for x in (q, k, v)), causal=True)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, manual)
+    # SDPA's top-left and our bottom-right causal agree at Sq == Sk; both round to dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    got.float().square().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in (q, k, v))
+    with torch.autocast(device, dtype=dtype):
+        tokens = q.detach()[0].transpose(0, 1)
+        cu = torch.tensor([0, 37], dtype=torch.int32, device=device)
+        varlen = attn_ext.attention_varlen(tokens, tokens, tokens, cu, cu, 37, 37)
+        weights = attn_ext.attention_weights(q.detach(), k.detach())
+    assert varlen.dtype == weights.dtype == dtype
