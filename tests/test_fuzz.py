@@ -29,7 +29,6 @@ from attn_ext.testing.numerics import (  # noqa: E402
     assert_error_rule,
     assert_lse_close,
     autograd_grads,
-    grad_slack_ulps,
     ground_truth,
     ground_truth_grads,
     rand,
@@ -42,9 +41,15 @@ COUNTS = {}
 # plain reference is exact by luck (D = 1, a single key, a group summing one head), and a pure
 # 2x rule then demands what a kernel computing exp2 of log2-domain scores and rebuilding P from
 # a float32 lse cannot give, a few float32 ulps (found by the --fuzz runs: forward 4.9 ulps,
-# gradients 25 ulps at D = 1). Hence, in float32, the floor of python -m attn_ext's self-check
-# (4 ulps) for outputs and 64 ulps for gradients; any real defect is orders of magnitude above.
-FWD_ULPS_F32, GRAD_ULPS_F32 = 4.0, 64.0
+# gradients 25 ulps at D = 1). Worst are rows that see one key: the reference's gradient of q
+# and k is exactly 0 there, the kernel's is the rounding of dS = P (dP - delta), a difference
+# of two terms of size |dO| |v| ~ sqrt(Dv) (67 ulps at Dv = 65, window (0, 0)). Hence, in
+# float32, the floor of python -m attn_ext's self-check (4 ulps) for outputs and 256 ulps
+# (3e-5 relative) for gradients. In bfloat16 / float16 the same rows carry the rounding of the
+# stored output O in delta = rowsum(dO * O) (FlashAttention's backward does the same): 4.5
+# float16 ulps at Dv = 26 with one key; 16 ulps of the dtype there. A real defect is orders of
+# magnitude above these.
+FWD_ULPS_F32, GRAD_ULPS_F32, GRAD_ULPS_LOW = 4.0, 256.0, 16.0
 
 
 def _fwd_ulps(dtype):
@@ -52,7 +57,7 @@ def _fwd_ulps(dtype):
 
 
 def _grad_ulps(dtype):
-    return GRAD_ULPS_F32 if dtype == torch.float32 else 4 * grad_slack_ulps(dtype)
+    return GRAD_ULPS_F32 if dtype == torch.float32 else GRAD_ULPS_LOW
 
 
 @pytest.fixture(scope="session", autouse=True)
