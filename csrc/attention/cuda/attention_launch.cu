@@ -1,9 +1,10 @@
-// Dispatch of attn_ext.attention / attention_backward to the flash kernels of this build:
-// dtype -> tensor-core head dim or the generic kernel. The instantiated dtypes and head dims
-// are those of instantiations.json (kernel_set.h, generated from it). setup.py may narrow the
-// compiled instantiations and then passes the kept set as bit masks; a request for a kernel
-// that is not built is reported by attention_cuda_unsupported, and no template that is not
-// built is ever referenced (it would not link).
+// Dispatch of attn_ext.attention, attention_varlen and their backwards to the flash kernels of
+// this build: dtype -> tensor-core head dim or the generic kernel (which alone serves varlen
+// batches and score modifiers). The instantiated dtypes and head dims are those of
+// instantiations.json (kernel_set.h, generated from it). setup.py may narrow the compiled
+// instantiations and then passes the kept set as bit masks; a request for a kernel that is not
+// built is reported by attention_cuda_unsupported, and no template that is not built is ever
+// referenced (it would not link).
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>

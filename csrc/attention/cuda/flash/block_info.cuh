@@ -2,10 +2,10 @@
 // Which rows and keys one thread block of the flash kernels owns, from its block index.
 // Rows and keys are relative to the block's sequence (seq_bounds: the whole batch entry of a
 // fixed-length batch, one sequence of a varlen batch). kVarlen = false compiles the
-// fixed-length layout only (every varlen() test folds away: the kernels the verified paths
-// run); true also serves varlen batches, whose grid is sized from the caller's max_seqlen_*:
-// the blocks then loop over advance(), so that a sequence longer than that promise is still
-// computed whole.
+// fixed-length layout only, reading the params where the kernels did before varlen batches
+// existed (the verified kernels compile to the same code); true also serves varlen batches,
+// whose grid is sized from the caller's max_seqlen_*: the blocks then loop over advance(), so
+// that a sequence longer than that promise is still computed whole.
 #include <cstdint>
 #include "common/cuda/elem.cuh"
 #include "common/mask.h"
@@ -29,12 +29,15 @@ struct RowLayout {
     if constexpr (kVarlen) return seq_bounds(p, b);
     return {0, p.seqlen_q, 0, p.seqlen_k, p.key_offset};
   }
-  // row_index() of row 0 of (b, h): where its rows start in lse, the dropout streams and the
-  // backward's workspace.
-  __device__ static int64_t row0(const AttentionParams& p, const SeqBounds& s, int64_t b,
-                                 int64_t h) {
-    if constexpr (kVarlen) return row_index(p, s, b, h, 0);
-    return (b * p.heads + h) * p.seqlen_q;
+  // (b, h)'s index among the row arrays' heads (head_row() = head * rows), and row_index() of
+  // its sequence's row 0 from it: where its rows start in lse and the backward's workspace.
+  __device__ static int64_t head(const AttentionParams& p, int64_t b, int64_t h) {
+    if constexpr (kVarlen) return p.varlen() ? h : b * p.heads + h;
+    return b * p.heads + h;
+  }
+  __device__ static int64_t row0(const AttentionParams& p, const SeqBounds& s, int64_t head) {
+    if constexpr (kVarlen) return head * p.q_rows() + s.q_begin;
+    return head * p.seqlen_q;
   }
   __device__ static int64_t q_rows(const AttentionParams& p) {
     return kVarlen ? p.q_rows() : p.seqlen_q;
@@ -42,11 +45,11 @@ struct RowLayout {
   __device__ static int64_t k_rows(const AttentionParams& p) {
     return kVarlen ? p.k_rows() : p.seqlen_k;
   }
-  // AttentionBwdParams::acc_row() / acc_row_step().
-  __device__ static int64_t acc_row(const AttentionBwdParams& p, int64_t b, int64_t h, int64_t r,
+  // AttentionBwdParams::acc_row() / acc_row_step(), from (b, h)'s head index (head()) and h.
+  __device__ static int64_t acc_row(const AttentionBwdParams& p, int64_t head, int64_t h, int64_t r,
                                     int64_t rows) {
-    if constexpr (kVarlen) return p.acc_row(b, h, r, rows);
-    return (b * p.heads + h) * rows + r;
+    if constexpr (kVarlen) return p.varlen() ? r * p.heads + h : head * rows + r;
+    return head * rows + r;
   }
   __device__ static int64_t acc_step(const AttentionBwdParams& p) {
     if constexpr (kVarlen) return p.acc_row_step();
@@ -60,8 +63,6 @@ struct RowLayout {
 template <bool kVarlen>
 struct QueryBlockInfo {
   int64_t b, h, hk, m0, rows, n_begin, n_end;
-  int64_t row0;  // RowLayout::row0 of (b, h)
-  SeqBounds seq;
   int64_t block_m, stride;
 
   __device__ QueryBlockInfo(const AttentionParams& p, int64_t block_m_, int64_t linear_block)
@@ -73,26 +74,31 @@ struct QueryBlockInfo {
     b = bh / p.heads;
     h = bh % p.heads;
     hk = h / p.group();
-    seq = RowLayout<kVarlen>::seq(p, b);
-    row0 = RowLayout<kVarlen>::row0(p, seq, b, h);
+    if constexpr (kVarlen) seq_ = seq_bounds(p, b);
     stride = num_m * block_m;
     set_rows(p, mb * block_m);
+  }
+  // The block's sequence: read once (varlen) or formed from the params where it is used.
+  __device__ SeqBounds seq(const AttentionParams& p) const {
+    if constexpr (kVarlen) return seq_;
+    return RowLayout<false>::seq(p, b);
   }
   // The block's next rows of the same sequence (grid-stride), for sequences longer than the
   // grid assumed; false when there are none (always, for a fixed-length batch).
   __device__ bool advance(const AttentionParams& p) {
-    if constexpr (!kVarlen) return false;
     set_rows(p, m0 + stride);
     return rows > 0;
   }
 
  private:
+  SeqBounds seq_;  // kVarlen only
+
   __device__ void set_rows(const AttentionParams& p, int64_t first) {
     m0 = first;
-    rows = seq.seqlen_q - m0 < block_m ? seq.seqlen_q - m0 : block_m;
-    const LocalBand band{seq.key_offset, p.window_left, p.window_right};
-    n_begin = band.key_begin(m0, seq.seqlen_k);
-    n_end = band.key_end(m0 + (kVarlen && rows < 0 ? 0 : rows), seq.seqlen_k);
+    rows = seq(p).seqlen_q - m0 < block_m ? seq(p).seqlen_q - m0 : block_m;
+    const LocalBand band{seq(p).key_offset, p.window_left, p.window_right};
+    n_begin = band.key_begin(m0, seq(p).seqlen_k);
+    n_end = band.key_end(m0 + (kVarlen ? max(rows, int64_t(0)) : rows), seq(p).seqlen_k);
     if (n_end < n_begin) n_end = n_begin;
   }
 };
@@ -102,8 +108,6 @@ struct QueryBlockInfo {
 template <bool kVarlen>
 struct KeyBlockInfo {
   int64_t b, h, hk, n0, keys, r_begin, r_end;
-  int64_t row0;  // RowLayout::row0 of (b, h)
-  SeqBounds seq;
   int64_t block_n, stride;
 
   __device__ KeyBlockInfo(const AttentionParams& p, int64_t block_n_, int64_t linear_block)
@@ -114,24 +118,28 @@ struct KeyBlockInfo {
     b = bh / p.heads;
     h = bh % p.heads;
     hk = h / p.group();
-    seq = RowLayout<kVarlen>::seq(p, b);
-    row0 = RowLayout<kVarlen>::row0(p, seq, b, h);
+    if constexpr (kVarlen) seq_ = seq_bounds(p, b);
     stride = num_n * block_n;
     set_keys(p, (linear_block % num_n) * block_n);
   }
+  __device__ SeqBounds seq(const AttentionParams& p) const {
+    if constexpr (kVarlen) return seq_;
+    return RowLayout<false>::seq(p, b);
+  }
   __device__ bool advance(const AttentionParams& p) {
-    if constexpr (!kVarlen) return false;
     set_keys(p, n0 + stride);
     return keys > 0;
   }
 
  private:
+  SeqBounds seq_;  // kVarlen only
+
   __device__ void set_keys(const AttentionParams& p, int64_t first) {
     n0 = first;
-    keys = seq.seqlen_k - n0 < block_n ? seq.seqlen_k - n0 : block_n;
-    const LocalBand band{seq.key_offset, p.window_left, p.window_right};
-    r_begin = band.row_begin(n0, seq.seqlen_q);
-    r_end = band.row_end(n0 + (kVarlen && keys < 0 ? 0 : keys), seq.seqlen_q);
+    keys = seq(p).seqlen_k - n0 < block_n ? seq(p).seqlen_k - n0 : block_n;
+    const LocalBand band{seq(p).key_offset, p.window_left, p.window_right};
+    r_begin = band.row_begin(n0, seq(p).seqlen_q);
+    r_end = band.row_end(n0 + (kVarlen ? max(keys, int64_t(0)) : keys), seq(p).seqlen_q);
     if (r_end < r_begin) r_end = r_begin;
   }
 };

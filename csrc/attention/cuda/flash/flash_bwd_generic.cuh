@@ -81,13 +81,12 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   constexpr int kWarp = GenericBwdTraits::kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const int64_t QR = Rows::q_rows(p);
-  if (row >= (kVarlenOrMods ? p.row_batches() : p.batch) * p.heads * QR) return;
-  // (b, h, i) of the row: row = head_row(b, h, QR) + q_begin + i
+  if (row >= (kVarlenOrMods ? p.row_batches() : p.batch) * p.heads * Rows::q_rows(p)) return;
+  // (b, h, i) of the row: row = head_row(b, h, q_rows) + q_begin + i
   int64_t b, h, i;
   if (kVarlenOrMods && p.varlen()) {
-    const int64_t token = row % QR;
-    h = row / QR;
+    const int64_t token = row % p.total_q;
+    h = row / p.total_q;
     b = sequence_of_token(p, token);
     i = token - p.cu_seqlens_q[b];
     if (p.batch == 0 || i < 0 || i >= p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]) {
@@ -101,16 +100,17 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
       return;
     }
   } else {
-    i = row % QR;
-    b = row / QR / p.heads;
-    h = row / QR % p.heads;
+    i = row % p.seqlen_q;
+    const int64_t bh = row / p.seqlen_q;
+    b = bh / p.heads;
+    h = bh % p.heads;
   }
   const int64_t hk = h / p.group();
-  const SeqBounds seq = Rows::seq(p, b);
+  const auto seq = [&] { return Rows::seq(p, b); };  // formed where used, as block_info's
   const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               (seq.q_begin + i) * p.o_row_stride;
+               (seq().q_begin + i) * p.o_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                  (seq.q_begin + i) * p.do_row_stride;
+                  (seq().q_begin + i) * p.do_row_stride;
   acc_t d = 0;
   for (int64_t c = lane; c < p.head_dim_v; c += kWarp)
     d += Elem<T>::load(dout[c]) * Elem<T>::load(o[c]);
@@ -119,19 +119,20 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   acc_t hi, lo = 0;
   if constexpr (std::is_same_v<acc_t, double>) {
     // lane-wise online softmax over the keys the row sees, then a fixed-order warp merge
-    const LocalBand band{seq.key_offset, p.window_left, p.window_right};
-    const ScoreMask<acc_t, kVarlenOrMods> mask(p, b, h, seq);
+    const LocalBand band{seq().key_offset, p.window_left, p.window_right};
+    const ScoreMask<acc_t, kVarlenOrMods> mask(p, b, h, seq());
     const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 (seq.q_begin + i) * p.q_row_stride;
+                 (seq().q_begin + i) * p.q_row_stride;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-                 seq.k_begin * p.k_row_stride;
+                 seq().k_begin * p.k_row_stride;
     // lane 0 starts from the sink (if any): the merge below then counts it once
     SoftmaxState<acc_t> st = kVarlenOrMods && lane == 0
                                  ? initial_state<acc_t>(p, h, static_cast<acc_t>(kLog2e))
                                  : SoftmaxState<acc_t>{};
-    const int64_t j_end = band.key_end(i + 1, seq.seqlen_k);
-    for (int64_t j = band.key_begin(i, seq.seqlen_k) + lane; j < j_end; j += kWarp) {
+    const int64_t keys = seq().seqlen_k;
+    const int64_t j_end = band.key_end(i + 1, keys);
+    for (int64_t j = band.key_begin(i, keys) + lane; j < j_end; j += kWarp) {
       acc_t s = 0;
       for (int64_t c = 0; c < p.head_dim; ++c)
         s += Elem<T>::load(q[c]) * Elem<T>::load(k[j * p.k_row_stride + c]);
@@ -173,10 +174,11 @@ __device__ void load_rows(const T* src, int64_t row_stride, int64_t rows, int64_
 // P (dropped, for dV) and dS of the tile rows [i0, i0 + m) x keys [j0, j0 + n) from the
 // operand tiles; zero outside the tile, where the key is hidden, or for an empty row.
 // (rows: the sequence's, indexed by its row i.)
-template <typename acc_t, bool kMods>
+template <typename acc_t, bool kVarlenOrMods>
 __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
-                         const ScoreMask<acc_t, kMods>& mask, const DropoutBits& drop,
-                         const BwdRows<acc_t>& rows, int64_t i0, int64_t m, int64_t j0, int64_t n) {
+                         const ScoreMask<acc_t, kVarlenOrMods>& mask,
+                         const DropoutBits<kVarlenOrMods>& drop, const BwdRows<acc_t>& rows,
+                         int64_t i0, int64_t m, int64_t j0, int64_t n) {
   using Tr = GenericBwdTraits;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
@@ -188,8 +190,9 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       const acc_t l2 = rows.lse2[i];
       acc_t s = 0;
       for (int64_t x = 0; x < p.head_dim; ++x) s += t.q[r * p.head_dim + x] * t.k[c * t.ldk + x];
-      acc_t dcap = 1;                                             // d softcap(s) / d s
-      s = mask.apply(s, s_scale, i, j, kMods ? &dcap : nullptr);  // the forward's score
+      // the forward's log2-domain score, and (with softcap) d softcap(s) / d s
+      acc_t dcap = 1;
+      s = mask.apply(s, s_scale, i, j, kVarlenOrMods ? &dcap : nullptr);
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
       for (int64_t x = 0; x < p.head_dim_v; ++x)
@@ -201,7 +204,7 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
         dp = keep ? dp * keep_scale : acc_t(0);
       }
       ds = prob * (dp - rows.delta[i]);
-      if (kMods) ds *= dcap;
+      if (kVarlenOrMods) ds *= dcap;
     }
     t.p[idx] = pd;
     t.ds[idx] = ds;
@@ -219,26 +222,26 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   using Rows = RowLayout<kVarlenOrMods>;
   KeyBlockInfo<kVarlenOrMods> bi(p, Tr::kBlockN, blockIdx.x);
   if (kVarlenOrMods && bi.keys <= 0) return;  // past the end of a short varlen sequence
-  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.row0);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bi.row0,
-                            static_cast<const acc_t*>(ws.lse2) + bi.row0,
-                            static_cast<const acc_t*>(ws.lse2_lo) + bi.row0};
+  const int64_t bh = Rows::head(p, bi.b, bi.h);
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2_lo) + Rows::row0(p, bi.seq(p), bh)};
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t step = Rows::acc_step(p);  // accumulator rows between a head's rows
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-               bi.seq.q_begin * p.q_row_stride;
+               bi.seq(p).q_begin * p.q_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
-                  bi.h * p.do_head_stride + bi.seq.q_begin * p.do_row_stride;
+                  bi.h * p.do_head_stride + bi.seq(p).q_begin * p.do_row_stride;
   do {
-    const int64_t key0 = bi.seq.k_begin + bi.n0;
+    const int64_t key0 = bi.seq(p).k_begin + bi.n0;
     const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
                  key0 * p.k_row_stride;
     const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
                  key0 * p.v_row_stride;
-    const int64_t acc_row = Rows::acc_row(p, bi.b, bi.h, key0, Rows::k_rows(p));
-    acc_t* dk = static_cast<acc_t*>(p.dk) + acc_row * D;
-    acc_t* dv = static_cast<acc_t*>(p.dv) + acc_row * Dv;
+    acc_t* dk = static_cast<acc_t*>(p.dk) + Rows::acc_row(p, bh, bi.h, key0, Rows::k_rows(p)) * D;
+    acc_t* dv = static_cast<acc_t*>(p.dv) + Rows::acc_row(p, bh, bi.h, key0, Rows::k_rows(p)) * Dv;
 
     load_rows(k, p.k_row_stride, bi.keys, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
     load_rows(v, p.v_row_stride, bi.keys, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
@@ -266,7 +269,7 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
       __syncthreads();
     }
     if (kVarlenOrMods) __syncthreads();  // the tiles are read before the next keys overwrite them
-  } while (bi.advance(p));
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
 }
 
 template <typename T, bool kVarlenOrMods>
@@ -280,25 +283,25 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   using Rows = RowLayout<kVarlenOrMods>;
   QueryBlockInfo<kVarlenOrMods> bi(p, Tr::kBlockM, blockIdx.x);
   if (kVarlenOrMods && bi.rows <= 0) return;  // past the end of a short varlen sequence
-  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.row0);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + bi.row0,
-                            static_cast<const acc_t*>(ws.lse2) + bi.row0,
-                            static_cast<const acc_t*>(ws.lse2_lo) + bi.row0};
+  const int64_t bh = Rows::head(p, bi.b, bi.h);
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2_lo) + Rows::row0(p, bi.seq(p), bh)};
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t step = Rows::acc_step(p);
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
-               bi.seq.k_begin * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
-               bi.seq.k_begin * p.v_row_stride;
   do {
-    const int64_t token0 = bi.seq.q_begin + bi.m0;
+    const int64_t token0 = bi.seq(p).q_begin + bi.m0;
     const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
                  token0 * p.q_row_stride;
     const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
                     bi.h * p.do_head_stride + token0 * p.do_row_stride;
-    acc_t* dq =
-        static_cast<acc_t*>(p.dq) + Rows::acc_row(p, bi.b, bi.h, token0, Rows::q_rows(p)) * D;
+    const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+                 bi.seq(p).k_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+                 bi.seq(p).k_begin * p.v_row_stride;
+    acc_t* dq = static_cast<acc_t*>(p.dq) + Rows::acc_row(p, bh, bi.h, token0, Rows::q_rows(p)) * D;
 
     load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, acc_t(1));
     load_rows(dout, p.do_row_stride, bi.rows, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
       __syncthreads();
     }
     if (kVarlenOrMods) __syncthreads();  // the tiles are read before the next rows overwrite them
-  } while (bi.advance(p));
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
 }
 
 inline cudaError_t set_smem(const void* kernel, size_t smem) {

@@ -53,22 +53,17 @@ __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
   __shared__ acc_t factor_s[kRows];
   __shared__ SoftmaxState<acc_t> state_s[kRows];
 
-  const acc_t log2e = static_cast<acc_t>(kLog2e);
-  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
-  const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
+  // ---- prologue
+  using Rows = RowLayout<kVarlenOrMods>;
   QueryBlockInfo<kVarlenOrMods> bi(p, kRows, blockIdx.x);
   if (kVarlenOrMods && bi.rows <= 0) return;  // past the end of a short varlen sequence
-  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.row0);
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
-               bi.seq.k_begin * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
-               bi.seq.k_begin * p.v_row_stride;
-  do {
-    // ---- prologue
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
+  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  do {  // once, but for the grid-stride blocks of a varlen sequence that outgrows the grid
     const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-                 (bi.seq.q_begin + bi.m0) * p.q_row_stride;
+                 (bi.seq(p).q_begin + bi.m0) * p.q_row_stride;
     for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
       const int64_t r = idx / D, c = idx % D;
       q_s[idx] = r < bi.rows ? Elem<T>::load(q[r * p.q_row_stride + c]) : acc_t(0);
@@ -76,9 +71,15 @@ __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
     for (int64_t idx = threadIdx.x; idx < kRows * Dv; idx += blockDim.x) o_s[idx] = 0;
     if (threadIdx.x < kRows) {
       state_s[threadIdx.x] =
-          kVarlenOrMods ? initial_state<acc_t>(p, bi.h, log2e) : SoftmaxState<acc_t>{};
+          kVarlenOrMods ? initial_state<acc_t>(p, bi.h, acc_t(kLog2e)) : SoftmaxState<acc_t>{};
     }
     __syncthreads();
+
+    const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+                 bi.seq(p).k_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+                 bi.seq(p).k_begin * p.v_row_stride;
+    const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
 
     // ---- main loop over key tiles
     for (int64_t j0 = bi.n_begin; j0 < bi.n_end; j0 += kTile) {
@@ -160,15 +161,18 @@ __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
 
     // ---- epilogue
     T* out = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.h * p.o_head_stride +
-             (bi.seq.q_begin + bi.m0) * p.o_row_stride;
+             (bi.seq(p).q_begin + bi.m0) * p.o_row_stride;
     for (int64_t idx = threadIdx.x; idx < bi.rows * Dv; idx += blockDim.x) {
       const int64_t r = idx / Dv, f = idx % Dv;
       out[r * p.o_row_stride + f] = Elem<T>::store(o_s[r * Dv + f] * state_s[r].inv_sum());
     }
-    if (threadIdx.x < bi.rows) p.lse[bi.row0 + bi.m0 + threadIdx.x] = state_s[threadIdx.x].lse();
+    if (threadIdx.x < bi.rows) {
+      p.lse[Rows::row0(p, bi.seq(p), Rows::head(p, bi.b, bi.h)) + bi.m0 + threadIdx.x] =
+          state_s[threadIdx.x].lse();
+    }
     // the epilogue has read o_s / state_s before the next rows reuse them
     if (kVarlenOrMods) __syncthreads();
-  } while (bi.advance(p));
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
 }
 
 template <typename T, bool kVarlenOrMods>

@@ -24,13 +24,14 @@ struct ScoreMask {
   ScoreMod<acc_t> mod;
 
   // For (b, h) of the sequence `seq` (its rows and keys are relative to the sequence).
+  // (kMods = false: the params' own key_offset and seqlen_k, read as the kernels did before.)
   __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, const SeqBounds& seq)
-      : band{seq.key_offset, p.window_left, p.window_right},
+      : band{kMods ? seq.key_offset : p.key_offset, p.window_left, p.window_right},
         kind(p.mask_kind),
         mask(nullptr),
         row_stride(p.mask_row_stride),
         col_stride(p.mask_col_stride),
-        key_limit(seq.seqlen_k) {
+        key_limit(kMods ? seq.seqlen_k : p.seqlen_k) {
     if constexpr (kMods) mod = ScoreMod<acc_t>::make(p, b, h, seq.key_offset, acc_t(kLog2e));
     const int64_t off = b * p.mask_batch_stride + h * p.mask_head_stride;
     if (kind == MaskKind::kBool) mask = static_cast<const bool*>(p.mask) + off;
@@ -81,19 +82,27 @@ struct ScoreMask {
   }
 };
 
-// Dropout of one (b, h): the keep bit of (row i, key j), from the shared counter-based policy;
-// row i's stream is row_index() of the row (as on the CPU).
+// Dropout of one (b, h): the keep bit of (row i, key j), from the shared counter-based policy.
+// Row i's stream is row_index() of the row (as on the CPU), (b * H + h) * rows + first + i:
+// rows = Sq and first = 0 in a fixed-length batch, b = 0, rows = total_q and first = the
+// sequence's first token in a varlen one (kVarlen = false: the former only).
+template <bool kVarlen>
 struct DropoutBits {
   DropoutPolicy policy;
-  int64_t row0;  // row_index() of the sequence's row 0 (RowLayout::row0)
+  int64_t b, h, heads, rows, first;
 
-  __device__ DropoutBits(const AttentionParams& p, int64_t row0_)
-      : policy{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)}, row0(row0_) {}
+  __device__ DropoutBits(const AttentionParams& p, int64_t b_, int64_t h_, const SeqBounds& seq)
+      : policy{p.seed, p.rng_offset, static_cast<float>(p.dropout_p)},
+        b(kVarlen && p.varlen() ? 0 : b_),
+        h(h_),
+        heads(p.heads),
+        rows(kVarlen ? p.q_rows() : p.seqlen_q),
+        first(kVarlen ? seq.q_begin : 0) {}
 
   __device__ bool active() const { return policy.active(); }
   // Bits of keys [4 g, 4 g + 4) of row i.
   __device__ uint32_t group(int64_t i, int64_t g) const {
-    return policy.group_keep_bits(static_cast<uint64_t>(row0 + i), g);
+    return policy.group_keep_bits(policy.row_id(b, h, first + i, heads, rows), g);
   }
   __device__ bool keep(int64_t i, int64_t j) const {
     return (group(i, j / kDrawsPerCounter) >> (j % kDrawsPerCounter)) & 1u;
