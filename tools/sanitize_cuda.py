@@ -5,7 +5,8 @@ attention (forward and backward): tensor-core forward at head dims 64 / 128 / 25
 one, the generic forward and backward in every dtype, masks (bool, additive, broadcast), causal
 and window bands, fully masked rows, GQA, Dv != D, dropout, strided and misaligned inputs.
 attention with softcap / ALiBi / sinks, attention_varlen (empty and one-token sequences, a
-sequence longer than the max_seqlen passed, GQA, causal window, dropout), forward and
+sequence longer than the max_seqlen passed (16, 0), GQA, causal window, dropout, tokens past
+the last offset), forward and
 backward, and decode_attention with window_right / softcap / ALiBi / sinks / cache_batch_idx /
 cache_leftpad, through the kernels that are off by default (ATTN_EXT_UNVERIFIED_CUDA=1 set
 here).
@@ -122,8 +123,8 @@ def modifier_and_varlen_cases():
             torch.randn(sum(lens), h, 64, device=dev).to(dtype).requires_grad_(True)
             for h in (4, 2, 2)
         )
-        for max_len, opts in ((45, dict(causal=True, window_size=(9, 0))), (16, {})):
-            # max_len 16 < 45: the kernels must still compute the long sequence whole
+        for max_len, opts in ((45, dict(causal=True, window_size=(9, 0))), (16, {}), (0, {})):
+            # max_len 16 or 0 < 45: the kernels must still compute the long sequence whole
             out = attn_ext.attention_varlen(
                 q, k, v, cu, cu, max_len, max_len, dropout_p=0.1, softcap=3.0, sinks=sinks,
                 **opts,
@@ -131,6 +132,13 @@ def modifier_and_varlen_cases():
             out.float().square().sum().backward()
             ok.append(_report(f"varlen max_seqlen={max_len} {dtype}", [out, q.grad, k.grad]))
             q.grad = k.grad = v.grad = None
+        # offsets ending 5 tokens short of q (unchecked on the GPU): those rows belong to no
+        # sequence; the preprocess must not read past the offsets for them
+        short = torch.tensor([0, 0, 1, 46, 48], dtype=torch.int32, device=dev)
+        out = attn_ext.attention_varlen(q, k, v, short, cu, 45, 45, causal=True, sinks=sinks)
+        out.float().square().sum().backward()
+        ok.append(_report(f"varlen stray tokens {dtype}", [out, q.grad, k.grad, sinks.grad]))
+        q.grad = k.grad = v.grad = None
         # decode with every FlashAttention argument (cache rows out of order, left padding)
         kc, vc = (torch.randn(5, 2, 80, 64, device=dev).to(dtype) for _ in range(2))
         qd = torch.randn(3, 4, 2, 64, device=dev).to(dtype)

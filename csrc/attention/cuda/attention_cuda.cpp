@@ -33,8 +33,7 @@ void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bo
 // a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h).
 void check_verified(const char* op, const AttentionParams& p) {
   if (p.varlen()) require_verified_or_opt_in(op, "the varlen kernel");
-  if (p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
-    require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
+  if (has_score_mods(p)) require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
 }
 
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
@@ -68,7 +67,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
   const ElemKind kind = elem_kind(op, q.scalar_type());
   Grads g = allocate_grads(p, q);
   const int64_t rows = p.row_batches() * p.heads * p.q_rows();
-  if (rows > 0) {
+  // Without keys there is no gradient but the sinks' (from the preprocess's rows).
+  if (rows > 0 && (p.k_rows() > 0 || p.sinks != nullptr)) {
     check_supported(op, p, kind, /*backward=*/true);
     // delta, lse2 and lse2_lo of every row (indexed as lse), in the compute type
     at::Tensor ws = at::empty({3, rows}, g.dq.options());

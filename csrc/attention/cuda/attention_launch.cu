@@ -1,9 +1,10 @@
-// Dispatch of attn_ext.attention / attention_backward to the flash kernels of this build:
-// dtype -> tensor-core head dim or the generic kernel. The instantiated dtypes and head dims
-// are those of instantiations.json (kernel_set.h, generated from it). setup.py may narrow the
-// compiled instantiations and then passes the kept set as bit masks; a request for a kernel
-// that is not built is reported by attention_cuda_unsupported, and no template that is not
-// built is ever referenced (it would not link).
+// Dispatch of attn_ext.attention, attention_varlen and their backwards to the flash kernels of
+// this build: dtype -> tensor-core head dim or the generic kernel (which alone serves varlen
+// batches and score modifiers). The instantiated dtypes and head dims are those of
+// instantiations.json (kernel_set.h, generated from it). setup.py may narrow the compiled
+// instantiations and then passes the kept set as bit masks; a request for a kernel that is not
+// built is reported by attention_cuda_unsupported, and no template that is not built is ever
+// referenced (it would not link).
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -44,8 +45,7 @@ constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
 // generic kernel (which serves every varlen batch and score modifier).
 template <typename T>
 int mma_index(const AttentionParams& p) {
-  if (p.varlen() || p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
-    return -1;  // not in the tensor-core kernel yet (flash_fwd_mma.cuh)
+  if (varlen_or_mods(p)) return -1;  // not in the tensor-core kernel yet (flash_fwd_mma.cuh)
   const int64_t need = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
     if (mma_built<T>(idx) && need <= kMmaHeadDims[idx]) return idx;
@@ -90,12 +90,16 @@ size_t generic_smem(const AttentionParams& p, bool backward) {
 
 const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
                                        size_t max_smem) {
-  // Grids are 1-D; the finest is the backward's preprocess, 4 rows (one per warp) per block.
+  // Grids are 1-D; the finest is the backward's preprocess, 4 rows (one per warp) per block
+  // (a varlen batch: one per token and head, however short max_seqlen_q says they are).
   constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
   constexpr int64_t kFinestBlock = 4;
   const int64_t longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
   if (p.batch * p.heads * ceil_div(longest, kFinestBlock) > kMaxBlocks) {
     return "B * H * ceil(max(Sq, Sk) / 4) exceeds the 2^31 - 1 blocks of a CUDA grid";
+  }
+  if (p.varlen() && ceil_div(p.heads * p.total_q, kFinestBlock) > kMaxBlocks) {
+    return "ceil(H * total_q / 4) exceeds the 2^31 - 1 blocks of a CUDA grid";
   }
   const char* why = nullptr;
   dispatch_elem(kind, [&](auto* tag) {

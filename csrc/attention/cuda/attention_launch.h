@@ -1,5 +1,6 @@
 #pragma once
-// Host entry points of the CUDA attention kernels (attn_ext.attention / attention_backward):
+// Host entry points of the CUDA attention kernels (attn_ext.attention, attention_varlen and
+// their backwards):
 // the dispatch in attention_launch.cu, the kernels in flash/. No ATen here (common/cuda/launch.h).
 #include <cstddef>
 #include <cuda_runtime.h>
@@ -8,23 +9,35 @@
 
 namespace attn_ext::cuda {
 
-// Workspace of the backward, in the accumulation type (fp64 for fp64, else fp32), B*H*Sq each:
-// delta = rowsum(dO * O) - grad_lse, the log2-domain lse and its float32 rounding remainder.
+// Workspace of the backward, in the accumulation type (fp64 for fp64, else fp32), one value per
+// row of lse (B*H*Sq; varlen H*total_q) each: delta = rowsum(dO * O) - grad_lse, the log2-domain
+// lse and its float32 rounding remainder.
 struct BwdWorkspace {
   void* delta = nullptr;
   void* lse2 = nullptr;
   void* lse2_lo = nullptr;
 };
 
+// softcap, ALiBi or sinks requested (attention/score_mod.h).
+inline bool has_score_mods(const AttentionParams& p) {
+  return p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr;
+}
+// Inputs that need the kernels' varlen / score-modifier code: the generic kernels' second
+// instantiation serves them (flash/flash_fwd_generic.cuh), the tensor-core forward none yet.
+inline bool varlen_or_mods(const AttentionParams& p) {
+  return p.varlen() || has_score_mods(p);
+}
+
 // Why the CUDA kernels of this build cannot serve these inputs, or nullptr when they can.
 // `max_smem` is the device's opt-in shared memory per block.
 const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
                                        size_t max_smem);
 // The forward: out, lse. The tensor-core kernel for bf16 / fp16 with max(D, Dv) up to the
-// largest instantiated head dim (when compiled), the generic kernel otherwise.
+// largest instantiated head dim (when compiled) and no varlen_or_mods(), the generic kernel
+// otherwise.
 cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, cudaStream_t stream);
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
-// (per query head); deterministic.
+// (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row); deterministic.
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
                                  cudaStream_t stream);
 

@@ -10,8 +10,11 @@
 //   dq pass     one block per (b, h, query block): the same tiles recomputed over the keys the
 //               rows see; dQ += scale dS K.
 // dk / dv are per query head (AttentionBwdParams); the op sums each GQA group afterwards.
-// Varlen batches: rows and keys relative to each sequence (block_info.cuh), the passes looping
-// over grid-stride blocks of sequences longer than the grid; softcap's derivative scales dS.
+// Two instantiations of each kernel per dtype, as in the forward: kVarlenOrMods = false for
+// fixed-length batches without score modifiers (the verified kernels), true for varlen batches
+// (rows and keys relative to each sequence, block_info.cuh; the passes loop over grid-stride
+// blocks of sequences longer than the grid) and softcap / ALiBi / sinks (softcap's derivative
+// scales dS; the sinks' gradient is formed from the preprocess's rows by the op).
 #include <cstdint>
 #include <type_traits>
 #include "common/constants.h"
@@ -70,32 +73,44 @@ struct BwdRows {
   const acc_t* lse2_lo;
 };
 
-template <typename T>
+template <typename T, bool kVarlenOrMods>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
     flash_bwd_preprocess_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
+  using Rows = RowLayout<kVarlenOrMods>;
   constexpr int kWarp = GenericBwdTraits::kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const int64_t QR = p.q_rows();
-  if (row >= p.row_batches() * p.heads * QR || p.batch == 0) return;
-  // (b, h, i) of the row: row = head_row(b, h, QR) + q_begin + i
+  if (row >= (kVarlenOrMods ? p.row_batches() : p.batch) * p.heads * Rows::q_rows(p)) return;
+  // (b, h, i) of the row: row = head_row(b, h, q_rows) + q_begin + i
   int64_t b, h, i;
-  if (p.varlen()) {
-    h = row / QR;
-    b = sequence_of_token(p, row % QR);
-    i = row % QR - p.cu_seqlens_q[b];
+  if (kVarlenOrMods && p.varlen()) {
+    const int64_t token = row % p.total_q;
+    h = row / p.total_q;
+    b = sequence_of_token(p, token);
+    i = token - p.cu_seqlens_q[b];
+    if (p.batch == 0 || i < 0 || i >= p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]) {
+      // a token outside every sequence (offsets the op cannot check): no probability at all,
+      // so that it adds nothing to a sink's gradient; no other kernel reads its row
+      if (lane == 0) {
+        static_cast<acc_t*>(ws.delta)[row] = 0;
+        static_cast<acc_t*>(ws.lse2)[row] = INFINITY;
+        static_cast<acc_t*>(ws.lse2_lo)[row] = 0;
+      }
+      return;
+    }
   } else {
-    i = row % QR;
-    b = row / QR / p.heads;
-    h = row / QR % p.heads;
+    i = row % p.seqlen_q;
+    const int64_t bh = row / p.seqlen_q;
+    b = bh / p.heads;
+    h = bh % p.heads;
   }
   const int64_t hk = h / p.group();
-  const SeqBounds seq = seq_bounds(p, b);
+  const auto seq = [&] { return Rows::seq(p, b); };  // formed where used, as block_info's
   const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               (seq.q_begin + i) * p.o_row_stride;
+               (seq().q_begin + i) * p.o_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                  (seq.q_begin + i) * p.do_row_stride;
+                  (seq().q_begin + i) * p.do_row_stride;
   acc_t d = 0;
   for (int64_t c = lane; c < p.head_dim_v; c += kWarp)
     d += Elem<T>::load(dout[c]) * Elem<T>::load(o[c]);
@@ -104,18 +119,20 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   acc_t hi, lo = 0;
   if constexpr (std::is_same_v<acc_t, double>) {
     // lane-wise online softmax over the keys the row sees, then a fixed-order warp merge
-    const LocalBand band{seq.key_offset, p.window_left, p.window_right};
-    const ScoreMask<acc_t> mask(p, b, h, seq);
+    const LocalBand band{seq().key_offset, p.window_left, p.window_right};
+    const ScoreMask<acc_t, kVarlenOrMods> mask(p, b, h, seq());
     const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 (seq.q_begin + i) * p.q_row_stride;
+                 (seq().q_begin + i) * p.q_row_stride;
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
-                 seq.k_begin * p.k_row_stride;
+                 seq().k_begin * p.k_row_stride;
     // lane 0 starts from the sink (if any): the merge below then counts it once
-    SoftmaxState<acc_t> st =
-        lane == 0 ? initial_state<acc_t>(p, h, static_cast<acc_t>(kLog2e)) : SoftmaxState<acc_t>{};
-    const int64_t j_end = band.key_end(i + 1, seq.seqlen_k);
-    for (int64_t j = band.key_begin(i, seq.seqlen_k) + lane; j < j_end; j += kWarp) {
+    SoftmaxState<acc_t> st = kVarlenOrMods && lane == 0
+                                 ? initial_state<acc_t>(p, h, static_cast<acc_t>(kLog2e))
+                                 : SoftmaxState<acc_t>{};
+    const int64_t keys = seq().seqlen_k;
+    const int64_t j_end = band.key_end(i + 1, keys);
+    for (int64_t j = band.key_begin(i, keys) + lane; j < j_end; j += kWarp) {
       acc_t s = 0;
       for (int64_t c = 0; c < p.head_dim; ++c)
         s += Elem<T>::load(q[c]) * Elem<T>::load(k[j * p.k_row_stride + c]);
@@ -157,10 +174,11 @@ __device__ void load_rows(const T* src, int64_t row_stride, int64_t rows, int64_
 // P (dropped, for dV) and dS of the tile rows [i0, i0 + m) x keys [j0, j0 + n) from the
 // operand tiles; zero outside the tile, where the key is hidden, or for an empty row.
 // (rows: the sequence's, indexed by its row i.)
-template <typename acc_t>
+template <typename acc_t, bool kVarlenOrMods>
 __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
-                         const ScoreMask<acc_t>& mask, const DropoutBits& drop,
-                         const BwdRows<acc_t>& rows, int64_t i0, int64_t m, int64_t j0, int64_t n) {
+                         const ScoreMask<acc_t, kVarlenOrMods>& mask,
+                         const DropoutBits<kVarlenOrMods>& drop, const BwdRows<acc_t>& rows,
+                         int64_t i0, int64_t m, int64_t j0, int64_t n) {
   using Tr = GenericBwdTraits;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
@@ -172,8 +190,9 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
       const acc_t l2 = rows.lse2[i];
       acc_t s = 0;
       for (int64_t x = 0; x < p.head_dim; ++x) s += t.q[r * p.head_dim + x] * t.k[c * t.ldk + x];
-      acc_t dcap = 1;                           // d softcap(s) / d s
-      s = mask.apply(s, s_scale, i, j, &dcap);  // the forward's log2-domain score
+      // the forward's log2-domain score, and (with softcap) d softcap(s) / d s
+      acc_t dcap = 1;
+      s = mask.apply(s, s_scale, i, j, kVarlenOrMods ? &dcap : nullptr);
       const acc_t prob = l2 == acc_t(-INFINITY) ? acc_t(0) : exp2((s - l2) - rows.lse2_lo[i]);
       acc_t dp = 0;
       for (int64_t x = 0; x < p.head_dim_v; ++x)
@@ -184,14 +203,15 @@ __device__ void bwd_tile(const AttentionBwdParams& p, const BwdTiles<acc_t>& t,
         pd = keep ? prob * keep_scale : acc_t(0);
         dp = keep ? dp * keep_scale : acc_t(0);
       }
-      ds = prob * (dp - rows.delta[i]) * dcap;
+      ds = prob * (dp - rows.delta[i]);
+      if (kVarlenOrMods) ds *= dcap;
     }
     t.p[idx] = pd;
     t.ds[idx] = ds;
   }
 }
 
-template <typename T>
+template <typename T, bool kVarlenOrMods>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
     flash_bwd_dkdv_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
@@ -199,28 +219,29 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const BwdTiles<acc_t> t(reinterpret_cast<acc_t*>(smem_raw), D, Dv);
-  KeyBlockInfo bi(p, Tr::kBlockN, blockIdx.x);
-  if (bi.keys <= 0) return;  // past the end of a short sequence of a varlen batch
-  const ScoreMask<acc_t> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
-  const int64_t r0 = row_index(p, bi.seq, bi.b, bi.h, 0);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + r0,
-                            static_cast<const acc_t*>(ws.lse2) + r0,
-                            static_cast<const acc_t*>(ws.lse2_lo) + r0};
+  using Rows = RowLayout<kVarlenOrMods>;
+  KeyBlockInfo<kVarlenOrMods> bi(p, Tr::kBlockN, blockIdx.x);
+  if (kVarlenOrMods && bi.keys <= 0) return;  // past the end of a short varlen sequence
+  const int64_t bh = Rows::head(p, bi.b, bi.h);
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2_lo) + Rows::row0(p, bi.seq(p), bh)};
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const int64_t step = p.acc_row_step();  // accumulator rows between a head's rows
+  const int64_t step = Rows::acc_step(p);  // accumulator rows between a head's rows
   const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-               bi.seq.q_begin * p.q_row_stride;
+               bi.seq(p).q_begin * p.q_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
-                  bi.h * p.do_head_stride + bi.seq.q_begin * p.do_row_stride;
+                  bi.h * p.do_head_stride + bi.seq(p).q_begin * p.do_row_stride;
   do {
-    const int64_t key0 = bi.seq.k_begin + bi.n0;
+    const int64_t key0 = bi.seq(p).k_begin + bi.n0;
     const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
                  key0 * p.k_row_stride;
     const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
                  key0 * p.v_row_stride;
-    acc_t* dk = static_cast<acc_t*>(p.dk) + p.acc_row(bi.b, bi.h, key0, p.k_rows()) * D;
-    acc_t* dv = static_cast<acc_t*>(p.dv) + p.acc_row(bi.b, bi.h, key0, p.k_rows()) * Dv;
+    acc_t* dk = static_cast<acc_t*>(p.dk) + Rows::acc_row(p, bh, bi.h, key0, Rows::k_rows(p)) * D;
+    acc_t* dv = static_cast<acc_t*>(p.dv) + Rows::acc_row(p, bh, bi.h, key0, Rows::k_rows(p)) * Dv;
 
     load_rows(k, p.k_row_stride, bi.keys, Tr::kBlockN, D, t.k, t.ldk, acc_t(1));
     load_rows(v, p.v_row_stride, bi.keys, Tr::kBlockN, Dv, t.v, t.ldv, acc_t(1));
@@ -247,11 +268,11 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
       }
       __syncthreads();
     }
-    __syncthreads();  // the tiles are read before the next keys overwrite them
-  } while (bi.advance(p));
+    if (kVarlenOrMods) __syncthreads();  // the tiles are read before the next keys overwrite them
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
 }
 
-template <typename T>
+template <typename T, bool kVarlenOrMods>
 __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
     flash_bwd_dq_kernel(AttentionBwdParams p, BwdWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
@@ -259,27 +280,28 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
   extern __shared__ unsigned char smem_raw[];
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const BwdTiles<acc_t> t(reinterpret_cast<acc_t*>(smem_raw), D, Dv);
-  QueryBlockInfo bi(p, Tr::kBlockM, blockIdx.x);
-  if (bi.rows <= 0) return;  // past the end of a short sequence of a varlen batch
-  const ScoreMask<acc_t> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
-  const int64_t r0 = row_index(p, bi.seq, bi.b, bi.h, 0);
-  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + r0,
-                            static_cast<const acc_t*>(ws.lse2) + r0,
-                            static_cast<const acc_t*>(ws.lse2_lo) + r0};
+  using Rows = RowLayout<kVarlenOrMods>;
+  QueryBlockInfo<kVarlenOrMods> bi(p, Tr::kBlockM, blockIdx.x);
+  if (kVarlenOrMods && bi.rows <= 0) return;  // past the end of a short varlen sequence
+  const int64_t bh = Rows::head(p, bi.b, bi.h);
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
+  const BwdRows<acc_t> rows{static_cast<const acc_t*>(ws.delta) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2) + Rows::row0(p, bi.seq(p), bh),
+                            static_cast<const acc_t*>(ws.lse2_lo) + Rows::row0(p, bi.seq(p), bh)};
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const int64_t step = p.acc_row_step();
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
-               bi.seq.k_begin * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
-               bi.seq.k_begin * p.v_row_stride;
+  const int64_t step = Rows::acc_step(p);
   do {
-    const int64_t row0 = bi.seq.q_begin + bi.m0;
+    const int64_t token0 = bi.seq(p).q_begin + bi.m0;
     const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-                 row0 * p.q_row_stride;
+                 token0 * p.q_row_stride;
     const T* dout = static_cast<const T*>(p.dout) + bi.b * p.do_batch_stride +
-                    bi.h * p.do_head_stride + row0 * p.do_row_stride;
-    acc_t* dq = static_cast<acc_t*>(p.dq) + p.acc_row(bi.b, bi.h, row0, p.q_rows()) * D;
+                    bi.h * p.do_head_stride + token0 * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+                 bi.seq(p).k_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+                 bi.seq(p).k_begin * p.v_row_stride;
+    acc_t* dq = static_cast<acc_t*>(p.dq) + Rows::acc_row(p, bh, bi.h, token0, Rows::q_rows(p)) * D;
 
     load_rows(q, p.q_row_stride, bi.rows, Tr::kBlockM, D, t.q, D, acc_t(1));
     load_rows(dout, p.do_row_stride, bi.rows, Tr::kBlockM, Dv, t.dout, Dv, acc_t(1));
@@ -298,8 +320,8 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
       }
       __syncthreads();
     }
-    __syncthreads();  // the tiles are read before the next rows overwrite them
-  } while (bi.advance(p));
+    if (kVarlenOrMods) __syncthreads();  // the tiles are read before the next rows overwrite them
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
 }
 
 inline cudaError_t set_smem(const void* kernel, size_t smem) {
@@ -307,36 +329,37 @@ inline cudaError_t set_smem(const void* kernel, size_t smem) {
                               static_cast<int>(smem));
 }
 
-template <typename T>
-cudaError_t run_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
+template <typename T, bool kVarlenOrMods>
+cudaError_t launch_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
   using Tr = GenericBwdTraits;
   const int64_t rows = p.row_batches() * p.heads * p.q_rows();
-  if (rows == 0) return cudaSuccess;
+  // A fixed-length batch without keys has no gradient; with sinks, the preprocess still forms
+  // the rows their gradient is read from.
+  if (rows == 0 || (p.k_rows() == 0 && p.sinks == nullptr)) return cudaSuccess;
   constexpr int kRowsPerBlock = Tr::kThreads / Tr::kWarp;  // one warp per row
-  flash_bwd_preprocess_kernel<T>
+  flash_bwd_preprocess_kernel<T, kVarlenOrMods>
       <<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0, stream>>>(p, ws);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  if (p.k_rows() == 0) return cudaSuccess;  // no key: no gradient but the sinks'
+  if (e != cudaSuccess || p.k_rows() == 0) return e;
 
-  // A varlen grid has at least one block per (sequence, head), so that a caller's max_seqlen
-  // of 0 still covers its sequences (the blocks loop over what the grid does not).
-  const int64_t grid_q = p.varlen() && p.seqlen_q == 0 ? 1 : p.seqlen_q;
-  const int64_t grid_k = p.varlen() && p.seqlen_k == 0 ? 1 : p.seqlen_k;
   const size_t smem = bwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
   const int64_t bh = p.batch * p.heads;
-  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T>), smem)) != cudaSuccess)
-    return e;
-  flash_bwd_dkdv_kernel<T>
-      <<<static_cast<unsigned>(bh * ceil_div(grid_k, Tr::kBlockN)), Tr::kThreads, smem, stream>>>(
-          p, ws);
+  const auto dkdv = flash_bwd_dkdv_kernel<T, kVarlenOrMods>;
+  const auto dq = flash_bwd_dq_kernel<T, kVarlenOrMods>;
+  if ((e = set_smem(reinterpret_cast<const void*>(dkdv), smem)) != cudaSuccess) return e;
+  dkdv<<<static_cast<unsigned>(bh * grid_blocks(p, p.seqlen_k, Tr::kBlockN)), Tr::kThreads, smem,
+         stream>>>(p, ws);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  if ((e = set_smem(reinterpret_cast<const void*>(flash_bwd_dq_kernel<T>), smem)) != cudaSuccess)
-    return e;
-  flash_bwd_dq_kernel<T>
-      <<<static_cast<unsigned>(bh * ceil_div(grid_q, Tr::kBlockM)), Tr::kThreads, smem, stream>>>(
-          p, ws);
+  if ((e = set_smem(reinterpret_cast<const void*>(dq), smem)) != cudaSuccess) return e;
+  dq<<<static_cast<unsigned>(bh * grid_blocks(p, p.seqlen_q, Tr::kBlockM)), Tr::kThreads, smem,
+       stream>>>(p, ws);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t run_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
+  return varlen_or_mods(p) ? launch_bwd_generic<T, true>(p, ws, stream)
+                           : launch_bwd_generic<T, false>(p, ws, stream);
 }
 
 }  // namespace attn_ext::cuda

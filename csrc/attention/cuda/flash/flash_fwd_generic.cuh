@@ -2,7 +2,10 @@
 // Generic flash-attention forward (SIMT, exact accumulation in acc_t: fp32, fp64 for fp64).
 // Serves float32 / float64, and bf16 / fp16 head dims the tensor-core kernel does not cover.
 // One thread block owns kRows query rows of one (b, h) (and, in a varlen batch whose sequence
-// outgrows the grid, every grid-stride further block of them, in turn):
+// outgrows the grid, every grid-stride further block of them, in turn). Two instantiations
+// per dtype: kVarlenOrMods = false, the fixed-length kernel without score modifiers (the
+// verified one, chosen whenever it suffices), and true, which serves varlen batches and
+// softcap / ALiBi / sinks (block_info.cuh, score_mask.cuh):
 //   prologue  query rows to shared memory, output accumulators zeroed, softmax states (a sink's
 //             logit, if any);
 //   main loop key tiles of kTile keys: thread t scores key t against every row, masks it,
@@ -36,7 +39,7 @@ size_t fwd_generic_smem_bytes(int64_t head_dim, int64_t head_dim_v) {
   return static_cast<size_t>(Tr::kRows * (head_dim + head_dim_v + Tr::kTile)) * sizeof(acc_t);
 }
 
-template <typename T>
+template <typename T, bool kVarlenOrMods>
 __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
     flash_fwd_generic_kernel(AttentionParams p) {
   using acc_t = typename Elem<T>::acc_t;
@@ -50,29 +53,33 @@ __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
   __shared__ acc_t factor_s[kRows];
   __shared__ SoftmaxState<acc_t> state_s[kRows];
 
-  const acc_t log2e = static_cast<acc_t>(kLog2e);
+  // ---- prologue
+  using Rows = RowLayout<kVarlenOrMods>;
+  QueryBlockInfo<kVarlenOrMods> bi(p, kRows, blockIdx.x);
+  if (kVarlenOrMods && bi.rows <= 0) return;  // past the end of a short varlen sequence
+  const ScoreMask<acc_t, kVarlenOrMods> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<kVarlenOrMods> drop(p, bi.b, bi.h, bi.seq(p));
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
-  const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
-  QueryBlockInfo bi(p, kRows, blockIdx.x);
-  if (bi.rows <= 0) return;  // past the end of a short sequence of a varlen batch
-  const ScoreMask<acc_t> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
-  const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
-               bi.seq.k_begin * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
-               bi.seq.k_begin * p.v_row_stride;
-  do {
-    // ---- prologue
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
+  do {  // once, but for the grid-stride blocks of a varlen sequence that outgrows the grid
     const T* q = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride + bi.h * p.q_head_stride +
-                 (bi.seq.q_begin + bi.m0) * p.q_row_stride;
+                 (bi.seq(p).q_begin + bi.m0) * p.q_row_stride;
     for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
       const int64_t r = idx / D, c = idx % D;
       q_s[idx] = r < bi.rows ? Elem<T>::load(q[r * p.q_row_stride + c]) : acc_t(0);
     }
     for (int64_t idx = threadIdx.x; idx < kRows * Dv; idx += blockDim.x) o_s[idx] = 0;
-    if (threadIdx.x < kRows) state_s[threadIdx.x] = initial_state<acc_t>(p, bi.h, log2e);
+    if (threadIdx.x < kRows) {
+      state_s[threadIdx.x] =
+          kVarlenOrMods ? initial_state<acc_t>(p, bi.h, acc_t(kLog2e)) : SoftmaxState<acc_t>{};
+    }
     __syncthreads();
+
+    const T* k = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride + bi.hk * p.k_head_stride +
+                 bi.seq(p).k_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride + bi.hk * p.v_head_stride +
+                 bi.seq(p).k_begin * p.v_row_stride;
+    const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
 
     // ---- main loop over key tiles
     for (int64_t j0 = bi.n_begin; j0 < bi.n_end; j0 += kTile) {
@@ -154,33 +161,39 @@ __global__ void __launch_bounds__(GenericFwdTraits::kThreads)
 
     // ---- epilogue
     T* out = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.h * p.o_head_stride +
-             (bi.seq.q_begin + bi.m0) * p.o_row_stride;
+             (bi.seq(p).q_begin + bi.m0) * p.o_row_stride;
     for (int64_t idx = threadIdx.x; idx < bi.rows * Dv; idx += blockDim.x) {
       const int64_t r = idx / Dv, f = idx % Dv;
       out[r * p.o_row_stride + f] = Elem<T>::store(o_s[r * Dv + f] * state_s[r].inv_sum());
     }
     if (threadIdx.x < bi.rows) {
-      p.lse[row_index(p, bi.seq, bi.b, bi.h, bi.m0 + threadIdx.x)] = state_s[threadIdx.x].lse();
+      p.lse[Rows::row0(p, bi.seq(p), Rows::head(p, bi.b, bi.h)) + bi.m0 + threadIdx.x] =
+          state_s[threadIdx.x].lse();
     }
-    __syncthreads();  // the epilogue has read o_s / state_s before the next rows reuse them
-  } while (bi.advance(p));
+    // the epilogue has read o_s / state_s before the next rows reuse them
+    if (kVarlenOrMods) __syncthreads();
+  } while (kVarlenOrMods && bi.advance(p));  // (fixed length: no loop at all)
+}
+
+template <typename T, bool kVarlenOrMods>
+cudaError_t launch_fwd_generic(const AttentionParams& p, cudaStream_t stream) {
+  using Tr = GenericFwdTraits;
+  const int64_t blocks = p.batch * p.heads * grid_blocks(p, p.seqlen_q, Tr::kRows);
+  if (blocks == 0) return cudaSuccess;
+  const size_t smem = fwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
+  const cudaError_t e =
+      cudaFuncSetAttribute(flash_fwd_generic_kernel<T, kVarlenOrMods>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  flash_fwd_generic_kernel<T, kVarlenOrMods>
+      <<<static_cast<unsigned>(blocks), Tr::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t run_fwd_generic(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = GenericFwdTraits;
-  // A varlen grid has at least one block per (sequence, head), so that a caller's max_seqlen of
-  // 0 still covers its sequences (the blocks loop over what the grid does not).
-  const int64_t grid_q = p.varlen() && p.seqlen_q == 0 ? 1 : p.seqlen_q;
-  const int64_t blocks = p.batch * p.heads * ceil_div(grid_q, Tr::kRows);
-  if (blocks == 0) return cudaSuccess;
-  const size_t smem = fwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);
-  const cudaError_t e =
-      cudaFuncSetAttribute(flash_fwd_generic_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  flash_fwd_generic_kernel<T><<<static_cast<unsigned>(blocks), Tr::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return varlen_or_mods(p) ? launch_fwd_generic<T, true>(p, stream)
+                           : launch_fwd_generic<T, false>(p, stream);
 }
 
 }  // namespace attn_ext::cuda

@@ -54,13 +54,11 @@ __device__ __forceinline__ void load_tile_mma(T* dst, const T* src, int64_t row_
 
 // One key block: scores, mask (kMasked), online softmax, dropout, and P V into acc_o.
 template <typename Tr, bool kMasked>
-__device__ __forceinline__ void fwd_mma_block(const typename Tr::Elem* sQ,
-                                              const typename Tr::Elem* sK,
-                                              const typename Tr::Elem* sV, int64_t j0, int64_t row0,
-                                              int64_t seqlen_q, float s_scale, float keep_scale,
-                                              const ScoreMask<float>& mask, const DropoutBits& drop,
-                                              float (&acc_o)[Tr::kTilesO][4],
-                                              SoftmaxState<float> (&st)[2]) {
+__device__ __forceinline__ void fwd_mma_block(
+    const typename Tr::Elem* sQ, const typename Tr::Elem* sK, const typename Tr::Elem* sV,
+    int64_t j0, int64_t row0, int64_t seqlen_q, float s_scale, float keep_scale,
+    const ScoreMask<float, false>& mask, const DropoutBits<false>& drop,
+    float (&acc_o)[Tr::kTilesO][4], SoftmaxState<float> (&st)[2]) {
   using T = typename Tr::Elem;
   using M = mma::Mma<T>;
   const int warp = threadIdx.x / Tr::kWarp, lane = threadIdx.x % Tr::kWarp;
@@ -166,9 +164,9 @@ __global__ void __launch_bounds__(Tr::kThreads) flash_fwd_mma_kernel(AttentionPa
   const int g = lane / 4, t = lane % 4;
 
   // ---- prologue
-  const QueryBlockInfo bi(p, Tr::kBlockM, blockIdx.x);
-  const ScoreMask<float> mask(p, bi.b, bi.h, bi.seq);
-  const DropoutBits drop(p, bi.b, bi.h, bi.seq);
+  const QueryBlockInfo<false> bi(p, Tr::kBlockM, blockIdx.x);
+  const ScoreMask<float, false> mask(p, bi.b, bi.h, bi.seq(p));
+  const DropoutBits<false> drop(p, bi.b, bi.h, bi.seq(p));
   const float s_scale = static_cast<float>(p.scale * kLog2e);
   const float keep_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
   const int64_t row0 = bi.m0 + warp * Tr::kMmaM;  // this warp's first row
