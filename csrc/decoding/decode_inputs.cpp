@@ -234,9 +234,10 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
   // The cache is the key/value input of an ordinary attention call with Sk = capacity;
   // the per-sequence lengths then narrow what each sequence sees. With cache_batch_idx the
   // cache's batch differs from q's: validation sees row 0 broadcast over q's batch, and the
-  // kernels then step over the cache's own rows.
+  // kernels then step over the cache's own rows. (An empty batch may index an empty cache:
+  // both have zero rows then.)
   const auto per_query_batch = [&](const at::Tensor& c) {
-    return indexed ? c.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : c;
+    return indexed && c.size(0) > 0 ? c.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : c;
   };
   PreparedDecode r;
   r.attention =

@@ -97,6 +97,19 @@ int64_t auto_splits(int64_t blocks, int64_t capacity) {
   return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
 }
 
+// window_right, the score modifiers and FlashAttention's with_kvcache arguments run on kernel
+// code that has not yet run on a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1
+// (common/cuda/unverified.h). Checked after validation, so bad inputs get the CPU op's
+// messages. The verified path's band ends at the query (causal: window_right 0, whatever the
+// caller passed; window_right = 0 without causal is the same band) or at the sequence's end.
+void check_verified(const char* op, const DecodeParams& p) {
+  if (p.window_right > 0) require_verified_or_opt_in(op, "window_right");
+  if (p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
+    require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
+  if (p.batch_idx != nullptr || p.leftpad != nullptr)
+    require_verified_or_opt_in(op, "cache_batch_idx / cache_leftpad");
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal, int64_t window_left,
@@ -105,19 +118,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* kOp = "attn_ext.decode_attention";
-  // The new arguments run on kernel code that has not yet run on a GPU: off by default.
-  if (window_right != -1 || softcap != 0.0 || alibi_slopes.has_value() || sinks.has_value() ||
-      cache_batch_idx.has_value() || cache_leftpad.has_value()) {
-    require_verified_or_opt_in(kOp,
-                               "window_right / softcap / alibi_slopes / sinks / cache_batch_idx / "
-                               "cache_leftpad");
-  }
   c10::cuda::CUDAGuard guard(q.device());
   PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
                                      {scale, causal, window_left, window_right, num_splits, softcap,
                                       alibi_slopes, sinks, cache_batch_idx, cache_leftpad},
                                      /*check_values=*/false);
   DecodeParams& p = in.params;
+  check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
               " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
