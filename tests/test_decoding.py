@@ -323,12 +323,25 @@ def test_decode_attention(device, dtype, num_splits, case):
     assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
 
 
-# FlashAttention's with_kvcache arguments and the score modifiers. Each case: B, H, Hkv, Sq, L,
-# lengths, and a function of (B, H, cache rows, device) giving the extra arguments.
+# FlashAttention's with_kvcache arguments and the score modifiers, each alone and combined.
+# Sequence lengths 300, 41, 1, 0 (the last two: one key; no key, so every row sees nothing and
+# gives out 0, lse = the sink or -inf); with cache_leftpad 40 for the last, all of whose keys
+# lie before its start, and 39 for the second, where Sq = 4 puts two queries before it.
+FA_LENGTHS = [300, 41, 1, 0]
+FA_LEFTPAD_LENGTHS = [300, 41, 1, 40]
+FA_LEFTPAD = [3, 39, 0, 40]
+
+
 def _fa_case_args(kind, B, H, rows, device):
     g = torch.Generator().manual_seed(3)
+
+    def ints(values):
+        return torch.tensor(values[:B], dtype=torch.int32, device=device)
+
     if kind == "window_right":
         return dict(causal=False, window_left=5, window_right=3)
+    if kind == "window_right_only":  # no left bound: keys [0, pos + 2]
+        return dict(causal=False, window_right=2)
     if kind == "softcap":
         return dict(softcap=2.0)
     if kind == "alibi_head":
@@ -337,24 +350,36 @@ def _fa_case_args(kind, B, H, rows, device):
         return dict(alibi_slopes=torch.rand(B, H, generator=g).to(device), causal=False)
     if kind == "sinks":
         return dict(sinks=torch.randn(H, generator=g).to(device))
-    if kind == "batch_idx":
-        return dict(cache_batch_idx=torch.randperm(rows, generator=g)[:B].int().to(device))
+    if kind == "batch_idx":  # a cache row may serve two sequences
+        return dict(cache_batch_idx=ints([4, 1, 5, 1]))
     if kind == "leftpad":
-        return dict(cache_leftpad=torch.tensor([3, 0, 40][:B], dtype=torch.int32, device=device))
+        return dict(cache_leftpad=ints(FA_LEFTPAD))
     if kind == "everything":
         return dict(
             softcap=3.0,
             alibi_slopes=torch.rand(B, H, generator=g).to(device),
             sinks=torch.randn(H, generator=g).to(device),
-            cache_batch_idx=torch.tensor([4, 1, 2][:B], dtype=torch.int32, device=device),
-            cache_leftpad=torch.tensor([2, 0, 5][:B], dtype=torch.int32, device=device),
+            cache_batch_idx=ints([4, 1, 2, 0]),
+            cache_leftpad=ints(FA_LEFTPAD),
             window_left=50,
+        )
+    if kind == "everything_noncausal":
+        return dict(
+            causal=False,
+            window_left=30,
+            window_right=7,
+            softcap=2.5,
+            alibi_slopes=torch.rand(H, generator=g).to(device),
+            sinks=torch.randn(H, generator=g).to(device),
+            cache_batch_idx=ints([0, 5, 3, 2]),
+            cache_leftpad=ints(FA_LEFTPAD),
         )
     raise ValueError(kind)
 
 
 FA_DECODE_KINDS = [
     "window_right",
+    "window_right_only",
     "softcap",
     "alibi_head",
     "alibi_batch_noncausal",
@@ -362,7 +387,26 @@ FA_DECODE_KINDS = [
     "batch_idx",
     "leftpad",
     "everything",
+    "everything_noncausal",
 ]
+
+
+def _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=300):
+    B, rows = 4, 6
+    extra = _fa_case_args(kind, B, H, rows, device)
+    indexed = "cache_batch_idx" in extra
+    k, v, _ = _filled_cache(device, rows if indexed else B, Hkv, L, D, Dv, dtype, [0])
+    lengths = FA_LEFTPAD_LENGTHS if "cache_leftpad" in extra else FA_LENGTHS
+    lens = torch.tensor([min(n, L) for n in lengths], dtype=torch.int32, device=device)
+    q = rand((B, H, sq, D), dtype, device, layout="bshd")
+    out, lse = attn_ext.decode_attention(
+        q, k, v, lens, num_splits=num_splits, return_lse=True, **extra
+    )
+    assert out.shape == (B, H, sq, Dv) and lse.shape == (B, H, sq)
+    ref_out, ref_lse = decode_reference(q, k, v, lens, **extra)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **extra)
+    assert_error_rule(out, ref_out, t_out, name="decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -373,32 +417,84 @@ def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind, monkey
     """On CUDA this is what verifies the kernel code of these arguments, off by default until
     it has run green (csrc/common/cuda/unverified.h)."""
     monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
-    B, H, Hkv, L, rows = 3, 8, 2, 300, 5
-    extra = _fa_case_args(kind, B, H, rows, device)
-    indexed = "cache_batch_idx" in extra
-    k, v, _ = _filled_cache(device, rows if indexed else B, Hkv, L, 32, 24, dtype, [0])
-    # An empty sequence (or, with leftpad, one whose keys all lie before its start)
-    lens = torch.tensor([300, 41, 40 if "cache_leftpad" in extra else 0], dtype=torch.int32)
-    lens = lens.to(device)
-    q = rand((B, H, sq, 32), dtype, device, layout="bshd")
-    out, lse = attn_ext.decode_attention(
-        q, k, v, lens, num_splits=num_splits, return_lse=True, **extra
-    )
-    ref_out, ref_lse = decode_reference(q, k, v, lens, **extra)
-    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **extra)
-    assert_error_rule(out, ref_out, t_out, name="decode out")
-    assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
+    _check_fa_case(device, dtype, num_splits, sq, kind, H=8, Hkv=2, D=32, Dv=24)
+
+
+# Head dims and head groupings (MHA, MQA, GQA with odd G; Dv != D) with every argument (each
+# combination once split, once not; test_decode_flash_attn_arguments has both for each).
+FA_SHAPES = [(4, 4, 64, 64), (8, 1, 128, 128), (6, 2, 96, 40), (3, 3, 8, 16)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("shape", FA_SHAPES, ids=lambda s: "H{}_Hkv{}_D{}_Dv{}".format(*s))
+@pytest.mark.parametrize("kind,num_splits", [("everything", 1), ("everything_noncausal", 4)])
+def test_decode_flash_attn_arguments_shapes(
+    device, dtype, sq, shape, kind, num_splits, monkeypatch
+):
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    H, Hkv, D, Dv = shape
+    _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=160)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_rows_without_keys(device, num_splits, monkeypatch):
+    """A row that sees no key (length 0, all keys before cache_leftpad, or a query before the
+    first key) gives out 0 and lse = its head's sink (-inf without sinks), exactly."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    k, v, _ = _filled_cache(device, 3, 2, 64, 16, 16, torch.float32, [0])
+    q = torch.randn(3, 4, 4, 16, device=device)
+    lens = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([0, 20, 28], dtype=torch.int32, device=device)
+    sinks = torch.randn(4, device=device)
+    for s in (None, sinks):
+        out, lse = attn_ext.decode_attention(
+            q, k, v, lens, sinks=s, cache_leftpad=leftpad, num_splits=num_splits, return_lse=True
+        )
+        empty = torch.zeros(3, 4, 4, dtype=torch.bool, device=device)
+        empty[0], empty[1] = True, True
+        empty[2, :, :2] = True  # positions 26, 27 lie before the first key, 28
+        want = torch.full_like(lse, float("-inf")) if s is None else s[None, :, None].expand_as(lse)
+        assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+        assert torch.equal(lse[empty], want[empty])
+        assert torch.isfinite(lse[~empty]).all() and out[~empty].abs().sum() > 0
+
+
+def test_decode_flash_attn_empty_batch(device, monkeypatch):
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    q = torch.randn(0, 4, 2, 8, device=device)
+    idx = torch.zeros(0, dtype=torch.int32, device=device)
+    for rows in (0, 3):  # an empty cache, or one with rows nobody reads
+        k = torch.randn(rows, 2, 10, 8, device=device)
+        out, lse = attn_ext.decode_attention(
+            q, k, k, idx, cache_batch_idx=idx, cache_leftpad=idx, return_lse=True
+        )
+        assert out.shape == (0, 4, 2, 8) and lse.shape == (0, 4, 2)
 
 
 def test_decode_flash_attn_argument_errors():
     k, v, lens = _filled_cache("cpu", 2, 2, 10, 8, 8, torch.float32, [5, 6])
     q = torch.randn(2, 4, 1, 8)
-    with pytest.raises(RuntimeError, match=r"cache_batch_idx\[1\] must be in \[0, 1\]"):
-        attn_ext.decode_attention(q, k, v, lens, cache_batch_idx=torch.tensor([0, 2]))
-    with pytest.raises(RuntimeError, match=r"cache_leftpad\[0\] = 6 exceeds cache_seqlens"):
-        attn_ext.decode_attention(q, k, v, lens, cache_leftpad=torch.tensor([6, 0]))
-    with pytest.raises(RuntimeError, match="sinks must have shape"):
-        attn_ext.decode_attention(q, k, v, lens, sinks=torch.zeros(3))
+    cases = [
+        (dict(cache_batch_idx=torch.tensor([0, 2])), r"cache_batch_idx\[1\] must be in \[0, 1\]"),
+        (dict(cache_batch_idx=torch.tensor([-1, 0])), r"cache_batch_idx\[0\] must be in"),
+        (dict(cache_batch_idx=torch.tensor([0.0, 1.0])), "cache_batch_idx must be int32 or int64"),
+        (dict(cache_batch_idx=torch.tensor([0])), r"cache_batch_idx must have shape \(B,\)"),
+        (dict(cache_leftpad=torch.tensor([6, 0])), r"cache_leftpad\[0\] = 6 exceeds cache_seqlens"),
+        (dict(cache_leftpad=torch.tensor([0, -1])), r"cache_leftpad\[1\] must be in \[0, 10\]"),
+        (dict(sinks=torch.zeros(3)), "sinks must have shape"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int32)), "sinks must be floating"),
+        (dict(alibi_slopes=torch.zeros(3, 4)), r"alibi_slopes must have shape \(H,\)"),
+        (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+        (dict(causal=False, window_right=-2), r"window_size\[1\] \(right\) must be >= -1"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(RuntimeError, match=msg):
+            attn_ext.decode_attention(q, k, v, lens, **kw)
+    # Without cache_batch_idx the cache's batch must be q's.
+    k3, v3, _ = _filled_cache("cpu", 3, 2, 10, 8, 8, torch.float32, [5])
+    with pytest.raises(RuntimeError, match=r"k_cache batch size \(dim 0\) must be 2, got 3"):
+        attn_ext.decode_attention(q, k3, v3, lens)
 
 
 def test_decode_split_invariance(device):
