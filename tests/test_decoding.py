@@ -440,7 +440,7 @@ def test_decode_flash_attn_arguments_shapes(
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_rows_without_keys(device, num_splits, monkeypatch):
     """A row that sees no key (length 0, all keys before cache_leftpad, or a query before the
-    first key) gives out 0 and lse = its head's sink (-inf without sinks), exactly."""
+    first key) gives out 0 exactly and lse = its head's sink (-inf without sinks)."""
     monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     k, v, _ = _filled_cache(device, 3, 2, 64, 16, 16, torch.float32, [0])
     q = torch.randn(3, 4, 4, 16, device=device)
@@ -456,7 +456,8 @@ def test_decode_rows_without_keys(device, num_splits, monkeypatch):
         empty[2, :, :2] = True  # positions 26, 27 lie before the first key, 28
         want = torch.full_like(lse, float("-inf")) if s is None else s[None, :, None].expand_as(lse)
         assert torch.equal(out[empty], torch.zeros_like(out[empty]))
-        assert torch.equal(lse[empty], want[empty])
+        # the sink goes to the log2 domain and back: an ulp of float32 rounding
+        torch.testing.assert_close(lse[empty], want[empty], rtol=3e-7, atol=0)
         assert torch.isfinite(lse[~empty]).all() and out[~empty].abs().sum() > 0
 
 
