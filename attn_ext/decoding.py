@@ -94,13 +94,19 @@ def decode_attention(
     once for all the query heads sharing it. ``num_splits`` splits the key sequence for short
     batches (0 = automatic); partial results are merged by their log-sum-exp.
 
-    ``window_right`` (not causal) bounds the keys after ``pos``; ``softcap``, ``alibi_slopes``
-    ((H,) or (B, H); distance from ``pos``) and ``sinks`` (H,) as in :func:`attention`.
-    FlashAttention's ``with_kvcache`` arguments: ``cache_batch_idx`` (B,) int, sequence b reads
-    cache batch row ``cache_batch_idx[b]`` (the cache may hold more rows than B);
-    ``cache_leftpad`` (B,) int, sequence b's keys start at ``cache_leftpad[b]``. (On CUDA these
-    arguments raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: their kernel code has not yet
-    run on a GPU.)
+    ``window_right`` (``causal=False`` only; ``causal`` ends the band at ``pos`` whatever it
+    says) bounds the keys after ``pos``: keys ``[pos - window_left, min(pos + window_right,
+    len_b - 1)]``. ``softcap``, ``alibi_slopes`` ((H,) or (B, H); bias ``-slope * |pos - j|``
+    for key ``j``) and ``sinks`` (H,) as in :func:`attention`: lse includes the sink, and a row
+    that sees no key gives out 0 and lse = its head's sink (``-inf`` without sinks).
+    FlashAttention's ``with_kvcache`` arguments: ``cache_batch_idx`` (B,) int32 (or int64),
+    sequence b reads cache batch row ``cache_batch_idx[b]`` (the cache may hold more rows than
+    B); ``cache_leftpad`` (B,) int32 (or int64), sequence b's keys are cache rows
+    ``[cache_leftpad[b], cache_seqlens[b])`` (its queries still sit at ``cache_seqlens[b] - Sq +
+    i``; the keys before are never seen). The CPU op checks their values; a CUDA op cannot read
+    them without a sync and clamps them into range instead. (On CUDA ``window_right``, the score
+    modifiers and these two raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: their kernel
+    code has not yet run on a GPU.)
 
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.

@@ -8,8 +8,8 @@ attention with softcap / ALiBi / sinks, attention_varlen (empty and one-token se
 sequence longer than the max_seqlen passed (16, 0), GQA, causal window, dropout, tokens past
 the last offset), forward and
 backward, and decode_attention with window_right / softcap / ALiBi / sinks / cache_batch_idx /
-cache_leftpad, through the kernels that are off by default (ATTN_EXT_UNVERIFIED_CUDA=1 set
-here).
+cache_leftpad (also out of range: the GPU op clamps them), through the kernels that are off by
+default (ATTN_EXT_UNVERIFIED_CUDA=1 set here).
 The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append (left padding,
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
@@ -151,6 +151,15 @@ def modifier_and_varlen_cases():
                 cache_leftpad=torch.tensor([3, 9, 0], dtype=torch.int32, device=dev),
             )  # fmt: skip
             ok.append(_report(f"decode FlashAttention arguments splits={splits} {dtype}", [out]))
+            # out-of-range values (the CPU op rejects them; the GPU op clamps, never reads
+            # outside the cache): only memcheck's verdict counts, not the values
+            out = attn_ext.decode_attention(
+                qd, kc, vc, torch.tensor([95, -4, 50], dtype=torch.int32, device=dev),
+                num_splits=splits,
+                cache_batch_idx=torch.tensor([7, -1, 2], dtype=torch.int32, device=dev),
+                cache_leftpad=torch.tensor([-3, 0, 200], dtype=torch.int32, device=dev),
+            )  # fmt: skip
+            ok.append(_report(f"decode clamped indices splits={splits} {dtype}", [out]))
     return ok
 
 
