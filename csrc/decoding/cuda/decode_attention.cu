@@ -8,9 +8,12 @@
 //             accumulates output feature t for every row from the tile's values (coalesced);
 //   epilogue  normalized output + lse, or the split's partial for the merge kernel, which
 //             folds splits with SoftmaxState::merge.
-// FlashAttention's with_kvcache arguments (cache_batch_idx, cache_leftpad), window_right and
-// the score modifiers (attention/score_mod.h: per row, since a block's rows span G heads; a
-// sink joins the first split's state only) follow the CPU kernel.
+// window_right is part of the band (LocalBand), as in every instantiation. FlashAttention's
+// with_kvcache arguments (cache_batch_idx, cache_leftpad) and the score modifiers
+// (attention/score_mod.h: per row, since a block's rows span G heads; a sink joins the first
+// split's state only) follow the CPU kernel in a second instantiation (kExt), so the kernel
+// without them compiles as it did before they existed (same registers: adding them to the one
+// kernel took fp32 from 156 to 228 registers per thread at sm_80).
 #include <cstdint>
 #include <type_traits>
 #include "common/constants.h"
@@ -48,7 +51,7 @@ __device__ BlockRows block_rows(const DecodeParams& p, int64_t rows) {
   return br;
 }
 
-template <typename T>
+template <typename T, bool kExt>
 __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, DecodeWorkspace ws) {
   using acc_t = typename Elem<T>::acc_t;
   extern __shared__ unsigned char smem_raw[];
@@ -63,19 +66,20 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
   const BlockRows br = block_rows(p, rows);
   int64_t len = p.lengths[br.b];
   len = len < 0 ? 0 : (len > p.seqlen_k ? p.seqlen_k : len);  // a GPU op clamps, never reads past L
-  const int64_t bc = p.cache_row(br.b);
+  const int64_t bc = kExt ? p.cache_row(br.b) : br.b;         // the cache row this sequence reads
   const LocalBand band{len - Sq, p.window_left, p.window_right};
   const int64_t i_begin = br.r0 / G, i_end = (br.r0 + br.m - 1) / G + 1;
-  const int64_t lo = max(band.key_begin(i_begin, len), p.first_key(br.b));
-  const int64_t hi = max(band.key_end(i_end, len), lo);
-  const acc_t log2e = static_cast<acc_t>(kLog2e);
-  const bool modified = p.softcap != 0.0 || p.alibi_slopes != nullptr;
+  int64_t lo = band.key_begin(i_begin, len), hi = band.key_end(i_end, len);
+  if constexpr (kExt) {  // keys before the left padding are never seen
+    lo = max(lo, p.first_key(br.b));
+    hi = max(hi, lo);
+  }
   const int64_t splits = gridDim.x, split = blockIdx.x;
   const int64_t span = hi > lo ? hi - lo : 0;
   const int64_t chunk = ((span + splits - 1) / splits + kTile - 1) / kTile * kTile;
   const int64_t j_begin = min(hi, lo + split * max(chunk, int64_t(kTile)));
   const int64_t j_end = min(hi, j_begin + max(chunk, int64_t(kTile)));
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+  const acc_t s_scale = static_cast<acc_t>(p.scale) * static_cast<acc_t>(kLog2e);
 
   for (int64_t idx = threadIdx.x; idx < kRows * D; idx += blockDim.x) {
     const int64_t rr = idx / D, c = idx % D;
@@ -88,10 +92,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
     }
     q_s[idx] = val;
   }
-  if (threadIdx.x < kRows) {
-    const int64_t h = br.hk * G + (br.r0 + threadIdx.x) % G;
-    state_s[threadIdx.x] =
-        split == 0 ? initial_state<acc_t>(p, h, log2e) : SoftmaxState<acc_t>{};  // sink once
+  if constexpr (kExt) {
+    if (threadIdx.x < kRows) {
+      const int64_t h = br.hk * G + (br.r0 + threadIdx.x) % G;
+      state_s[threadIdx.x] = split == 0 ? initial_state<acc_t>(p, h, static_cast<acc_t>(kLog2e))
+                                        : SoftmaxState<acc_t>{};  // a sink joins once
+    }
+  } else {
+    if (threadIdx.x < kRows) state_s[threadIdx.x] = SoftmaxState<acc_t>{};
   }
   acc_t o[kRows][kMaxDvPerThread];
 #pragma unroll
@@ -128,16 +136,26 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
     }
     const bool tile_full =
         band.tile_unmasked(i_begin, i_end, j0, j0 + kTile) && j0 + kTile <= j_end;
+    if constexpr (kExt) {
+      const bool modified = p.softcap != 0.0 || p.alibi_slopes != nullptr;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t i = (br.r0 + r) / G;
-      const bool ok = r < br.m && j < j_end && (tile_full || band.allowed(i, j));
-      acc_t sc = s[r] * s_scale;  // log2 domain
-      if (ok && modified) {
-        const int64_t h = br.hk * G + (br.r0 + r) % G;
-        sc = ScoreMod<acc_t>::make(p, br.b, h, len - Sq, log2e).apply(sc, i, j);
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t i = (br.r0 + r) / G;
+        const bool ok = r < br.m && j < j_end && (tile_full || band.allowed(i, j));
+        acc_t sc = s[r] * s_scale;  // log2 domain
+        if (ok && modified) {
+          const int64_t h = br.hk * G + (br.r0 + r) % G;
+          sc = ScoreMod<acc_t>::make(p, br.b, h, len - Sq, static_cast<acc_t>(kLog2e))
+                   .apply(sc, i, j);
+        }
+        s_s[r * kTile + threadIdx.x] = ok ? sc : acc_t(-INFINITY);
       }
-      s_s[r * kTile + threadIdx.x] = ok ? sc : acc_t(-INFINITY);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const bool ok = r < br.m && j < j_end && (tile_full || band.allowed((br.r0 + r) / G, j));
+        s_s[r * kTile + threadIdx.x] = ok ? s[r] * s_scale : -INFINITY;  // log2 domain
+      }
     }
     __syncthreads();
 
@@ -254,6 +272,12 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) p.lse[(b * p.heads + h) * Sq + i] = total.lse();
 }
 
+// The instantiation with the with_kvcache arguments and the score modifiers.
+bool extended(const DecodeParams& p) {
+  return p.batch_idx != nullptr || p.leftpad != nullptr || p.softcap != 0.0 ||
+         p.alibi_slopes != nullptr || p.sinks != nullptr;
+}
+
 }  // namespace
 
 cudaError_t launch_decode(const DecodeParams& p, ElemKind kind, DecodeWorkspace ws,
@@ -267,13 +291,14 @@ cudaError_t launch_decode(const DecodeParams& p, ElemKind kind, DecodeWorkspace 
     using T = std::remove_pointer_t<decltype(tag)>;
     using acc_t = typename Elem<T>::acc_t;
     const size_t smem = (kRows * p.head_dim + kRows * kTile) * sizeof(acc_t);
+    const auto kernel = extended(p) ? decode_kernel<T, true> : decode_kernel<T, false>;
     if (smem > 48 * 1024) {
       const cudaError_t e = cudaFuncSetAttribute(
-          decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       if (e != cudaSuccess) return e;
     }
     const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(blocks_y));
-    decode_kernel<T><<<grid, kThreads, smem, stream>>>(p, ws);
+    kernel<<<grid, kThreads, smem, stream>>>(p, ws);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess || p.num_splits == 1) return err;
     merge_kernel<T><<<static_cast<unsigned>(p.batch * p.kv_heads * rows), kThreads, 0, stream>>>(
