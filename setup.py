@@ -5,6 +5,9 @@ Environment switches:
   ATTN_EXT_CPU_ISA   avx2 (default on x86-64) | native | generic: vector ISA of the CPU kernels
   ATTN_EXT_CUDA      auto (default) | 0 | 1: force the CUDA build off or on
   ATTN_EXT_DEBUG     1: -O0 -g
+  ATTN_EXT_SANITIZE  e.g. "address,undefined": a sanitizer build (-O1 -g, frame pointers, the
+                     sanitizers' runtime linked; objects in their own build folder); run it
+                     with tools/sanitize_cpu.sh, which preloads the runtime into Python
   ATTN_EXT_CUDA_HEAD_DIMS   e.g. "128" or "64,128": tensor-core forward head dims to compile
                             (of csrc/attention/cuda/instantiations.json's, today 64, 128, 256;
                             default all; others run on the generic kernel)
@@ -34,8 +37,12 @@ CSRC = os.path.join(ROOT, "csrc")
 # One persistent object folder for every way of building (setup.py build_ext, pip wheel, pip
 # install -e, which otherwise compiles in a new temporary folder each time): ninja then
 # recompiles only the sources whose text, included headers or compile command changed.
+SANITIZE = os.environ.get("ATTN_EXT_SANITIZE", "")
 BUILD_TEMP = os.path.join(
-    ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    ROOT,
+    "build",
+    f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    + (f"-sanitize-{SANITIZE.replace(',', '-')}" if SANITIZE else ""),
 )
 # The instantiated CUDA attention dtypes and head dims (also read by
 # tools/gen_cuda_instantiations.py, which writes the instantiations and the launcher's header).
@@ -154,12 +161,17 @@ def _extension(cuda):
     instantiations only those setup.py keeps (_cuda_attention_selection)."""
     debug = os.environ.get("ATTN_EXT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
+    sanitize = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer"] if SANITIZE else []
+    if SANITIZE:
+        opt = ["-O1", "-g"] + sanitize + ["-fno-sanitize-recover=all"]
     cxx = opt + ["-fopenmp", "-fvisibility=hidden"] + _cpu_isa_flags()
     every_cpp = _sources("csrc/**/*.cpp")
     sources = [s for s in every_cpp if not _in_folder(s, "cuda")]
     # includes are relative to csrc/ (csrc/README.md); a changed header recompiles the objects
     # that include it (ninja's dependency files; _BuildExt always runs ninja)
-    kwargs = dict(include_dirs=[CSRC], extra_link_args=["-fopenmp"] + _runtime_link_args())
+    kwargs = dict(
+        include_dirs=[CSRC], extra_link_args=["-fopenmp"] + sanitize + _runtime_link_args()
+    )
     if cuda:
         cxx.append("-DATTN_EXT_WITH_CUDA")
         arch = _cuda_arch_list() or "the visible GPUs' architectures"
