@@ -125,16 +125,38 @@ __attribute__((always_inline)) inline void panel_product(const float* a, int64_t
   }
 }
 
-// s[r][0..16) = scale * (q[r] . key panel columns) for R rows.
+// s[r][0..16) = scale * (q[r] . key panel columns) for R rows, the dot products summed in
+// chunks of kDotChunk features (row_tiles.h): ((c_0 + c_1) + ...) * scale, the partial sums
+// kept in s. The AVX-512 kernel adds the same chunks in the same order.
 template <int R>
 inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t d, __m256 scale,
                          float* s, int64_t lds) {
   __m256 acc[R][2];
-  panel_product<R>(q, ldq, 1, panel, d, acc);
+  panel_product<R>(q, ldq, 1, panel, std::min(d, kDotChunk), acc);
+  if (d <= kDotChunk) {
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(acc[r][0], scale));
+      _mm256_storeu_ps(s + r * lds + 8, _mm256_mul_ps(acc[r][1], scale));
+    }
+    return;
+  }
   ATTN_EXT_UNROLL_ROWS
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(acc[r][0], scale));
-    _mm256_storeu_ps(s + r * lds + 8, _mm256_mul_ps(acc[r][1], scale));
+    _mm256_storeu_ps(s + r * lds, acc[r][0]);
+    _mm256_storeu_ps(s + r * lds + 8, acc[r][1]);
+  }
+  for (int64_t f0 = kDotChunk; f0 < d; f0 += kDotChunk) {
+    panel_product<R>(q + f0, ldq, 1, panel + f0 * kCols, std::min(kDotChunk, d - f0), acc);
+    const bool last = f0 + kDotChunk >= d;
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        float* dst = s + r * lds + h * kWidth;
+        const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(dst), acc[r][h]);
+        _mm256_storeu_ps(dst, last ? _mm256_mul_ps(sum, scale) : sum);
+      }
+    }
   }
 }
 

@@ -94,16 +94,34 @@ inline void with_panels(int64_t cols_left, F&& kernel) {
     kernel(std::integral_constant<int, 1>{});
 }
 
+// The scores summed in chunks of kDotChunk features, the partial sums kept in s, exactly as
+// avx2::scores_micro does.
 template <int R, int P>
 inline void scores_micro(const float* q, int64_t ldq, const float* panel, int64_t panel_offset,
                          int64_t d, __m512 scale, float* s, int64_t lds) {
   __m512 acc[R][P];
-  panel_product<R, P>(q, ldq, 1, panel, panel_offset, d, acc);
+  panel_product<R, P>(q, ldq, 1, panel, panel_offset, std::min(d, kDotChunk), acc);
+  const bool single = d <= kDotChunk;
   ATTN_EXT_UNROLL
   for (int r = 0; r < R; ++r) {
     ATTN_EXT_UNROLL
     for (int c = 0; c < P; ++c)
-      _mm512_storeu_ps(s + r * lds + c * kLanes, _mm512_mul_ps(acc[r][c], scale));
+      _mm512_storeu_ps(s + r * lds + c * kLanes,
+                       single ? _mm512_mul_ps(acc[r][c], scale) : acc[r][c]);
+  }
+  for (int64_t f0 = kDotChunk; f0 < d; f0 += kDotChunk) {
+    panel_product<R, P>(q + f0, ldq, 1, panel + f0 * kLanes, panel_offset,
+                        std::min(kDotChunk, d - f0), acc);
+    const bool last = f0 + kDotChunk >= d;
+    ATTN_EXT_UNROLL
+    for (int r = 0; r < R; ++r) {
+      ATTN_EXT_UNROLL
+      for (int c = 0; c < P; ++c) {
+        float* dst = s + r * lds + c * kLanes;
+        const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(dst), acc[r][c]);
+        _mm512_storeu_ps(dst, last ? _mm512_mul_ps(sum, scale) : sum);
+      }
+    }
   }
 }
 

@@ -10,6 +10,15 @@ namespace attn_ext::cpu {
 template <int R>
 using Rows = std::integral_constant<int, R>;
 
+// Features per partial dot product of a score: the scores kernels sum each q . k in chunks of
+// kDotChunk features and add the chunk sums, so a score's rounding error grows like
+// kDotChunk + D / kDotChunk terms rather than D. One FMA chain over all of D gave 1.6x torch's
+// mean fp32 error at D = 256 and 1.9x at D = 512 (its BLAS sums in blocks); chunks of 64 left
+// D = 64 at 1.14x, chunks of 32 bring every D from 64 to 512 to <= 0.97x (Zen 3, 2026-11-24;
+// tests/test_accuracy.py). Cost: one load, add and store per accumulator per chunk, 12 of
+// each per 384 FMAs of an AVX2 micro-tile, on the load/store and FP-add ports.
+constexpr int64_t kDotChunk = 32;
+
 namespace detail {
 // kernel(Rows<rows>{}, r0) for a run-time rows in [1, sizeof...(I)].
 template <typename F, int... I>
