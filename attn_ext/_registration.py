@@ -78,6 +78,16 @@ def _dropout_mask_fake(rng_state, batch, heads, sq, sk, dropout_p):
     return rng_state.new_empty((batch, heads, sq, sk), dtype=torch.bool)
 
 
+def _refuse_slopes_grad(op, alibi_slopes):
+    # ALiBi slopes are fixed per head (never trained), and the kernels form no gradient for
+    # them: refusing beats returning None, which autograd would read as a zero gradient.
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise NotImplementedError(
+            f"{op}: the gradient with respect to alibi_slopes is not supported; "
+            "pass alibi_slopes.detach()"
+        )
+
+
 def _attention_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, mask, rng_state, alibi_slopes, sinks = inputs
     ctx.kw = dict(
@@ -92,6 +102,7 @@ def _attention_setup_context(ctx, inputs, keyword_only_inputs, output):
             "attn_ext.attention: the gradient with respect to attn_mask is not supported; "
             "pass attn_mask.detach() or compute the bias gradient separately"
         )
+    _refuse_slopes_grad("attn_ext.attention", alibi_slopes)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
 
@@ -114,6 +125,7 @@ torch.library.register_autograd(
 def _varlen_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, cu_q, cu_k, rng_state, alibi_slopes, sinks = inputs
     ctx.kw = dict(keyword_only_inputs, rng_state=rng_state, alibi_slopes=alibi_slopes, sinks=sinks)
+    _refuse_slopes_grad("attn_ext.attention_varlen", alibi_slopes)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
 
@@ -226,6 +238,13 @@ def _latent_cache_append_fake(
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, **kw):
     B, H, Sq, _ = q.shape
     return q.new_empty((B, H, Sq, v_cache.size(3))), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+# decode_attention is inference only. Without an Autograd registration torch would record a
+# node that, in a backward, only warns and hands back no gradient; a fallthrough instead makes
+# the result a plain tensor (requires_grad False), as for any non-differentiable op.
+_DECODE_LIB = torch.library.Library("attn_ext", "IMPL")
+_DECODE_LIB.impl("decode_attention", torch.library.fallthrough_kernel, "Autograd")
 
 
 def _state_dtype(q):

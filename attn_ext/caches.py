@@ -101,7 +101,8 @@ class KVCache:
             if n + a > self.max_len:
                 return self._host_lengths, (
                     f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
-                    f"length {n} + {a} new tokens > capacity {self.max_len} (nothing was written)"
+                    f"cache_seqlens[{b}] = {n} + {a} new tokens > capacity {self.max_len} "
+                    "(nothing was written)"
                 )
         return [n + a for n, a in zip(self._host_lengths, add)], None
 

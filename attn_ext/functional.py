@@ -78,7 +78,10 @@ def attention(
     ``softcap`` > 0 caps them as ``softcap * tanh(s / softcap)`` (Gemma 2); ``alibi_slopes``
     (H,) or (B, H) adds ``-slope * |i + Sk - Sq - j|`` (ALiBi, as FlashAttention); ``sinks``
     (H,) adds one logit per head to every row's softmax denominator with no value (attention
-    sinks, gpt-oss), differentiable, and counted in lse (an empty row then has lse = sink).
+    sinks, gpt-oss), differentiable, and counted in lse (an empty row then has lse = sink;
+    a ``+inf`` sink takes all the probability: out 0 and lse ``+inf`` for its head, the limit,
+    where the eager formula gives NaN). ``alibi_slopes`` and ``sinks`` of another float dtype
+    are read as float32; ``alibi_slopes`` takes no gradient (requires_grad raises).
 
     Returns ``out`` (B, H, Sq, Dv) in q's dtype, or ``(out, lse)`` with lse float32 (B, H, Sq),
     the natural-log log-sum-exp of the scaled, modified, masked scores.

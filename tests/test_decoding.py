@@ -239,7 +239,8 @@ def test_kv_cache_errors_leave_cache_untouched(device):
         (
             (k7, v7),
             {},
-            "sequence 0 would overflow the cache: length 10 \\+ 7 new tokens > capacity 16",
+            "sequence 0 would overflow the cache: "
+            "cache_seqlens\\[0\\] = 10 \\+ 7 new tokens > capacity 16",
         ),
         ((k7.double(), v7.double()), {}, "k must have k_cache's dtype"),
         (

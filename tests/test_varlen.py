@@ -329,7 +329,7 @@ def _bad(device, **overrides):
         (dict(cu_seqlens_k=torch.tensor([0, 3], dtype=torch.int32)), "B \\+ 1 = 3"),
         (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), r"\[0\] must be 0"),
         (dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)), "non-decreasing"),
-        (dict(max_seqlen_q=3), "> max_seqlen 3"),
+        (dict(max_seqlen_q=3), "max_seqlen_q = 3 is less than the length of sequence"),
         (dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32)), "must equal the token"),
         (dict(cu_seqlens_k=torch.tensor([0, 4, 8], dtype=torch.int32)), "exceeds the token"),
         (dict(q=torch.randn(1, 7, 4, 8)), "must be 3-D"),

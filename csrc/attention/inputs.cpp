@@ -166,7 +166,8 @@ at::Tensor token_rows(const char* op, const char* name, const at::Tensor& t, con
 }
 
 void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, const at::Tensor& q,
-                      int64_t batch, int64_t total, int64_t max_seqlen, bool exact_total) {
+                      int64_t batch, int64_t total, const char* max_name, int64_t max_seqlen,
+                      bool exact_total) {
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": ", name,
               " must be 1-D (B + 1,) with B >= 0, got shape ", cu.sizes());
   TORCH_CHECK(cu.size(0) == batch + 1, op, ": ", name, " must have B + 1 = ", batch + 1,
@@ -183,8 +184,8 @@ void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, co
     const int64_t len = static_cast<int64_t>(c[b + 1]) - c[b];
     TORCH_CHECK(len >= 0, op, ": ", name, " must be non-decreasing, got ", name, "[", b,
                 "] = ", c[b], " > ", name, "[", b + 1, "] = ", c[b + 1]);
-    TORCH_CHECK(len <= max_seqlen, op, ": sequence ", b, " has length ", len, " (", name,
-                ") > max_seqlen ", max_seqlen);
+    TORCH_CHECK(len <= max_seqlen, op, ": ", max_name, " = ", max_seqlen,
+                " is less than the length of sequence ", b, " (", len, " in ", name, ")");
   }
   TORCH_CHECK(exact_total ? c[batch] == total : c[batch] <= total, op, ": ", name,
               "[B] = ", c[batch],
@@ -243,9 +244,11 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
               ": max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
               max_seqlen_k);
   const int64_t batch = cu_seqlens_q.dim() == 1 ? cu_seqlens_q.size(0) - 1 : -1;
-  check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q_in, batch, q_in.size(0), max_seqlen_q,
+  check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q_in, batch, q_in.size(0), "max_seqlen_q",
+                   max_seqlen_q,
                    /*exact_total=*/true);
-  check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q_in, batch, k_in.size(0), max_seqlen_k,
+  check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q_in, batch, k_in.size(0), "max_seqlen_k",
+                   max_seqlen_k,
                    /*exact_total=*/false);
   PreparedInputs r;
   r.q = blas_rows(q4);

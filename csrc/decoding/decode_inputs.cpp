@@ -165,8 +165,9 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   const int64_t* len = r.lengths.data_ptr<int64_t>();
   const int64_t* add = r.appended.data_ptr<int64_t>();
   for (int64_t b = 0; check_values && b < B; ++b) {
-    TORCH_CHECK(len[b] + add[b] <= L, op, ": sequence ", b, " would overflow the cache: length ",
-                len[b], " + ", add[b], " new tokens > capacity ", L, " (nothing was written)");
+    TORCH_CHECK(len[b] + add[b] <= L, op, ": sequence ", b,
+                " would overflow the cache: cache_seqlens[", b, "] = ", len[b], " + ", add[b],
+                " new tokens > capacity ", L, " (nothing was written)");
   }
   p.lengths = len;
   p.appended = add;
