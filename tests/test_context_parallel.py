@@ -526,7 +526,7 @@ def test_merge_inplace_into_a_strided_view():
         (lambda a, la, b, lb: (a, la.half(), b, lb), "lse_a must have dtype"),
         (lambda a, la, b, lb: (a, la, b[..., :4], lb), "out_b must have shape"),
         (lambda a, la, b, lb: (a.int(), la, b, lb), "out_a must be float32, float64"),
-        (lambda a, la, b, lb: (a, la.double(), b, lb.double()), "lse_b must be float32 (or"),
+        (lambda a, la, b, lb: (a, la.double(), b, lb.double()), r"lse_b must be float32 \(or"),
     ],
 )
 def test_merge_rejects_bad_arguments(args, match):
