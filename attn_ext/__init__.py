@@ -21,6 +21,8 @@ from .functional import (
     attention_varlen,
     attention_weights,
     dropout_keep_mask,
+    merge_attention_states,
+    merge_attention_states_,
     scaled_dot_product_attention,
 )
 from .linear import linear_attention
@@ -33,6 +35,8 @@ __all__ = [
     "attention_varlen",
     "attention_weights",
     "dropout_keep_mask",
+    "merge_attention_states",
+    "merge_attention_states_",
     "scaled_dot_product_attention",
     "rope",
     "rope_",

@@ -167,6 +167,45 @@ torch.library.register_autograd(
 )
 
 
+@torch.library.register_fake("attn_ext::merge_attention_states")
+def _merge_fake(out_a, lse_a, out_b, lse_b):
+    return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
+        lse_a, memory_format=torch.contiguous_format
+    )
+
+
+@torch.library.register_fake("attn_ext::merge_attention_states_")
+def _merge_inplace_fake(out, lse, out_other, lse_other):
+    return None
+
+
+@torch.library.register_fake("attn_ext::merge_attention_states_backward")
+def _merge_backward_fake(grad_out, grad_lse, out_a, lse_a, out_b, lse_b):
+    dense = torch.contiguous_format
+    return (
+        torch.empty_like(out_a, memory_format=dense),
+        torch.empty_like(lse_a, memory_format=dense),
+        torch.empty_like(out_b, memory_format=dense),
+        torch.empty_like(lse_b, memory_format=dense),
+    )
+
+
+def _merge_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _merge_backward(ctx, grad_out, grad_lse):
+    out_a, lse_a, out_b, lse_b = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out_a)
+    return _ops.merge_attention_states_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b)
+
+
+torch.library.register_autograd(
+    "attn_ext::merge_attention_states", _merge_backward, setup_context=_merge_setup_context
+)
+
+
 # ------------------------------------------------------------------------------- decoding ops
 
 

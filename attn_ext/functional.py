@@ -263,3 +263,30 @@ def dropout_keep_mask(
     if state is None:
         return torch.ones((batch, heads, sq, sk), dtype=torch.bool)
     return _ops.dropout_mask(state, batch, heads, sq, sk, dropout_p)
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets into the result over their union.
+
+    ``out_*`` (..., Dv) with ``lse_*`` of shape ``out.shape[:-1]`` (float32; float64 allowed
+    with float64 outs), e.g. ``attention(..., return_lse=True)``'s outputs for two halves of
+    the keys. Returns ``out = w_a out_a + w_b out_b`` and ``lse = logaddexp(lse_a, lse_b)``
+    with ``w_x = exp(lse_x - lse)``, weights and sums in fp32 (fp64 for fp64). A state with
+    ``lse = -inf`` saw no key and contributes nothing (its out is not read); two such states
+    give out 0 and lse -inf, never NaN. Differentiable in all four inputs.
+    (FlashInfer's ``merge_state``.)
+    """
+    return _ops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+
+
+def merge_attention_states_(
+    out: torch.Tensor, lse: torch.Tensor, out_other: torch.Tensor, lse_other: torch.Tensor
+) -> None:
+    """In-place :func:`merge_attention_states`: ``out`` / ``lse`` absorb ``out_other`` /
+    ``lse_other``. ``out`` may be a float32 accumulator for bfloat16 / float16 ``out_other``
+    (so that many partial results round once, at the end); start an accumulator with
+    ``lse = -inf`` (then ``out`` is never read: ``torch.empty`` will do). Not differentiable
+    (FlashInfer's ``merge_state_in_place``)."""
+    _ops.merge_attention_states_(out, lse, out_other, lse_other)

@@ -19,6 +19,15 @@
 //   is an empty float32 tensor without sinks.
 // attention_backward also takes the gradient of lse (for callers that differentiate
 //   through it, e.g. when merging partial results).
+// Merging attention states (split-KV parts, ring-attention blocks: partial results over
+//   disjoint key sets): out_* (..., Dv), any floating dtype, with lse_* = out's shape without
+//   Dv, float32 (or float64 with float64 outs). merge_attention_states returns
+//   out = w_a out_a + w_b out_b and lse = log(e^lse_a + e^lse_b), w_x = e^(lse_x - lse),
+//   weights and sums in fp32 (fp64 for fp64); a state with lse -inf is empty (its out is not
+//   read); two empty states give out 0, lse -inf. merge_attention_states_ accumulates
+//   out_other / lse_other into out / lse in place (out: out_other's dtype, or a float32
+//   accumulator for bfloat16 / float16). merge_attention_states_backward takes the gradients
+//   of the merged out and (optionally) lse.
 // attention_varlen: FlashAttention's varlen layout. q (total_q, H, D), k (total_k, Hkv, D),
 //   v (total_k, Hkv, Dv); cu_seqlens_q / cu_seqlens_k (B + 1,) int32 on q's device, sequence
 //   b owning tokens [cu[b], cu[b + 1]) (empty sequences allowed); max_seqlen_q / _k bound the
@@ -113,6 +122,16 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "attention_weights_backward(Tensor grad_weights, Tensor weights, Tensor q, Tensor k, *, "
       "float? scale=None) -> (Tensor grad_q, Tensor grad_k)");
+  m.def(
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states_(Tensor(a!) out, Tensor(b!) lse, Tensor out_other, "
+      "Tensor lse_other) -> ()");
+  m.def(
+      "merge_attention_states_backward(Tensor grad_out, Tensor? grad_lse, Tensor out_a, "
+      "Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor grad_out_a, Tensor grad_lse_a, "
+      "Tensor grad_out_b, Tensor grad_lse_b)");
   m.def(
       "dropout_mask(Tensor rng_state, SymInt batch, SymInt heads, SymInt sq, SymInt sk, "
       "float dropout_p) -> Tensor keep");

@@ -20,11 +20,15 @@
   tensor products, RoPE on the feature-side factors, a :class:`attn_ext.TPAFactorCache` for
   decoding.
 
+* :class:`ContextParallelAttention` -- the attention core of a layer whose sequence is sharded
+  across a process group (ring or Ulysses context parallelism, :mod:`attn_ext.distributed`).
+
 The decoding state classes live in :mod:`attn_ext.caches`; ``TPAFactorCache`` and
 ``LinearAttentionState`` stay importable from here, where they were first defined.
 """
 
 from ..caches import LinearAttentionState, TPAFactorCache
+from .context_parallel import ContextParallelAttention
 from .decoder_attention import DecoderAttention
 from .latent_attention import MultiHeadLatentAttention
 from .linear_attention import LinearAttention
@@ -37,6 +41,7 @@ from .tensor_product_attention import TensorProductAttention
 __all__ = [
     "CBAM",
     "ChannelAttention",
+    "ContextParallelAttention",
     "DecoderAttention",
     "LinearAttention",
     "LinearAttentionState",
