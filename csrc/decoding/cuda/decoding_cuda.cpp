@@ -133,6 +133,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   const int64_t rows = p.group() * p.seqlen_q;
   const int64_t blocks =
       p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
+  // The blocks run on the grid's y axis (x holds the splits), which CUDA caps at 65535.
+  constexpr int64_t kMaxGridY = 65535;
+  TORCH_CHECK(blocks <= kMaxGridY, kOp, ": B * Hkv * ceil(H / Hkv * Sq / ", kDecodeRowsPerBlock,
+              ") = ", blocks, " thread blocks exceed CUDA's grid limit of ", kMaxGridY,
+              " on this path; split the batch (got B = ", p.batch, ", Hkv = ", p.kv_heads,
+              ", rows per KV head = ", rows, ")");
   if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
   DecodeWorkspace ws;
   at::Tensor ws_o, ws_stats;
