@@ -4,28 +4,61 @@ Code written against ``flash_attn`` runs unchanged after swapping the import::
 
     from attn_ext.flash_attn import flash_attn_func, flash_attn_varlen_func
 
-Same names, arguments, defaults, layouts and return conventions as ``flash_attn``
-2.x's ``flash_attn_interface``: q/k/v ``(B, S, H, D)`` (varlen: ``(total, H, D)`` with int32
-``cu_seqlens``), causal and sliding windows aligned bottom-right, GQA/MQA by fewer key/value
-heads, ``softcap``, ``alibi_slopes`` (H,) or (B, H), ``softmax_lse`` ``(B, H, S)`` (varlen:
-``(H, total_q)``), gradients through everything but ``flash_attn_with_kvcache``. The inputs are
-read in place (the ``(B, S, H, D)`` views are never copied); outputs are contiguous like
-FlashAttention's.
+Same names, parameters (names, order, defaults: those of FlashAttention 2.6.1 to 2.8.x),
+layouts and return conventions as ``flash_attn``'s ``flash_attn_interface``: q/k/v
+``(B, S, H, D)`` (varlen: ``(total, H, D)`` with ``cu_seqlens``), causal and sliding windows
+aligned bottom-right, GQA/MQA by fewer key/value heads, ``softcap``, ``alibi_slopes`` (H,) or
+(B, H), ``softmax_lse`` ``(B, H, S)`` (varlen: ``(H, total_q)``), gradients through everything
+but ``flash_attn_with_kvcache``. The inputs are read in place (the ``(B, S, H, D)`` views are
+never copied); outputs are contiguous like FlashAttention's.
+
+``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` with FlashAttention >= 2.6's
+``S_dmask``: an empty tensor without dropout; with dropout, ``(B, H, round128(Sq),
+round128(Sk))`` in q's dtype (varlen: ``max_seqlen_q`` / ``max_seqlen_k``), the probabilities of
+sequence b in ``[b, :, :Sq_b, :Sk_b]``, negated where dropout dropped them (a dropped 0 is
+``-0.0``: test ``torch.signbit``), zero elsewhere.
+
+``flash_attn_with_kvcache`` follows FlashAttention's cache conventions: ``cache_seqlens`` are the
+lengths *before* the new ``k`` / ``v`` are written there, and are not modified; rotary positions
+are absolute cache rows (new key i at ``cache_seqlens + i``, also with ``cache_leftpad``, as
+FlashAttention's kernel indexes its tables); with ``block_table`` the caches are
+``(num_blocks, page_size, Hkv, D)`` pages, sequence b's row t in page ``block_table[b, t //
+page_size]``.
+
+FlashAttention's argument checks raise ``RuntimeError`` here as there (its ``TORCH_CHECK``s):
+q/k/v ranks, shapes and dtypes that disagree, ``H % Hkv``, ``dropout_p`` outside ``[0, 1)``,
+``v`` / ``cache_seqlens`` missing when ``k`` is appended, rotary tables without new keys or
+shorter than the cache, ``rotary_dim`` > D, ``block_table`` not int32 or with
+``cache_batch_idx`` / ``cache_leftpad``, a paged cache too small for the lengths. FlashAttention's
+capability limits are lifted instead:
+
+- CPU kernels (FlashAttention has none); every floating dtype (fp32 and fp64 too, not only
+  fp16 / bf16; rotary tables and ALiBi slopes in any floating dtype), any head dim (not only
+  <= 256), ``Dv`` != ``D``, an empty batch, int64 index tensors, softcap with dropout, any
+  ``rotary_dim`` (even; FlashAttention: multiples of 16), any page size >= 16 (FlashAttention:
+  multiples of 256), and a ``v`` without ``k`` is an error (FlashAttention ignores it).
 
 Differences from FlashAttention, by design:
 
-- CPU kernels (FlashAttention has none); every dtype torch has (fp32 and fp64 too, not only
-  fp16/bf16) and any head dim.
 - Dropout draws from attn_ext's own counter-based stream (``attn_ext.dropout_keep_mask``), so
   masks differ from FlashAttention's for the same seed; ``deterministic`` is accepted and has no
   effect (attn_ext's backward is always deterministic).
-- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` like FlashAttention, with
-  ``S_dmask`` None unless ``dropout_p > 0`` (as there); then it holds the probabilities (exactly
-  scaled) with dropped entries negated, of shape (B, H, Sq, Sk) (FlashAttention pads it), and is
-  not available together with ``softcap`` / ``alibi_slopes``.
+- ``S_dmask`` holds the normalized probabilities; FlashAttention stores ``exp(s - running max)``
+  per tile ("possibly with different scaling", its docstring says; its tests renormalize), and
+  leaves the padding uninitialized. It is not available together with ``softcap`` (an error in
+  FlashAttention too) or ``alibi_slopes`` (``attention_weights`` takes no score modifiers).
+- ``softmax_lse`` of a row that sees no key is ``-inf`` in every function; FlashAttention gives
+  ``+inf`` from its non-split kernels and ``-inf`` from its split-KV ones.
+- ``softmax_lse`` with ALiBi and ``causal=True`` is the log-sum-exp of the documented scores
+  ``s - slope * |i + Sk - Sq - j|``; FlashAttention's causal kernel adds ``slope * j`` instead (the
+  same softmax and output), so its lse is larger by ``slope * (i + Sk - Sq)``.
 - ``flash_attn_with_kvcache`` applies ``rotary_cos`` / ``rotary_sin`` with torch element-wise
-  ops (in fp32, fp64 for fp64 inputs) before appending; ``block_table`` (paged KV cache) is not
-  supported yet.
+  ops (in fp32, fp64 for fp64 inputs) before appending through ``kv_cache_append`` (with
+  ``cache_batch_idx`` or ``block_table`` by indexed writes: the op knows neither). With
+  ``block_table`` the used pages are gathered into a dense ``(B, max length, Hkv, D)`` copy for
+  ``decode_attention`` (the varlen functions: the used tokens, packed), and the largest length is
+  read on the host, as FlashAttention's paged check does: correct, not fast, until a paged
+  decode operator exists. On CUDA out-of-range block indices are clamped, not checked (no sync).
 - On CUDA, the varlen functions, ``softcap``, ``alibi_slopes`` and ``flash_attn_with_kvcache``'s
   ``cache_batch_idx`` / ``cache_leftpad`` / right windows run on kernel code that has not yet
   run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in.
@@ -50,46 +83,91 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> the (B, H, S, D) view attn_ext's operators read in place."""
-    if x.dim() != 4:
-        raise ValueError(f"attn_ext.flash_attn: expected (B, S, H, D), got {tuple(x.shape)}")
-    return x.transpose(1, 2)
-
-
-def _no_paging(block_table):
-    if block_table is not None:
-        raise NotImplementedError(
-            "attn_ext.flash_attn: block_table (paged KV cache) is not supported yet"
-        )
+# FlashAttention allocates S_dmask in whole tiles of 128 query rows and 128 keys.
+S_DMASK_MULTIPLE = 128
+# design.md: the paged cache takes any page size from 16 (FlashAttention-2: multiples of 256).
+MIN_PAGE_SIZE = 16
+NO_WINDOW = (-1, -1)
 
 
-def _probs(q4, k4, scale, causal, window, softcap, alibi_slopes, dropout_p, rng_state):
-    """S_dmask as FlashAttention returns it: None without dropout, else the probabilities with
-    the dropped entries negated (testing only, as in FlashAttention)."""
-    if dropout_p == 0.0:
-        return None
+def _fail(fn: str, message: str):
+    raise RuntimeError(f"attn_ext.flash_attn.{fn}: {message}")
+
+
+def _ndim(layout: str) -> int:
+    return layout.count(",") + 1
+
+
+def _check_rank(fn, name, x, layout):
+    if x.dim() != _ndim(layout):
+        _fail(fn, f"{name} must be {_ndim(layout)}-D {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_like(fn, name, x, q):
+    if x.dtype != q.dtype:
+        _fail(fn, f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if x.device != q.device:
+        _fail(fn, f"{name} must be on q's device {q.device}, got {x.device}")
+
+
+def _check_size(fn, name, x, dim, what, expected):
+    if x.size(dim) != expected:
+        _fail(fn, f"{name} {what} (dim {dim}) must be {expected}, got {x.size(dim)}")
+
+
+def _check_heads(fn, heads, kv_heads):
+    if kv_heads == 0 or heads % kv_heads != 0:
+        _fail(fn, f"k/v heads ({kv_heads}) must divide q's heads ({heads})")
+
+
+def _check_common(fn, dropout_p, window_size):
+    if not 0.0 <= dropout_p < 1.0:
+        _fail(fn, f"dropout_p must be in [0, 1), got {dropout_p}")
+    if len(window_size) != 2:
+        _fail(fn, f"window_size must be (left, right), got {tuple(window_size)}")
+
+
+def _check_qkv(fn, q, k, v, layout, seq_dims):
+    """q / k / v in one layout, `seq_dims` the leading dims k and v share with each other
+    (batch and keys, or tokens) and that q shares with them in its batch dim, if any."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_rank(fn, name, x, layout)
+    _check_like(fn, "k", k, q)
+    _check_like(fn, "v", v, q)
+    heads = _ndim(layout) - 2
+    if seq_dims == 2:  # (B, S, H, D): one batch
+        _check_size(fn, "k", k, 0, "batch size", q.size(0))
+        _check_size(fn, "v", v, 0, "batch size", q.size(0))
+    _check_size(fn, "v", v, seq_dims - 1, "length", k.size(seq_dims - 1))
+    _check_size(fn, "v", v, heads, "heads", k.size(heads))
+    _check_size(fn, "k", k, -1, "head dim", q.size(-1))
+    _check_heads(fn, q.size(heads), k.size(heads))
+
+
+def _s_dmask_buffer(like, batch, heads, rows, cols):
+    def up(n):
+        return (n + S_DMASK_MULTIPLE - 1) // S_DMASK_MULTIPLE * S_DMASK_MULTIPLE
+
+    return like.new_zeros(batch, heads, up(rows), up(cols))
+
+
+def _check_s_dmask_mods(fn, softcap, alibi_slopes):
     if softcap or alibi_slopes is not None:
         raise NotImplementedError(
-            "attn_ext.flash_attn: return_attn_probs with dropout is supported for the fixed-length "
-            "functions without softcap / alibi_slopes"
+            f"attn_ext.flash_attn.{fn}: return_attn_probs with dropout_p > 0 is not available "
+            "with softcap / alibi_slopes (attention_weights takes no score modifiers)"
         )
-    w = _ops.attention_weights(
-        q4.detach(),
-        k4.detach(),
-        scale=scale,
-        causal=causal,
-        window_left=window[0],
-        window_right=window[1],
-    )
-    B, H, Sq, Sk = w.shape
-    keep = _ops.dropout_mask(rng_state, B, H, Sq, Sk, dropout_p).to(w.device)
-    return torch.where(keep, w, -w)
 
 
-def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs):
-    q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
+def _marked(weights, keep):
+    """FlashAttention's encoding: a dropped probability carries a minus sign."""
+    return torch.where(keep, weights, -weights)
+
+
+def _attn(fn, q, k, v, dropout_p, scale, causal, window_size, softcap, alibi_slopes, probs):
+    _check_common(fn, dropout_p, window_size)
+    _check_qkv(fn, q, k, v, "(B, S, H, D)", seq_dims=2)
+    q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # read in place
     left, right = (int(w) for w in window_size)
     rng_state = _rng_state(dropout_p, None)
     out, lse = _ops.attention(
@@ -100,7 +178,7 @@ def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi
         rng_state,
         alibi_slopes,
         None,
-        scale=softmax_scale,
+        scale=scale,
         causal=causal,
         window_left=left,
         window_right=right,
@@ -110,8 +188,17 @@ def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi
     out = out.transpose(1, 2).contiguous()  # (B, Sq, H, Dv), contiguous like FlashAttention's
     if not probs:
         return out
-    args = (softmax_scale, causal, (left, right), softcap, alibi_slopes, dropout_p, rng_state)
-    return out, lse, _probs(q4, k4, *args)
+    if dropout_p == 0.0:  # FlashAttention >= 2.6 returns probabilities only with dropout
+        return out, lse, q.new_empty(0)
+    _check_s_dmask_mods(fn, softcap, alibi_slopes)
+    B, H, Sq, Sk = q4.size(0), q4.size(1), q4.size(2), k4.size(2)
+    w = _ops.attention_weights(
+        q4.detach(), k4.detach(), scale=scale, causal=causal, window_left=left, window_right=right
+    )
+    keep = _ops.dropout_mask(rng_state, B, H, Sq, Sk, dropout_p).to(w.device)
+    s_dmask = _s_dmask_buffer(q, B, H, Sq, Sk)
+    s_dmask[:, :, :Sq, :Sk] = _marked(w, keep)
+    return out, lse, s_dmask
 
 
 def flash_attn_func(
@@ -130,8 +217,8 @@ def flash_attn_func(
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv); with
     return_attn_probs, (out, softmax_lse (B, H, Sq), S_dmask)."""
     return _attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        return_attn_probs,
+        "flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, return_attn_probs,
     )  # fmt: skip
 
 
@@ -147,9 +234,12 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
 ):
     """qkv (B, S, 3, H, D); otherwise as :func:`flash_attn_func`."""
+    fn = "flash_attn_qkvpacked_func"
+    _check_rank(fn, "qkv", qkv, "(B, S, 3, H, D)")
+    _check_size(fn, "qkv", qkv, 2, "q/k/v", 3)
     q, k, v = qkv.unbind(dim=2)
     return _attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
         return_attn_probs,
     )  # fmt: skip
 
@@ -167,23 +257,55 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
 ):
     """q (B, Sq, H, D), kv (B, Sk, 2, Hkv, D); otherwise as :func:`flash_attn_func`."""
+    fn = "flash_attn_kvpacked_func"
+    _check_rank(fn, "kv", kv, "(B, S, 2, Hkv, D)")
+    _check_size(fn, "kv", kv, 2, "k/v", 2)
     k, v = kv.unbind(dim=2)
     return _attn(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
         return_attn_probs,
     )  # fmt: skip
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi,
-            probs):  # fmt: skip
+def _check_offsets(fn, name, cu, batch, device):
+    if cu.dim() != 1 or cu.numel() != batch + 1:
+        _fail(fn, f"{name} must be 1-D (B + 1,) = ({batch + 1},), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        _fail(fn, f"{name} must be on q's device {device}, got {cu.device}")
+
+
+def _unpage_tokens(fn, pages, block_table, cu_k):
+    """The packed (total_k, Hkv, D) keys or values of a paged varlen batch: token t of sequence
+    b is row t % page_size of page block_table[b, t // page_size]."""
+    lens = (cu_k[1:] - cu_k[:-1]).long()
+    batch = torch.arange(lens.numel(), device=pages.device).repeat_interleave(lens)
+    token = torch.arange(batch.numel(), device=pages.device) - cu_k[:-1].long()[batch]
+    page = _page_index(fn, block_table, pages, lens)[batch, token // pages.size(1)]
+    return pages[page, token % pages.size(1)]
+
+
+def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap,
+            alibi, probs, block_table=None):  # fmt: skip
+    _check_common(fn, dropout_p, window)
+    batch = cu_q.numel() - 1
+    _check_offsets(fn, "cu_seqlens_q", cu_q, batch, q.device)
+    _check_offsets(fn, "cu_seqlens_k", cu_k, batch, q.device)
+    cu_q, cu_k = _int32(cu_q), _int32(cu_k)
+    if block_table is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_rank(fn, name, x, "(num_blocks, page_size, Hkv, D)")
+        _check_block_table(fn, block_table, k, v, batch, cu_k[1:] - cu_k[:-1])
+        k, v = (_unpage_tokens(fn, x, block_table, cu_k) for x in (k, v))
+    _check_qkv(fn, q, k, v, "(total, H, D)", seq_dims=1)
     left, right = (int(w) for w in window)
+    rng_state = _rng_state(dropout_p, None)
     out, lse = _ops.attention_varlen(
         q,
         k,
         v,
-        _int32(cu_q),
-        _int32(cu_k),
-        _rng_state(dropout_p, None),
+        cu_q,
+        cu_k,
+        rng_state,
         alibi,
         None,
         max_seqlen_q=int(max_q),
@@ -197,12 +319,29 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window,
     )
     if not probs:
         return out
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            "attn_ext.flash_attn: return_attn_probs with dropout is supported for the "
-            "fixed-length functions only"
-        )
-    return out, lse, None
+    if dropout_p == 0.0:  # FlashAttention >= 2.6 returns probabilities only with dropout
+        return out, lse, q.new_empty(0)
+    _check_s_dmask_mods(fn, softcap, alibi)
+    heads = q.size(1)
+    # A varlen batch's dropout rows are (head, token) of one batch; keys count from each
+    # sequence's first.
+    keep = _ops.dropout_mask(rng_state, 1, heads, q.size(0), int(max_k), dropout_p)[0]
+    keep = keep.to(q.device)
+    s_dmask = _s_dmask_buffer(q, batch, heads, int(max_q), int(max_k))
+    # S_dmask is for testing (FlashAttention's docstring): reading the offsets on the host and
+    # one attention_weights call per sequence is fine here.
+    bounds = list(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:]))
+    for b, (q0, q1, k0, k1) in enumerate(bounds):
+        w = _ops.attention_weights(
+            q[q0:q1].detach().transpose(0, 1).unsqueeze(0),
+            k[k0:k1].detach().transpose(0, 1).unsqueeze(0),
+            scale=scale,
+            causal=causal,
+            window_left=left,
+            window_right=right,
+        )[0]
+        s_dmask[b, :, : q1 - q0, : k1 - k0] = _marked(w, keep[:, q0:q1, : k1 - k0])
+    return out, lse, s_dmask
 
 
 def flash_attn_varlen_func(
@@ -224,11 +363,13 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens (B + 1,) int32
-    -> out (total_q, H, Dv); with return_attn_probs, (out, softmax_lse (H, total_q), S_dmask)."""
-    _no_paging(block_table)
+    -> out (total_q, H, Dv); with return_attn_probs, (out, softmax_lse (H, total_q), S_dmask).
+    With block_table (B, max_blocks) int32, k / v are (num_blocks, page_size, Hkv, D) pages and
+    cu_seqlens_k counts each sequence's keys in its pages."""
     return _varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, return_attn_probs,
+        "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+        block_table,
     )  # fmt: skip
 
 
@@ -246,10 +387,13 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
 ):
     """qkv (total, 3, H, D); otherwise as :func:`flash_attn_varlen_func`."""
+    fn = "flash_attn_varlen_qkvpacked_func"
+    _check_rank(fn, "qkv", qkv, "(total, 3, H, D)")
+    _check_size(fn, "qkv", qkv, 1, "q/k/v", 3)
     q, k, v = qkv.unbind(dim=1)
     return _varlen(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, return_attn_probs,
+        fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, return_attn_probs,
     )  # fmt: skip
 
 
@@ -270,13 +414,71 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """q (total_q, H, D), kv (total_k, 2, Hkv, D); otherwise as :func:`flash_attn_varlen_func`."""
+    fn = "flash_attn_varlen_kvpacked_func"
+    _check_rank(fn, "kv", kv, "(total, 2, Hkv, D)")
+    _check_size(fn, "kv", kv, 1, "k/v", 2)
     k, v = kv.unbind(dim=1)
     return _varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, return_attn_probs,
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ paged caches
+def _check_block_table(fn, block_table, k_pages, v_pages, batch, lengths):
+    """FlashAttention's block_table checks, and the capacity check its paged path makes on the
+    host (lengths: (B,) keys each sequence needs, after any append)."""
+    if block_table.dtype != torch.int32:
+        _fail(fn, f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.size(0) != batch:
+        _fail(
+            fn,
+            f"block_table must be 2-D (B, max_blocks) with B = {batch}, "
+            f"got shape {tuple(block_table.shape)}",
+        )
+    if block_table.device != k_pages.device:
+        _fail(fn, f"block_table must be on the cache's device {k_pages.device}, got "
+                  f"{block_table.device}")  # fmt: skip
+    page_size = k_pages.size(1)
+    if page_size < MIN_PAGE_SIZE:
+        _fail(fn, f"the page size (k_cache dim 1) must be >= {MIN_PAGE_SIZE}, got {page_size}")
+    for dim, what in ((0, "blocks"), (1, "page size"), (2, "heads")):
+        _check_size(fn, "v_cache", v_pages, dim, what, k_pages.size(dim))
+    capacity = block_table.size(1) * page_size
+    longest = int(lengths.max()) if batch > 0 else 0  # a host read, as FlashAttention's check
+    if longest > capacity:
+        _fail(
+            fn,
+            f"the longest sequence ({longest} keys) exceeds what block_table addresses "
+            f"(max_blocks {block_table.size(1)} * page_size {page_size} = {capacity})",
+        )
+
+
+def _page_index(fn, block_table, pages, lengths):
+    """block_table as int64 indices into pages: on the CPU the blocks that hold keys are
+    checked to be in range; on CUDA (no sync) every entry is clamped into range, so a bad index
+    reads a wrong page but never out of bounds."""
+    blocks = block_table.long()
+    num_blocks = pages.size(0)
+    if pages.device.type == "cpu":
+        page_size = pages.size(1)
+        used = torch.arange(blocks.size(1)) * page_size < lengths.long()[:, None].cpu()
+        bad = used & ((blocks < 0) | (blocks >= num_blocks))
+        if bool(bad.any()):
+            b, j = (int(i) for i in bad.nonzero()[0])
+            _fail(
+                fn, f"block_table[{b}, {j}] must be in [0, {num_blocks}), got {int(blocks[b, j])}"
+            )
+    return blocks.clamp(0, max(num_blocks - 1, 0))
+
+
+def _page_rows(k_pages, blocks, rows):
+    """(page, slot) of each cache row index in rows (B, n)."""
+    page_size = k_pages.size(1)
+    return blocks.gather(1, rows // page_size), rows % page_size
+
+
+# ------------------------------------------------------------------------ with_kvcache
 def _rotate(x, cos, sin, positions, interleaved):
     """FlashAttention's rotary embedding from tables: x (B, S, H, D), cos / sin (S_ro, rd / 2),
     token s of batch b at positions[b, s]; the first rd features rotate, in fp32 (fp64 for fp64
@@ -294,6 +496,48 @@ def _rotate(x, cos, sin, positions, interleaved):
         x1, x2 = xr[..., :half], xr[..., half:]
         rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _check_kvcache(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, paged):
+    """FlashAttention's checks of flash_attn_with_kvcache's tensors; returns the keys a
+    sequence can have (seqlen_k: the cache's rows, or max_blocks * page_size)."""
+    _check_rank(fn, "q", q, "(B, Sq, H, D)")
+    layout = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_rank(fn, name, x, layout)
+        _check_like(fn, name, x, q)
+    _check_size(fn, "k_cache", k_cache, 3, "head dim", q.size(3))
+    for dim, what in ((0, "batch size"), (1, "length"), (2, "heads")):
+        _check_size(fn, "v_cache", v_cache, dim, what, k_cache.size(dim))
+    _check_heads(fn, q.size(2), k_cache.size(2))
+    if k is None and v is not None:
+        _fail(fn, "v was given without k: pass both to append, or neither")
+    if k is not None:
+        if v is None:
+            _fail(fn, "k was given without v: pass both to append, or neither")
+        if cache_seqlens is None:
+            _fail(fn, "appending k / v needs cache_seqlens (where to write them)")
+        for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            _check_rank(fn, name, x, "(B, S_new, Hkv, D)")
+            _check_like(fn, name, x, q)
+            _check_size(fn, name, x, 0, "batch size", q.size(0))
+            _check_size(fn, name, x, 1, "length", k.size(1))
+            _check_size(fn, name, x, 2, "heads", cache.size(2))
+            _check_size(fn, name, x, 3, "head dim", cache.size(3))
+    if (rotary_cos is None) != (rotary_sin is None):
+        _fail(fn, "rotary_cos and rotary_sin go together: got only one of them")
+    if rotary_cos is not None:
+        if k is None:
+            _fail(fn, "rotary_cos / rotary_sin need the new k / v to append (they rotate them)")
+        if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape:
+            _fail(
+                fn,
+                "rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got "
+                f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}",
+            )
+        if 2 * rotary_cos.size(1) > q.size(3):
+            _fail(fn, f"rotary_dim ({2 * rotary_cos.size(1)}) must be <= head dim {q.size(3)}")
+    return k_cache.size(1)
 
 
 def flash_attn_with_kvcache(
@@ -318,44 +562,84 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Incremental decoding against a KV cache, FlashAttention's semantics: q (B, Sq, H, D),
-    k_cache / v_cache (B_cache, S_cache, Hkv, D), updated in place with k / v (B, S_new, Hkv, D)
-    at rows ``cache_seqlens`` (which is not modified); keys of sequence b are cache rows
-    ``[cache_leftpad[b], cache_seqlens[b] + S_new)`` of cache batch row ``cache_batch_idx[b]``;
-    with ``rotary_cos`` / ``rotary_sin`` (S_ro, rotary_dim / 2) the new keys rotate at positions
-    ``cache_seqlens + i``, and q at the same positions if causal or windowed, else all at
-    ``cache_seqlens``. Returns out (B, Sq, H, Dv), with return_softmax_lse also lse (B, H, Sq).
-    Not differentiable."""
-    _no_paging(block_table)
+    k_cache / v_cache (B_cache, S_cache, Hkv, D) (paged: (num_blocks, page_size, Hkv, D) with
+    block_table (B, max_blocks) int32), updated in place with k / v (B, S_new, Hkv, D) at rows
+    ``cache_seqlens`` (the lengths before the append; not modified); keys of sequence b are
+    cache rows ``[cache_leftpad[b], cache_seqlens[b] + S_new)`` of cache batch row
+    ``cache_batch_idx[b]``; with ``rotary_cos`` / ``rotary_sin`` (S_ro, rotary_dim / 2) the new
+    keys rotate at positions ``cache_seqlens + i``, and q at the same positions if causal or
+    windowed, else all at ``cache_seqlens``. Returns out (B, Sq, H, Dv), with
+    return_softmax_lse also lse (B, H, Sq). Not differentiable."""
+    fn = "flash_attn_with_kvcache"
+    paged = block_table is not None
+    seqlen_k = _check_kvcache(
+        fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, paged
+    )
+    _check_common(fn, 0.0, window_size)
     B, sq = q.shape[0], q.shape[1]
     dev = k_cache.device
+    if paged:
+        if cache_batch_idx is not None:
+            _fail(fn, "a paged cache (block_table) takes no cache_batch_idx")
+        if cache_leftpad is not None:
+            _fail(fn, "a paged cache (block_table) takes no cache_leftpad")
+        seqlen_k = block_table.size(-1) * k_cache.size(1)
+    if rotary_cos is not None and rotary_cos.size(0) < seqlen_k:
+        _fail(fn, f"rotary_cos / rotary_sin must cover the cache's {seqlen_k} positions, got "
+                  f"{rotary_cos.size(0)}")  # fmt: skip
     if cache_seqlens is None:  # the whole cache
-        lens = torch.full((B,), k_cache.size(1), dtype=torch.int32, device=dev)
+        lens = torch.full((B,), seqlen_k, dtype=torch.int32, device=dev)
     elif isinstance(cache_seqlens, int):
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=dev)
     else:
         lens = cache_seqlens
+    s_new = 0 if k is None else k.size(1)
+    if paged:
+        _check_block_table(fn, block_table, k_cache, v_cache, B, lens + s_new)
+        blocks = _page_index(fn, block_table, k_cache, lens + s_new)
     left, right = (int(w) for w in window_size)
-    s_new = 0
-    if k is not None and v is not None:
-        s_new = k.size(1)
-        if rotary_cos is not None and rotary_sin is not None:
+    lens_after = lens
+    if k is not None:
+        if rotary_cos is not None:
             steps = torch.arange(s_new, device=dev)
             k = _rotate(k, rotary_cos, rotary_sin, lens.long()[:, None] + steps, rotary_interleaved)
-            q_steps = torch.arange(sq, device=dev) if causal or (left, right) != (-1, -1) else None
-            q_pos = lens.long()[:, None] + (q_steps if q_steps is not None else 0)
-            q = _rotate(q, rotary_cos, rotary_sin, q_pos.expand(B, sq), rotary_interleaved)
-        rows = lens.long()[:, None] + torch.arange(s_new, device=dev)  # (B, S_new)
-        batch = (
-            torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
-        )[:, None].expand_as(rows)
-        with torch.no_grad():
-            k_cache[batch, rows] = k.to(k_cache.dtype)
-            v_cache[batch, rows] = v.to(v_cache.dtype)
+            q_steps = torch.arange(sq, device=dev) if causal or (left, right) != NO_WINDOW else 0
+            q_pos = (lens.long()[:, None] + q_steps).expand(B, sq)
+            q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if paged or cache_batch_idx is not None:
+            # kv_cache_append writes sequence b at cache row b of a dense cache; these caches
+            # place it elsewhere, so the rows are written by index.
+            rows = lens.long()[:, None] + torch.arange(s_new, device=dev)  # (B, S_new)
+            if paged:
+                where = _page_rows(k_cache, blocks, rows)
+            else:
+                where = (cache_batch_idx.long()[:, None].expand_as(rows), rows)
+            with torch.no_grad():  # not differentiable, as in FlashAttention
+                k_cache[where] = k
+                v_cache[where] = v
+            lens_after = lens + s_new
+        else:
+            # kv_cache_append advances the lengths it is given; FlashAttention's cache_seqlens
+            # stay the lengths before the append, so it works on a copy.
+            lens_after = lens.to(torch.int32, copy=True)
+            with torch.no_grad():
+                _ops.kv_cache_append(
+                    k_cache.transpose(1, 2),
+                    v_cache.transpose(1, 2),
+                    lens_after,
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                )
+    if paged:  # the rows up to the longest sequence, page by page
+        longest = int(lens_after.max()) if B > 0 else 0
+        rows = torch.arange(longest, device=dev).expand(B, longest)
+        where = _page_rows(k_cache, blocks, rows)
+        k_cache, v_cache = k_cache[where], v_cache[where]
     out, lse = decode_attention(
         q.transpose(1, 2),
         k_cache.transpose(1, 2),
         v_cache.transpose(1, 2),
-        lens + s_new,
+        lens_after,
         scale=softmax_scale,
         causal=causal,
         window_left=left,

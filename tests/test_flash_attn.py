@@ -76,7 +76,9 @@ def test_flash_attn_func(device, dtype, option, shape):
     assert out.shape == (B, Sq, H, D) and out.is_contiguous() and out.dtype == dtype
     check(out, flash_attn_func_reference, q, k, v, **kw)
     out2, lse, s_dmask = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-    assert s_dmask is None  # FlashAttention returns S_dmask only with dropout
+    assert torch.equal(out2, out)
+    # FlashAttention >= 2.6 returns probabilities only with dropout: an empty tensor here
+    assert s_dmask.shape == (0,) and s_dmask.dtype == dtype and s_dmask.device == q.device
     ref, ref_lse = flash_attn_func_reference(q, k, v, return_lse=True, **kw)
     _, tru_lse = ground_truth(flash_attn_func_reference, q, k, v, return_lse=True, **kw)
     assert lse.shape == (B, H, Sq)
@@ -113,20 +115,116 @@ def test_packed_forms_equal_the_unpacked(device):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_dropout_s_dmask_and_determinism(device):
-    """With dropout, S_dmask is the probabilities with dropped entries negated, and the output
-    equals the reference's for that mask."""
-    q, k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64, device=device) for _ in range(3))
+def _round128(n):
+    return (n + 127) // 128 * 128
+
+
+def _from_s_dmask(s_dmask, v, p):
+    """The output a (B, H, Sq, Sk) S_dmask implies: |S| are the probabilities, a minus sign
+    (also on -0.0) marks a dropped entry, the kept ones rescaled by 1 / (1 - p). v (B, Sk, Hkv,
+    Dv), GQA by repeating the kv heads."""
+    probs = s_dmask.abs() * ~torch.signbit(s_dmask) / (1 - p)
+    vh = v.transpose(1, 2).repeat_interleave(s_dmask.size(1) // v.size(2), dim=1)
+    return (probs @ vh).transpose(1, 2)
+
+
+def _check_s_dmask_padding(s_dmask, rows, cols):
+    """Zeros outside the top-left rows x cols."""
+    assert not s_dmask[..., rows:, :].any() and not s_dmask[..., :, cols:].any()
+
+
+FIXED_DROPOUT = {
+    "func": lambda q, k, v, **kw: fa.flash_attn_func(q, k, v, **kw),
+    "kvpacked": lambda q, k, v, **kw: fa.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), **kw),
+    "qkvpacked": lambda q, k, v, **kw: fa.flash_attn_qkvpacked_func(
+        torch.stack((q, k, v), 2), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("fn", list(FIXED_DROPOUT))
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(3, 2))], ids=["c", "w"])
+def test_dropout_and_s_dmask(device, fn, mask):
+    """With dropout, S_dmask is FlashAttention's: padded to whole 128 tiles, the probabilities
+    with the dropped ones negated; the output equals what that mask implies, and the gradients
+    the reference's for the same keep-mask."""
+    B, S, H, Hkv, D, p = 2, 13, 4, 2, 8, 0.3
+    if fn == "qkvpacked":
+        Hkv = H
+    q = torch.randn(B, S, H, D, dtype=torch.float64, device=device)
+    k, v = (torch.randn(B, S, Hkv, D, dtype=torch.float64, device=device) for _ in range(2))
     torch.manual_seed(7)
-    out, lse, s = fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
-    assert s.shape == (1, 2, 12, 12)
-    keep = s >= 0
-    probs = s.abs()
-    ref = ((probs * keep / 0.7) @ v.transpose(1, 2)).transpose(1, 2)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    torch.manual_seed(7)
-    again = fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    out, lse, s = FIXED_DROPOUT[fn](q, k, v, dropout_p=p, return_attn_probs=True, **mask)
+    assert s.dtype == q.dtype and s.shape == (B, H, _round128(S), _round128(S))
+    _check_s_dmask_padding(s, S, S)
+    s = s[..., :S, :S]
+    assert torch.signbit(s).any() and (~torch.signbit(s)).any()
+    torch.testing.assert_close(out, _from_s_dmask(s, v, p), rtol=1e-10, atol=1e-10)
+    keep = ~torch.signbit(s)
+    probs = flash_attn_weights_reference(q, k, **mask)
+    torch.testing.assert_close(s.abs(), probs, rtol=1e-10, atol=1e-12)
+    _, ref_lse = flash_attn_func_reference(q, k, v, return_lse=True, **mask)
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)  # lse is fp32
+    torch.manual_seed(7)  # the same seed gives the same mask
+    again = FIXED_DROPOUT[fn](q, k, v, dropout_p=p, **mask)
     torch.testing.assert_close(out, again, rtol=0, atol=0)
+    torch.manual_seed(8)
+    assert not torch.equal(out, FIXED_DROPOUT[fn](q, k, v, dropout_p=p, **mask))
+    # backward: the same mask, regenerated
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    g = torch.randn_like(out)
+    torch.manual_seed(7)
+    got = torch.autograd.grad(FIXED_DROPOUT[fn](qg, kg, vg, dropout_p=p, **mask), (qg, kg, vg), g)
+    want_out = _from_s_dmask_reference(qg, kg, vg, keep, p, **mask)
+    want = torch.autograd.grad(want_out, (qg, kg, vg), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def flash_attn_weights_reference(q, k, causal=False, window_size=(-1, -1)):
+    """(B, H, Sq, Sk) probabilities of the reference (GQA by repeated kv heads)."""
+    B, Sq, H, _ = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    eye = torch.eye(Sk, dtype=q.dtype, device=q.device)
+    # out of v = one-hot rows is the probability matrix itself
+    v = eye.reshape(1, Sk, 1, Sk).expand(B, Sk, Hkv, Sk)
+    return flash_attn_func_reference(q, k, v, causal=causal, window_size=window_size).transpose(
+        1, 2
+    )
+
+
+def _from_s_dmask_reference(q, k, v, keep, p, **mask):
+    probs = flash_attn_weights_reference(q, k, **mask) * keep / (1 - p)
+    vh = v.transpose(1, 2).repeat_interleave(q.size(2) // v.size(2), dim=1)
+    return (probs @ vh).transpose(1, 2)
+
+
+def test_s_dmask_not_available_with_score_modifiers():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match="softcap / alibi_slopes"):
+        fa.flash_attn_func(q, q, q, dropout_p=0.1, softcap=2.0, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="softcap / alibi_slopes"):
+        fa.flash_attn_func(
+            q, q, q, dropout_p=0.1, alibi_slopes=torch.ones(2), return_attn_probs=True
+        )
+    # without return_attn_probs both run (FlashAttention refuses softcap with dropout)
+    assert fa.flash_attn_func(q, q, q, dropout_p=0.1, softcap=2.0).shape == q.shape
+
+
+def test_rows_without_keys_give_zeros_and_minus_inf_lse(device):
+    """Sq > Sk with causal (bottom-right): the first Sq - Sk rows see no key; out 0 and lse
+    -inf (FlashAttention's non-split kernels give +inf there; design.md pins -inf)."""
+    q = torch.randn(1, 6, 2, 8, device=device)
+    k, v = (torch.randn(1, 2, 2, 8, device=device) for _ in range(2))
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert not out[:, :4].any() and out[:, 4:].abs().sum() > 0
+    assert torch.equal(lse[..., :4], torch.full_like(lse[..., :4], -torch.inf))
+    k_cache = torch.randn(2, 8, 2, 8, device=device)
+    lens = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    out, lse = fa.flash_attn_with_kvcache(
+        q[:, :1].expand(2, 1, 2, 8), k_cache, k_cache, cache_seqlens=lens, return_softmax_lse=True
+    )
+    assert not out[0].any() and torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
 
 
 # ---------------------------------------------------------------------------------- varlen forms
@@ -151,7 +249,7 @@ def test_flash_attn_varlen_func(device, dtype, option, lengths):
     out, lse, s = fa.flash_attn_varlen_func(
         q, k, v, cq, ck, max(lq), max(lk), return_attn_probs=True, **kw
     )
-    assert s is None and lse.shape == (H, sum(lq))
+    assert s.shape == (0,) and s.dtype == dtype and lse.shape == (H, sum(lq))
     check(out, flash_attn_varlen_func_reference, q, k, v, cq, ck, **kw)
     assert torch.equal(out, fa.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **kw))
 
@@ -176,11 +274,79 @@ def test_varlen_packed_forms_and_backward(device):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_block_table_is_not_supported_yet():
-    q = torch.randn(3, 2, 8)
-    cu = torch.tensor([0, 3], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="paged KV cache"):
-        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, block_table=torch.zeros(1, 1).int())
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dropout_and_s_dmask(device, causal):
+    """The varlen functions return S_dmask too: (B, H, round128(max_seqlen_q),
+    round128(max_seqlen_k)), sequence b's probabilities in its top-left corner."""
+    lq, lk, H, Hkv, D, p = [3, 0, 7], [5, 2, 7], 4, 2, 8, 0.25
+    cq, ck = _cu(lq, device), _cu(lk, device)
+    q = torch.randn(sum(lq), H, D, dtype=torch.float64, device=device)
+    k, v = (torch.randn(sum(lk), Hkv, D, dtype=torch.float64, device=device) for _ in range(2))
+    out, lse, s = fa.flash_attn_varlen_func(
+        q, k, v, cq, ck, 9, 8, dropout_p=p, causal=causal, return_attn_probs=True
+    )
+    assert s.shape == (3, H, 128, 128) and s.dtype == q.dtype
+    for b in range(3):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        sb = s[b : b + 1, :, : q1 - q0, : k1 - k0]
+        _check_s_dmask_padding(s[b], int(q1 - q0), int(k1 - k0))
+        want = _from_s_dmask(sb, v[k0:k1].unsqueeze(0), p)[0]
+        torch.testing.assert_close(out[q0:q1], want, rtol=1e-10, atol=1e-10)
+        probs = flash_attn_weights_reference(q[None, q0:q1], k[None, k0:k1], causal=causal)
+        torch.testing.assert_close(sb.abs(), probs, rtol=1e-10, atol=1e-12)
+    assert torch.signbit(s).any()
+    ref_lse = flash_attn_varlen_func_reference(q, k, v, cq, ck, causal=causal, return_lse=True)[1]
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)  # lse is fp32
+    # the packed forms take the same path
+    qkv = torch.randn(sum(lk), 3, H, D, dtype=torch.float64, device=device)
+    torch.manual_seed(3)
+    out, _, s = fa.flash_attn_varlen_qkvpacked_func(qkv, ck, 7, dropout_p=p, return_attn_probs=True)
+    assert s.shape == (3, H, 128, 128) and torch.signbit(s).any()
+    torch.manual_seed(3)
+    again = fa.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], ck, ck, 7, 7, dropout_p=p)
+    torch.testing.assert_close(out, again, rtol=0, atol=0)
+
+
+def _paged(dense, page, seed=0):
+    """A (B, L, Hkv, D) cache as pages (num_blocks, page, Hkv, D) in shuffled order, one spare
+    page, and the (B, L / page) int32 block_table that addresses them."""
+    B, L = dense.shape[:2]
+    per_seq = L // page
+    order = torch.randperm(B * per_seq + 1, generator=torch.Generator().manual_seed(seed))
+    table = order[: B * per_seq].view(B, per_seq)
+    pages = torch.zeros(B * per_seq + 1, page, *dense.shape[2:], dtype=dense.dtype)
+    pages = pages.to(dense.device)
+    pages[table.flatten()] = dense.reshape(B * per_seq, page, *dense.shape[2:])
+    return pages, table.to(torch.int32).to(dense.device)
+
+
+def _unpaged(pages, table):
+    return pages[table.long()].flatten(1, 2)
+
+
+def test_varlen_block_table(device):
+    """flash_attn_varlen_func with block_table: k / v are pages, cu_seqlens_k counts each
+    sequence's keys in its pages; equals the packed keys, forward and backward."""
+    lq, lk, H, Hkv, D, P = [3, 1, 6], [17, 0, 40], 4, 2, 16, 16
+    cq, ck = _cu(lq, device), _cu(lk, device)
+    q = torch.randn(sum(lq), H, D, dtype=torch.float64, device=device)
+    dense = torch.randn(3, 48, Hkv, D, dtype=torch.float64, device=device)
+    k_pages, table = _paged(dense, P)
+    v_pages, _ = _paged(dense.flip(-1), P)
+    packed = torch.cat([dense[b, :n] for b, n in enumerate(lk)])
+    packed_v = torch.cat([dense.flip(-1)[b, :n] for b, n in enumerate(lk)])
+    kw = dict(causal=True, softcap=3.0)
+    qg, kg = q.clone().requires_grad_(), k_pages.clone().requires_grad_()
+    out = fa.flash_attn_varlen_func(qg, kg, v_pages, cq, ck, 6, 40, block_table=table, **kw)
+    ref = flash_attn_varlen_func_reference(q, packed, packed_v, cq, ck, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    dq, dk = torch.autograd.grad(out.sum(), (qg, kg))
+    qr, kr = q.clone().requires_grad_(), dense.clone().requires_grad_()
+    packed_r = torch.cat([kr[b, :n] for b, n in enumerate(lk)])
+    ref = flash_attn_varlen_func_reference(qr, packed_r, packed_v, cq, ck, **kw)
+    dq_r, dk_r = torch.autograd.grad(ref.sum(), (qr, kr))
+    torch.testing.assert_close(dq, dq_r, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(_unpaged(dk, table), dk_r, rtol=1e-9, atol=1e-9)
 
 
 # ------------------------------------------------------------------------ flash_attn_with_kvcache
@@ -191,17 +357,22 @@ KVCACHE_CASES = {
     "rotary_halves_noncausal": dict(rotary=True, rotary_interleaved=False),
     "rotary_partial_window": dict(rotary=True, rotary_dim=16, window_size=(7, 0)),
     "batch_idx": dict(causal=True, cache_batch_idx=True),
+    "batch_idx_rotary_no_append": dict(cache_batch_idx=True, append=False),
+    "batch_idx_rotary_halves": dict(
+        cache_batch_idx=True, rotary=True, rotary_interleaved=False, window_size=(4, 1)
+    ),
     "leftpad": dict(causal=True, cache_leftpad=True, rotary=True),
     "window_both_sides": dict(window_size=(5, 3)),
     "softcap_alibi": dict(causal=True, softcap=2.0, alibi="batch"),
     "int_seqlens_splits": dict(causal=True, int_seqlens=True, num_splits=3),
     "whole_cache": dict(causal=True, append=False, no_seqlens=True),
+    "int64_seqlens_mqa_leftpad": dict(int64_seqlens=True, cache_leftpad=True, hkv=1),
 }
 
 
 def _kvcache_args(case, dtype, device, sq):
     c = dict(KVCACHE_CASES[case])
-    B, H, Hkv, D, L, s_new = 3, 4, 2, 32, 64, sq
+    B, H, Hkv, D, L, s_new = 3, 4, c.pop("hkv", 2), 32, 64, sq
     rows = 5 if c.pop("cache_batch_idx", False) else B
     k_cache = torch.randn(rows, L, Hkv, D, device=device).to(dtype)
     v_cache = torch.randn(rows, L, Hkv, D, device=device).to(dtype)
@@ -218,6 +389,8 @@ def _kvcache_args(case, dtype, device, sq):
         args["rotary_interleaved"] = c.pop("rotary_interleaved", True)
     if c.pop("int_seqlens", False):
         args["cache_seqlens"] = 20
+    elif c.pop("int64_seqlens", False):
+        args["cache_seqlens"] = torch.tensor([30, 5, 0], device=device)
     elif not c.pop("no_seqlens", False):
         args["cache_seqlens"] = torch.tensor([30, 5, 0], dtype=torch.int32, device=device)
     if rows != B:
@@ -278,6 +451,387 @@ def test_with_kvcache_on_a_decode_loop_equals_full_attention():
         lens += 1
     full = flash_attn_func_reference(q, k, v, causal=True)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize(
+    "case", ["append_causal", "no_append", "rotary_interleaved", "softcap_alibi", "whole_cache"]
+)
+def test_with_kvcache_block_table(case, page):
+    """A paged cache (pages shuffled, one spare) gives what the dense cache gives: out, lse and
+    the appended rows, written into the right pages."""
+    q, k_cache, v_cache, args = _kvcache_args(case, torch.float32, "cpu", 3)
+    args.pop("num_splits", None)
+    ref_out, ref_lse, ref_k, ref_v = flash_attn_with_kvcache_reference(q, k_cache, v_cache, **args)
+    k_pages, table = _paged(k_cache, page, seed=1)
+    v_pages, _ = _paged(v_cache, page, seed=1)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, k_pages, v_pages, block_table=table, return_softmax_lse=True, **args
+    )
+    torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(_unpaged(k_pages, table), ref_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_unpaged(v_pages, table), ref_v, rtol=0, atol=0)
+    spare = sorted(set(range(k_pages.size(0))) - set(table.flatten().tolist()))
+    assert not k_pages[spare].any()  # the spare page was not written
+
+
+def test_cache_seqlens_and_caller_tensors_are_left_alone():
+    """cache_seqlens are the lengths before the append, on entry and on return (FlashAttention
+    does not advance them), for the kv_cache_append path and the indexed ones."""
+    q, k_cache, v_cache, args = _kvcache_args("append_causal", torch.float32, "cpu", 2)
+    lens = args["cache_seqlens"]
+    before = lens.clone()
+    k, v = args["k"].clone(), args["v"].clone()
+    fa.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert torch.equal(lens, before) and torch.equal(args["k"], k) and torch.equal(args["v"], v)
+    # a second call with the same lengths overwrites the same rows: same result
+    once = k_cache.clone()
+    fa.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert torch.equal(k_cache, once)
+
+
+# ------------------------------------------------------------------------- signatures and checks
+# FlashAttention 2.6.1 - 2.8.x's flash_attn_interface (the signatures did not change in that
+# range; 2.6.0 lacked cache_leftpad): every parameter's name, order and default.
+FLASH_ATTN_SIGNATURES = {
+    "flash_attn_func": "(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, "
+    "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+    "return_attn_probs=False)",
+    "flash_attn_qkvpacked_func": "(qkv, dropout_p=0.0, softmax_scale=None, causal=False, "
+    "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+    "return_attn_probs=False)",
+    "flash_attn_kvpacked_func": "(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, "
+    "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+    "return_attn_probs=False)",
+    "flash_attn_varlen_func": "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+    "max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+    "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, "
+    "block_table=None)",
+    "flash_attn_varlen_qkvpacked_func": "(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, "
+    "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, "
+    "deterministic=False, return_attn_probs=False)",
+    "flash_attn_varlen_kvpacked_func": "(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+    "max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+    "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False)",
+    "flash_attn_with_kvcache": "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, "
+    "rotary_sin=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, "
+    "block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+    "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))
+def test_signature_equals_flash_attn(name):
+    import inspect
+
+    sig = inspect.signature(getattr(fa, name))
+    plain = sig.replace(
+        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+        return_annotation=sig.empty,
+    )
+    assert str(plain) == FLASH_ATTN_SIGNATURES[name]
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+
+
+def test_module_exports_flash_attn_names():
+    assert sorted(fa.__all__) == sorted(FLASH_ATTN_SIGNATURES)
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+_CU = torch.tensor([0, 2], dtype=torch.int32)
+_LENS = torch.tensor([1], dtype=torch.int32)
+_COS = _x(16, 4)
+_PAGES = _x(3, 16, 1, 8)
+_TABLE = torch.zeros(1, 2, dtype=torch.int32)
+# (id, call, message): FlashAttention's argument checks, each a RuntimeError naming what is
+# wrong (expected and got)
+ARGUMENT_ERRORS = [
+    (
+        "q_rank",
+        lambda: fa.flash_attn_func(_x(2, 8), _x(1, 2, 1, 8), _x(1, 2, 1, 8)),
+        "q must be 4-D",
+    ),
+    (
+        "k_dtype",
+        lambda: fa.flash_attn_func(
+            _x(1, 2, 1, 8), _x(1, 2, 1, 8, dtype=torch.float64), _x(1, 2, 1, 8)
+        ),
+        "k must have q's dtype",
+    ),
+    (
+        "v_dtype",
+        lambda: fa.flash_attn_func(
+            _x(1, 2, 1, 8), _x(1, 2, 1, 8), _x(1, 2, 1, 8, dtype=torch.bfloat16)
+        ),
+        "v must have q's dtype",
+    ),
+    (
+        "batch",
+        lambda: fa.flash_attn_func(_x(1, 2, 1, 8), _x(2, 2, 1, 8), _x(2, 2, 1, 8)),
+        "k batch size .* must be 1, got 2",
+    ),
+    (
+        "kv_length",
+        lambda: fa.flash_attn_func(_x(1, 2, 1, 8), _x(1, 3, 1, 8), _x(1, 2, 1, 8)),
+        "v length .* must be 3, got 2",
+    ),
+    (
+        "head_dim",
+        lambda: fa.flash_attn_func(_x(1, 2, 1, 8), _x(1, 2, 1, 4), _x(1, 2, 1, 8)),
+        "k head dim .* must be 8, got 4",
+    ),
+    (
+        "gqa",
+        lambda: fa.flash_attn_func(_x(1, 2, 3, 8), _x(1, 2, 2, 8), _x(1, 2, 2, 8)),
+        r"k/v heads \(2\) must divide q's heads \(3\)",
+    ),
+    (
+        "dropout",
+        lambda: fa.flash_attn_func(_x(1, 2, 1, 8), _x(1, 2, 1, 8), _x(1, 2, 1, 8), dropout_p=1.0),
+        r"dropout_p must be in \[0, 1\), got 1.0",
+    ),
+    (
+        "window",
+        lambda: fa.flash_attn_func(
+            _x(1, 2, 1, 8), _x(1, 2, 1, 8), _x(1, 2, 1, 8), window_size=(1,)
+        ),
+        "window_size must be",
+    ),
+    (
+        "qkv_packing",
+        lambda: fa.flash_attn_qkvpacked_func(_x(1, 2, 2, 1, 8)),
+        "qkv q/k/v .* must be 3, got 2",
+    ),
+    (
+        "kv_packing",
+        lambda: fa.flash_attn_kvpacked_func(_x(1, 2, 1, 8), _x(1, 2, 3, 1, 8)),
+        "kv k/v .* must be 2, got 3",
+    ),
+    (
+        "varlen_rank",
+        lambda: fa.flash_attn_varlen_func(_x(2, 1, 8), _x(1, 2, 1, 8), _x(2, 1, 8), _CU, _CU, 2, 2),
+        "k must be 3-D",
+    ),
+    (
+        "varlen_cu",
+        lambda: fa.flash_attn_varlen_func(
+            _x(2, 1, 8),
+            _x(2, 1, 8),
+            _x(2, 1, 8),
+            _CU,
+            torch.tensor([0, 1, 2], dtype=torch.int32),
+            2,
+            2,
+        ),
+        r"cu_seqlens_k must be 1-D \(B \+ 1,\) = \(2,\), got shape \(3,\)",
+    ),
+    (
+        "varlen_packing",
+        lambda: fa.flash_attn_varlen_kvpacked_func(_x(2, 1, 8), _x(2, 3, 1, 8), _CU, _CU, 2, 2),
+        "kv k/v .* must be 2, got 3",
+    ),
+    (
+        "kvcache_dtype",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _x(1, 4, 1, 8, dtype=torch.float64), _x(1, 4, 1, 8)
+        ),
+        "k_cache must have q's dtype",
+    ),
+    (
+        "kvcache_heads",
+        lambda: fa.flash_attn_with_kvcache(_x(1, 1, 3, 8), _x(1, 4, 2, 8), _x(1, 4, 2, 8)),
+        "must divide q's heads",
+    ),
+    (
+        "kvcache_v_shape",
+        lambda: fa.flash_attn_with_kvcache(_x(1, 1, 1, 8), _x(1, 4, 1, 8), _x(1, 5, 1, 8)),
+        "v_cache length .* must be 4, got 5",
+    ),
+    (
+        "k_without_v",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _x(1, 4, 1, 8), _x(1, 4, 1, 8), k=_x(1, 1, 1, 8), cache_seqlens=_LENS
+        ),
+        "k was given without v",
+    ),
+    (
+        "v_without_k",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _x(1, 4, 1, 8), _x(1, 4, 1, 8), v=_x(1, 1, 1, 8), cache_seqlens=_LENS
+        ),
+        "v was given without k",
+    ),
+    (
+        "k_without_seqlens",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _x(1, 4, 1, 8), _x(1, 4, 1, 8), _x(1, 1, 1, 8), _x(1, 1, 1, 8)
+        ),
+        "needs cache_seqlens",
+    ),
+    (
+        "new_k_heads",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 2, 8),
+            _x(1, 4, 1, 8),
+            _x(1, 4, 1, 8),
+            _x(1, 1, 2, 8),
+            _x(1, 1, 1, 8),
+            cache_seqlens=_LENS,
+        ),
+        "k heads .* must be 1, got 2",
+    ),
+    (
+        "rotary_without_k",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _x(1, 16, 1, 8),
+            _x(1, 16, 1, 8),
+            rotary_cos=_COS,
+            rotary_sin=_COS,
+            cache_seqlens=_LENS,
+        ),
+        "need the new k / v",
+    ),
+    (
+        "rotary_cos_only",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _x(1, 16, 1, 8),
+            _x(1, 16, 1, 8),
+            _x(1, 1, 1, 8),
+            _x(1, 1, 1, 8),
+            rotary_cos=_COS,
+            cache_seqlens=_LENS,
+        ),
+        "got only one of them",
+    ),
+    (
+        "rotary_dim",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _x(1, 16, 1, 8),
+            _x(1, 16, 1, 8),
+            _x(1, 1, 1, 8),
+            _x(1, 1, 1, 8),
+            _x(16, 8),
+            _x(16, 8),
+            cache_seqlens=_LENS,
+        ),
+        r"rotary_dim \(16\) must be <= head dim 8",
+    ),
+    (
+        "rotary_short",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _x(1, 32, 1, 8),
+            _x(1, 32, 1, 8),
+            _x(1, 1, 1, 8),
+            _x(1, 1, 1, 8),
+            _COS,
+            _COS,
+            cache_seqlens=_LENS,
+        ),
+        "must cover the cache's 32 positions, got 16",
+    ),
+    (
+        "table_dtype",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _PAGES, _PAGES, cache_seqlens=_LENS, block_table=_TABLE.long()
+        ),
+        "block_table must have dtype torch.int32, got torch.int64",
+    ),
+    (
+        "table_shape",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _PAGES, _PAGES, cache_seqlens=_LENS, block_table=_TABLE.view(2, 1)
+        ),
+        r"block_table must be 2-D \(B, max_blocks\) with B = 1",
+    ),
+    (
+        "table_batch_idx",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _PAGES,
+            _PAGES,
+            cache_seqlens=_LENS,
+            block_table=_TABLE,
+            cache_batch_idx=_LENS,
+        ),
+        "takes no cache_batch_idx",
+    ),
+    (
+        "table_leftpad",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _PAGES,
+            _PAGES,
+            cache_seqlens=_LENS,
+            block_table=_TABLE,
+            cache_leftpad=_LENS,
+        ),
+        "takes no cache_leftpad",
+    ),
+    (
+        "page_size",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8), _x(3, 8, 1, 8), _x(3, 8, 1, 8), cache_seqlens=_LENS, block_table=_TABLE
+        ),
+        "page size .* must be >= 16, got 8",
+    ),
+    (
+        "table_capacity",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _PAGES,
+            _PAGES,
+            cache_seqlens=30,
+            block_table=_TABLE,
+            k=_x(1, 3, 1, 8),
+            v=_x(1, 3, 1, 8),
+        ),
+        r"longest sequence \(33 keys\) exceeds .* = 32\)",
+    ),
+    (
+        "table_index",
+        lambda: fa.flash_attn_with_kvcache(
+            _x(1, 1, 1, 8),
+            _PAGES,
+            _PAGES,
+            cache_seqlens=20,
+            block_table=torch.tensor([[0, 3]], dtype=torch.int32),
+        ),
+        r"block_table\[0, 1\] must be in \[0, 3\), got 3",
+    ),
+    (
+        "varlen_table",
+        lambda: fa.flash_attn_varlen_func(
+            _x(2, 1, 8), _PAGES, _PAGES, _CU, _CU, 2, 2, block_table=_TABLE.long()
+        ),
+        "block_table must have dtype torch.int32",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,message", [a[1:] for a in ARGUMENT_ERRORS], ids=[a[0] for a in ARGUMENT_ERRORS]
+)
+def test_argument_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_unused_block_table_entries_are_not_read():
+    """Blocks past a sequence's length may hold anything (FlashAttention never reads them)."""
+    q = torch.randn(1, 1, 1, 8)
+    pages = torch.randn(3, 16, 1, 8)
+    table = torch.tensor([[2, -7]], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=16, block_table=table)
+    ref = fa.flash_attn_with_kvcache(q, pages[2:], pages[2:], cache_seqlens=16)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------- swap and torch.compile
