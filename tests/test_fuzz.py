@@ -1,30 +1,42 @@
-"""Property fuzzing (hypothesis) of the attention and decoding families against the float64
-references with the suite's error rule (attn_ext/testing/numerics.py), forward and gradients.
+"""Property fuzzing (hypothesis) of every op family against the float64 references with the
+suite's error rule (attn_ext/testing/numerics.py), forward and gradients.
 
 Shapes, dtypes, layouts and options are drawn together: batch, heads and lengths down to 0,
-GQA/MQA, D != Dv (odd sizes too), strided and non-contiguous layouts, causal / windows
-(left and right), bool / additive / broadcast masks, softcap, ALiBi (per head and per batch),
-sinks, dropout (against the reference given the same keep mask), varlen batches with empty and
-one-token sequences, decode against caches with cache_batch_idx / cache_leftpad / split-KV.
+GQA/MQA, D != Dv (odd sizes too), strided, non-contiguous and overlapping (stride-0) layouts,
+causal / windows (left and right), bool / additive masks broadcast every way, softcap, ALiBi
+(per head and per batch), sinks, dropout (against the reference given the same keep mask, and
+bit-identical for the same generator state, forward and backward), varlen batches with empty
+and one-token sequences, decode against caches with cache_batch_idx / cache_leftpad / split-KV,
+attention_weights, kv_cache_append / latent_cache_append (the memory outside the appended rows
+keeps its bits; an overflow writes nothing), linear attention (feature maps, initial / returned
+state), tpa_expand, tpa_decode_attention, MLA (prefill and decode, attn_ext.nn), channel_pool /
+spatial_gate (NCHW, channels-last, strided) and the attn_ext.compat drop-ins against the
+documents' code with drawn constructor arguments.
 
-CI runs the "ci" profile (150 derandomized examples per family, tests/conftest.py);
-``pytest tests/test_fuzz.py --fuzz`` runs 10,000 fresh ones per family and prints the counts.
-Every failure found becomes a named regression test in the family's own test file.
-"""
+CI runs the "ci" profile (150 derandomized examples per family, 100 for the slowest,
+tests/conftest.py); ``pytest tests/test_fuzz.py --fuzz`` runs 10,000 fresh ones per family and
+prints the counts. Every failure found becomes a named regression test in the family's own
+test file."""
 
 import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import attn_ext  # noqa: E402
+from attn_ext.compat import attention_zoo, llms_from_scratch, textbook, torchcode  # noqa: E402
+from attn_ext.testing import spatial as spatial_ref  # noqa: E402
 from attn_ext.testing.attention import (  # noqa: E402
     attention_reference,
     attention_varlen_reference,
+    attention_weights_reference,
 )
 from attn_ext.testing.decoding import decode_reference, rope_reference  # noqa: E402
+from attn_ext.testing.documents import doc000, doc001, doc003, doc004  # noqa: E402
+from attn_ext.testing.linear import final_state, linear_attention_quadratic  # noqa: E402
+from attn_ext.testing.mla import mla_reference, paper_weights  # noqa: E402
 from attn_ext.testing.numerics import (  # noqa: E402
     assert_error_rule,
     assert_lse_close,
@@ -33,6 +45,9 @@ from attn_ext.testing.numerics import (  # noqa: E402
     ground_truth_grads,
     rand,
 )
+from attn_ext.testing.selfcheck import format_result  # noqa: E402
+from attn_ext.testing.selfcheck_compat import CompatCase, _concat, run_compat_case  # noqa: E402
+from attn_ext.testing.tpa import tpa_decode_reference, tpa_expand_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 COUNTS = {}
@@ -50,6 +65,9 @@ COUNTS = {}
 # float16 ulps at Dv = 26 with one key; 16 ulps of the dtype there. A real defect is orders of
 # magnitude above these.
 FWD_ULPS_F32, GRAD_ULPS_F32, GRAD_ULPS_LOW = 4.0, 256.0, 16.0
+# channel_pool / spatial_gate: tests/test_spatial.py's floor (the channel mean sums in another
+# order than torch's mean).
+SPATIAL_ULPS = 4.0
 
 
 def _fwd_ulps(dtype):
@@ -68,6 +86,14 @@ def _report_counts(request):
 
 def _count(family):
     COUNTS[family] = COUNTS.get(family, 0) + 1
+
+
+def _ci_examples(n):
+    """A slow family's CI example count (the CI profile's is 150; --fuzz keeps its own), so
+    that the whole of test_fuzz.py stays within CI's budget on 2 cores."""
+    if settings.get_current_profile_name() == "ci":
+        return settings(max_examples=n)
+    return lambda test: test
 
 
 def _seeded(data):
@@ -94,6 +120,30 @@ def _mods(data, B, H, dtype):
     return kw, sinks
 
 
+def _mask(data, B, H, Sq, Sk, dtype):
+    """None, or a bool (True = keep) / additive mask broadcastable to (B, H, Sq, Sk): full,
+    per batch, per head, 2-D, or per key, some read through stride-0 (expanded) views."""
+    kind = data.draw(
+        st.sampled_from([None, "bool", "float", "bool_keys", "bool_2d", "float_bh", "float_x"]),
+        label="mask",
+    )
+    if kind == "bool":
+        return torch.rand(B, 1, Sq, Sk) < 0.7
+    if kind == "float":
+        m = torch.randn(1, H, Sq, Sk).masked_fill(torch.rand(1, H, Sq, Sk) < 0.2, float("-inf"))
+        return m.to(dtype)
+    if kind == "bool_keys":
+        return (torch.rand(B, 1, 1, Sk) < 0.8).expand(B, 1, 1, Sk)
+    if kind == "bool_2d":
+        return torch.rand(Sq, Sk) < 0.6
+    if kind == "float_bh":
+        return torch.randn(B, H, 1, Sk).to(dtype)
+    if kind == "float_x":  # expanded to the full shape: every stride 0 but the keys'
+        m = torch.randn(1, 1, 1, Sk).masked_fill(torch.rand(1, 1, 1, Sk) < 0.3, float("-inf"))
+        return m.to(dtype).expand(B, H, Sq, Sk)
+    return None
+
+
 def _check_grads(ours, ref, inputs, g):
     got = autograd_grads(ours, inputs, g)
     reference = autograd_grads(ref, inputs, g)
@@ -101,6 +151,7 @@ def _check_grads(ours, ref, inputs, g):
     for x, a, r, t in zip(inputs, got, reference, truth):
         assert a.dtype == x.dtype and a.shape == x.shape
         assert_error_rule(a, r, t, name="grad", slack_ulps=_grad_ulps(a.dtype))
+    return got
 
 
 # --------------------------------------------------------------------------- attention
@@ -113,19 +164,29 @@ def test_fuzz_attention(data):
     H = Hkv * data.draw(st.integers(1, 3), label="group")
     Sq, Sk = data.draw(st.integers(0, 40), label="Sq"), data.draw(st.integers(0, 40), label="Sk")
     D, Dv = data.draw(st.integers(1, 72), label="D"), data.draw(st.integers(1, 72), label="Dv")
-    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
-    q = rand((B, H, Sq, D), dtype, "cpu", layout)
-    k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
-    v = rand((B, Hkv, Sk, Dv), dtype, "cpu", layout)
+    layout = data.draw(
+        st.sampled_from(["contiguous", "bshd", "noncontig", "expand_b"]), label="layout"
+    )
+    if layout == "expand_b":  # q, k, v overlapping views (batch stride 0) of one batch row
+        q, k, v = (
+            rand((1, h, s, d), dtype, "cpu")
+            for h, s, d in ((H, Sq, D), (Hkv, Sk, D), (Hkv, Sk, Dv))
+        )
+
+        def view(x):
+            return x.expand(B, *x.shape[1:])
+    else:
+        q = rand((B, H, Sq, D), dtype, "cpu", layout)
+        k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
+        v = rand((B, Hkv, Sk, Dv), dtype, "cpu", layout)
+
+        def view(x):
+            return x
+
     kw = dict(causal=data.draw(st.booleans(), label="causal"), window_size=_window(data))
-    mask = data.draw(st.sampled_from([None, "bool", "float", "bool_keys"]), label="mask")
-    if mask == "bool":
-        kw["attn_mask"] = torch.rand(B, 1, Sq, Sk) < 0.7
-    elif mask == "float":
-        m = torch.randn(1, H, Sq, Sk).masked_fill(torch.rand(1, H, Sq, Sk) < 0.2, float("-inf"))
-        kw["attn_mask"] = m.to(dtype)
-    elif mask == "bool_keys":
-        kw["attn_mask"] = (torch.rand(B, 1, 1, Sk) < 0.8).expand(B, 1, 1, Sk)
+    mask = _mask(data, B, H, Sq, Sk, dtype)
+    if mask is not None:
+        kw["attn_mask"] = mask
     mods, sinks = _mods(data, B, H, dtype)
     kw.update(mods)
     p = data.draw(st.sampled_from([0.0, 0.0, 0.3]), label="dropout")
@@ -139,23 +200,31 @@ def test_fuzz_attention(data):
 
     def ours(q, k, v, sinks=None):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        return attn_ext.attention(q, k, v, sinks=sinks, generator=gen, **ours_kw)
+        return attn_ext.attention(view(q), view(k), view(v), sinks=sinks, generator=gen, **ours_kw)
 
     def ref(q, k, v, sinks=None):
-        return attention_reference(q, k, v, sinks=sinks, **ref_kw)
+        return attention_reference(view(q), view(k), view(v), sinks=sinks, **ref_kw)
 
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])
     out = ours(*inputs)
     truth = ground_truth(ref, *inputs)
     assert_error_rule(out, ref(*inputs), truth, name="out", slack_ulps=_fwd_ulps(dtype))
     if p == 0:
-        _, lse = attn_ext.attention(q, k, v, sinks=sinks, return_lse=True, **kw)
-        _, ref_lse = attention_reference(q, k, v, sinks=sinks, return_lse=True, **kw)
-        _, tru_lse = ground_truth(attention_reference, q, k, v, sinks=sinks, return_lse=True, **kw)
+        q4, k4, v4 = view(q), view(k), view(v)
+        _, lse = attn_ext.attention(q4, k4, v4, sinks=sinks, return_lse=True, **kw)
+        _, ref_lse = attention_reference(q4, k4, v4, sinks=sinks, return_lse=True, **kw)
+        _, tru_lse = ground_truth(
+            attention_reference, q4, k4, v4, sinks=sinks, return_lse=True, **kw
+        )
         assert_lse_close(lse, ref_lse, tru_lse)
+    else:  # dropout: the same generator state gives the same bits, forward and backward
+        assert torch.equal(ours(*inputs), out)
     if data.draw(st.booleans(), label="backward") and out.numel() > 0:
         g = torch.randn(out.shape).to(dtype)
-        _check_grads(ours, ref, inputs, g)
+        got = _check_grads(ours, ref, inputs, g)
+        if p > 0:
+            again = autograd_grads(ours, inputs, g)
+            assert all(torch.equal(a, b) for a, b in zip(got, again))
     _count("attention")
 
 
@@ -269,3 +338,709 @@ def test_fuzz_rope(data):
     assert out.stride() == torch.empty_like(x).stride()  # x's strides where x is dense
     assert_error_rule(out, ref, tru, name="rope")
     _count("rope")
+
+
+# --------------------------------------------------------------------------- attention_weights
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_attention_weights(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(0, 3), label="B")
+    Hkv = data.draw(st.integers(1, 3), label="Hkv")
+    H = Hkv * data.draw(st.integers(1, 3), label="group")
+    Sq, Sk = data.draw(st.integers(0, 40), label="Sq"), data.draw(st.integers(0, 40), label="Sk")
+    D = data.draw(st.integers(1, 72), label="D")
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    q = rand((B, H, Sq, D), dtype, "cpu", layout)
+    k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
+    kw = dict(causal=data.draw(st.booleans(), label="causal"), window_size=_window(data))
+    mask = _mask(data, B, H, Sq, Sk, dtype)
+    if mask is not None:
+        kw["attn_mask"] = mask
+    if data.draw(st.booleans(), label="explicit scale"):
+        kw["scale"] = data.draw(st.sampled_from([0.05, 0.3, 1.0, 2.5]), label="scale")
+    if H == 1 and data.draw(st.booleans(), label="3-D"):  # (B, S, D): one head
+        q, k = q.squeeze(1), k.squeeze(1)
+        if mask is not None and mask.dim() == 4:
+            kw["attn_mask"] = mask.squeeze(1)
+
+    def ours(q, k):
+        return attn_ext.attention_weights(q, k, **kw)
+
+    def ref(q, k):
+        return attention_weights_reference(q, k, **kw)
+
+    w = ours(q, k)
+    assert w.dtype == dtype and w.shape == (*q.shape[:-1], k.shape[-2])
+    assert_error_rule(
+        w, ref(q, k), ground_truth(ref, q, k), name="weights", slack_ulps=_fwd_ulps(dtype)
+    )
+    assert (w >= 0).all()
+    if data.draw(st.booleans(), label="backward") and w.numel() > 0:
+        _check_grads(ours, ref, [q, k], torch.randn(w.shape).to(dtype))
+    _count("attention_weights")
+
+
+# --------------------------------------------------------------------------- cache appends
+def _rope_kw(data, D):
+    """kv_cache_append's rope arguments: layout, base and rotary_dim (even, <= D)."""
+    kw = dict(
+        rope_interleaved=data.draw(st.booleans(), label="interleaved"),
+        rope_base=data.draw(st.sampled_from([10000.0, 500.0, 1e6]), label="base"),
+    )
+    if D % 2 == 1 or data.draw(st.booleans(), label="partial rotary"):
+        kw["rotary_dim"] = 2 * data.draw(st.integers(1, D // 2), label="rotary_dim / 2")
+    return kw
+
+
+def _check_append(op, views, lengths, parts, rope_kw, new_lengths):
+    """Runs the append ``op`` and checks it: each sequence's last n_b new rows of parts[i] land
+    at rows [len_b, len_b + n_b) of views[i] (parts[0], the keys, rotated at those positions
+    against rope_reference when rope_kw is given; the others copied bit for bit), lengths
+    advance by n_b, and every other element of the memory under the views (the whole buffers
+    they are views of) keeps its bits. An overflowing append must raise and write nothing."""
+    buffers = []
+    for view in views:  # the distinct buffers (a view's base, or the view itself)
+        buf = view if view._base is None else view._base
+        if not any(buf is b for b in buffers):
+            buffers.append(buf)
+    before = [b.clone() for b in buffers]
+    old_lengths = lengths.clone()
+    S = parts[0].size(2)
+    lens = lengths.tolist()
+    n = [S] * len(lens) if new_lengths is None else new_lengths.tolist()
+    if any(a + b > views[0].size(2) for a, b in zip(lens, n)):
+        with pytest.raises(RuntimeError, match="overflow"):
+            op()
+        assert torch.equal(lengths, old_lengths)
+        for a, b in zip(before, buffers):
+            assert torch.equal(a, b), "an overflowing append wrote"
+        return
+    op()
+    assert lengths.tolist() == [a + b for a, b in zip(lens, n)]
+    for view, part in zip(views, parts):
+        j = next(i for i, buf in enumerate(buffers) if buf is view or buf is view._base)
+        # the same view of the old buffer: the expected memory is the old one with the
+        # appended rows taken from the new buffer (those rows are checked below)
+        expect = before[j].as_strided(
+            view.size(), view.stride(), view.storage_offset() - buffers[j].storage_offset()
+        )
+        for b, (start, nb) in enumerate(zip(lens, n)):
+            got = view[b : b + 1, :, start : start + nb]
+            expect[b : b + 1, :, start : start + nb] = got
+            new = part[b : b + 1, :, S - nb :]
+            if view is views[0] and rope_kw is not None:
+                kw = dict(
+                    offset=start,
+                    base=rope_kw["rope_base"],
+                    interleaved=rope_kw["rope_interleaved"],
+                    rotary_dim=rope_kw.get("rotary_dim"),
+                )
+                tru = rope_reference(new, compute_dtype=torch.float64, **kw)
+                assert_error_rule(got, rope_reference(new, **kw), tru, name="rotated rows")
+            else:
+                assert torch.equal(got, new), "copied rows differ"
+    for a, b in zip(before, buffers):
+        assert torch.equal(a, b), "memory outside the appended rows changed"
+
+
+@given(data=st.data())
+def test_fuzz_kv_cache_append(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(0, 3), label="B")
+    Hkv = data.draw(st.integers(1, 3), label="Hkv")
+    L = data.draw(st.integers(0, 40), label="capacity")
+    D, Dv = data.draw(st.integers(1, 48), label="D"), data.draw(st.integers(1, 48), label="Dv")
+    S = data.draw(st.integers(0, 9), label="S_new")
+    cache_layout = data.draw(st.sampled_from(["contiguous", "bshd", "v_view"]), label="cache")
+    k_cache = rand((B, Hkv, L, D), dtype, "cpu", "bshd" if cache_layout == "bshd" else "contiguous")
+    if cache_layout == "v_view":  # values: a column view of a wider cache
+        v_cache = rand((B, Hkv, L, Dv + 5), dtype, "cpu")[..., 2 : Dv + 2]
+    else:
+        v_cache = rand((B, Hkv, L, Dv), dtype, "cpu", cache_layout)
+    len_dtype = data.draw(st.sampled_from([torch.int32, torch.int64]), label="lengths dtype")
+    lengths = torch.tensor(
+        data.draw(st.lists(st.integers(0, L), min_size=B, max_size=B), label="lengths"),
+        dtype=len_dtype,
+    )
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    k, v = rand((B, Hkv, S, D), dtype, "cpu", layout), rand((B, Hkv, S, Dv), dtype, "cpu", layout)
+    new_lengths = None
+    if data.draw(st.booleans(), label="new_lengths"):
+        new_lengths = torch.tensor(
+            data.draw(st.lists(st.integers(0, S), min_size=B, max_size=B), label="n"),
+            dtype=torch.int64,
+        )
+    rope_kw = _rope_kw(data, D) if D >= 2 and data.draw(st.booleans(), label="rope") else None
+
+    def op():
+        torch.ops.attn_ext.kv_cache_append(
+            k_cache,
+            v_cache,
+            lengths,
+            k,
+            v,
+            new_lengths,
+            rope=rope_kw is not None,
+            **(rope_kw or {}),
+        )
+
+    _check_append(op, [k_cache, v_cache], lengths, [k, v], rope_kw, new_lengths)
+    _count("kv_cache_append")
+
+
+@given(data=st.data())
+def test_fuzz_latent_cache_append(data):
+    # MLA's cache: one buffer (B, Hkv, L, Dc + Dr) of rows [c_kv, RoPE(k_rope)]
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(0, 3), label="B")
+    Hkv = data.draw(st.integers(1, 2), label="Hkv")
+    L = data.draw(st.integers(0, 40), label="capacity")
+    Dc = data.draw(st.integers(1, 40), label="Dc")
+    Dr = 2 * data.draw(st.integers(1, 16), label="Dr / 2")
+    S = data.draw(st.integers(0, 9), label="S_new")
+    cache_layout = data.draw(st.sampled_from(["contiguous", "bshd"]), label="cache")
+    cache = rand((B, Hkv, L, Dc + Dr), dtype, "cpu", cache_layout)
+    lengths = torch.tensor(
+        data.draw(st.lists(st.integers(0, L), min_size=B, max_size=B), label="lengths"),
+        dtype=data.draw(st.sampled_from([torch.int32, torch.int64]), label="lengths dtype"),
+    )
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    c_kv = rand((B, Hkv, S, Dc), dtype, "cpu", layout)
+    k_rope = rand((B, Hkv, S, Dr), dtype, "cpu", layout)
+    new_lengths = None
+    if data.draw(st.booleans(), label="new_lengths"):
+        new_lengths = torch.tensor(
+            data.draw(st.lists(st.integers(0, S), min_size=B, max_size=B), label="n"),
+            dtype=torch.int32,
+        )
+    rope_kw = dict(
+        rope_interleaved=data.draw(st.booleans(), label="interleaved"),
+        rope_base=data.draw(st.sampled_from([10000.0, 500.0, 1e6]), label="base"),
+    )
+
+    def op():
+        torch.ops.attn_ext.latent_cache_append(cache, lengths, c_kv, k_rope, new_lengths, **rope_kw)
+
+    views = [cache[..., Dc:], cache[..., :Dc]]
+    _check_append(op, views, lengths, [k_rope, c_kv], rope_kw, new_lengths)
+    _count("latent_cache_append")
+
+
+# --------------------------------------------------------------------------- linear attention
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_linear_attention(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B, H = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(1, 3), label="H")
+    causal = data.draw(st.booleans(), label="causal")
+    # lengths across the causal kernel's 64-position chunks
+    Sq = data.draw(st.one_of(st.integers(0, 20), st.integers(50, 140)), label="Sq")
+    Sk = Sq if causal else data.draw(st.integers(0, 80), label="Sk")
+    D, Dv = data.draw(st.integers(1, 40), label="D"), data.draw(st.integers(1, 40), label="Dv")
+    feature_map = data.draw(st.sampled_from(["elu+1", "relu", "identity"]), label="feature_map")
+    eps = data.draw(st.sampled_from([1e-6, 1e-3, 0.5]), label="eps")
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    q = rand((B, H, Sq, D), dtype, "cpu", layout)
+    k = rand((B, H, Sk, D), dtype, "cpu", layout)
+    v = rand((B, H, Sk, Dv), dtype, "cpu", layout)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    inputs = [q, k, v]
+    if data.draw(st.booleans(), label="initial_state"):  # the state of some earlier keys
+        n0 = data.draw(st.integers(1, 30), label="earlier keys")
+        k0, v0 = torch.randn(B, H, n0, D), torch.randn(B, H, n0, Dv)
+        inputs += [t.to(state_dtype) for t in final_state(k0, v0, feature_map=feature_map)]
+    three_d = H == 1 and data.draw(st.booleans(), label="3-D")
+    return_state = data.draw(st.booleans(), label="return_state")
+    kw = dict(causal=causal, eps=eps, feature_map=feature_map)
+
+    def ours_full(q, k, v, *state):
+        if three_d:
+            q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)
+            state = [t.squeeze(1) for t in state]
+        init = tuple(state) if state else None
+        out, st_ = attn_ext.linear_attention(q, k, v, initial_state=init, return_state=True, **kw)
+        if three_d:
+            out, st_ = out.unsqueeze(1), tuple(t.unsqueeze(1) for t in st_)
+        return out, st_
+
+    def ref_full(q, k, v, *state):
+        init = tuple(state) if state else None
+        out = linear_attention_quadratic(q, k, v, initial_state=init, **kw)
+        return out, final_state(k, v, feature_map=feature_map, initial_state=init)
+
+    got, want, tru = ours_full(*inputs), ref_full(*inputs), ground_truth(ref_full, *inputs)
+    slack = _fwd_ulps(dtype)
+    assert_error_rule(got[0], want[0], tru[0], name="out", slack_ulps=slack)
+    if return_state:
+        assert got[1][0].dtype == got[1][1].dtype == state_dtype
+        for name, a, r, t in zip(("kv state", "k state"), got[1], want[1], tru[1]):
+            assert_error_rule(a, r, t, name=name, slack_ulps=slack)
+    if data.draw(st.booleans(), label="backward") and got[0].numel() > 0:
+        # through out, or through out and the returned state (one flat output)
+        def pick(fn):
+            return (lambda *x: _flat(fn(*x))) if return_state else (lambda *x: fn(*x)[0])
+
+        ours, ref = pick(ours_full), pick(ref_full)
+        n = ours(*inputs)
+        _check_grads(ours, ref, inputs, torch.randn(n.shape).to(n.dtype))
+    _count("linear_attention")
+
+
+def _flat(res):
+    """(out, (kv_state, k_state)) as one flat tensor at the wider of out's dtype and float32
+    (the states are float32, float64 for float64), so that one error rule and one output
+    gradient cover all three."""
+    out, (kv, ks) = res
+    dt = torch.promote_types(out.dtype, kv.dtype)
+    return torch.cat([out.reshape(-1).to(dt), kv.reshape(-1).to(dt), ks.reshape(-1).to(dt)])
+
+
+# --------------------------------------------------------------------------- MLA and TPA
+@given(data=st.data())
+def test_fuzz_tpa_expand(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B, S = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 12), label="S")
+    R, H = data.draw(st.integers(1, 6), label="R"), data.draw(st.integers(1, 6), label="H")
+    D = data.draw(st.integers(1, 40), label="D")
+    # "bshd" makes the factors rank-major views (B, R, S, n).transpose(1, 2)
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    a, b = rand((B, S, R, H), dtype, "cpu", layout), rand((B, S, R, D), dtype, "cpu", layout)
+    kw = {}
+    if data.draw(st.booleans(), label="explicit scale"):
+        kw["scale"] = data.draw(st.sampled_from([0.25, 1.0, 3.0]), label="scale")
+    if D >= 2 and data.draw(st.booleans(), label="rope"):
+        kw.update(
+            rope=True,
+            rope_interleaved=data.draw(st.booleans(), label="interleaved"),
+            rope_base=data.draw(st.sampled_from([10000.0, 500.0]), label="base"),
+        )
+        if D % 2 == 1 or data.draw(st.booleans(), label="partial rotary"):
+            kw["rotary_dim"] = 2 * data.draw(st.integers(1, D // 2), label="rotary_dim / 2")
+        pos = data.draw(st.sampled_from([None, "shared", "per_batch"]), label="positions")
+        idx = data.draw(st.sampled_from([torch.int32, torch.int64]), label="positions dtype")
+        if pos == "shared":
+            kw["positions"] = torch.randint(0, 30000, (S,), dtype=idx)
+        elif pos == "per_batch":
+            kw["positions"] = torch.randint(0, 30000, (B, S), dtype=idx)
+
+    def ours(a, b):
+        return attn_ext.tpa_expand(a, b, **kw)
+
+    def ref(a, b):
+        return tpa_expand_reference(a, b, **kw)
+
+    out = ours(a, b)
+    assert out.shape == (B, S, H, D) and out.dtype == dtype and out.is_contiguous()
+    assert_error_rule(
+        out, ref(a, b), ground_truth(ref, a, b), name="tpa_expand", slack_ulps=_fwd_ulps(dtype)
+    )
+    if data.draw(st.booleans(), label="backward") and out.numel() > 0:
+        _check_grads(ours, ref, [a, b], torch.randn(out.shape).to(dtype))
+    _count("tpa_expand")
+
+
+@given(data=st.data())
+def test_fuzz_tpa_decode_attention(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B, H = data.draw(st.integers(1, 3), label="B"), data.draw(st.integers(1, 4), label="H")
+    S, N = data.draw(st.integers(1, 4), label="S"), data.draw(st.integers(0, 40), label="N")
+    rk, rv = data.draw(st.integers(1, 4), label="R_K"), data.draw(st.integers(1, 4), label="R_V")
+    D = data.draw(st.integers(1, 48), label="D")
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    q = rand((B, H, S, D), dtype, "cpu", "bshd" if layout == "bshd" else "contiguous")
+    factors = [
+        rand((B, N, r, n), dtype, "cpu", layout) for r, n in ((rk, H), (rk, D), (rv, H), (rv, D))
+    ]
+    lengths = torch.tensor(
+        data.draw(st.lists(st.integers(0, N), min_size=B, max_size=B), label="lengths"),
+        dtype=data.draw(st.sampled_from([torch.int32, torch.int64]), label="lengths dtype"),
+    )
+    kw = {}
+    for name in ("scale", "k_scale", "v_scale"):
+        if data.draw(st.booleans(), label=name):
+            kw[name] = data.draw(st.sampled_from([0.1, 0.5, 1.0, 2.0]), label=f"{name} value")
+    out, lse = attn_ext.tpa_decode_attention(q, *factors, lengths, return_lse=True, **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    # the plain reference forms K and V in float32 (float64) and rounds like ours (test_tpa.py)
+    ref, ref_lse = tpa_decode_reference(q, *factors, lengths, **kw)
+    tru, tru_lse = tpa_decode_reference(q, *factors, lengths, compute_dtype=torch.float64, **kw)
+    assert_error_rule(out, ref.to(dtype), tru, name="out", slack_ulps=_fwd_ulps(dtype))
+    assert_lse_close(lse, ref_lse, tru_lse)
+    if data.draw(st.booleans(), label="backward"):
+
+        def ours(*x):
+            return attn_ext.tpa_decode_attention(*x, lengths, **kw)
+
+        def ref_fn(q, *f):  # the plain reference at the inputs' own dtype
+            return tpa_decode_reference(q, *f, lengths, compute_dtype=q.dtype, **kw)[0]
+
+        _check_grads(ours, ref_fn, [q, *factors], torch.randn(out.shape).to(dtype))
+    _count("tpa_decode_attention")
+
+
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_mla(data):
+    # attn_ext.nn.MultiHeadLatentAttention with random dims against mla_reference (DeepSeek-V2's
+    # equations): the prefill (and its input gradient), or the weight-absorbed (or decompressed)
+    # decode over latent_cache_append + decode_attention, step by step from a prompt.
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    d_model, heads = (
+        data.draw(st.integers(1, 40), label="d_model"),
+        data.draw(st.integers(1, 4), label="heads"),
+    )
+    dims = dict(
+        q_lora_rank=data.draw(st.one_of(st.none(), st.integers(1, 24)), label="q_lora_rank"),
+        kv_lora_rank=data.draw(st.integers(1, 32), label="kv_lora_rank"),
+        qk_nope_head_dim=data.draw(st.integers(1, 16), label="nope"),
+        qk_rope_head_dim=2 * data.draw(st.integers(1, 8), label="rope / 2"),
+        v_head_dim=data.draw(st.integers(1, 16), label="v_head_dim"),
+        rope_interleaved=data.draw(st.booleans(), label="interleaved"),
+    )
+    m = attn_ext.nn.MultiHeadLatentAttention(d_model, heads, **dims)
+    with torch.no_grad():  # RMSNorm weights away from 1, so that a missing weight shows
+        for norm in (m.kv_a_layernorm, getattr(m, "q_a_layernorm", None)):
+            if norm is not None:
+                norm.weight.uniform_(0.5, 1.5)
+    m = m.to(dtype)
+    B, T = data.draw(st.integers(1, 3), label="B"), data.draw(st.integers(1, 14), label="T")
+    x = torch.randn(B, T, d_model).to(dtype)
+    w = {k: (t.detach() if isinstance(t, torch.Tensor) else t) for k, t in paper_weights(m).items()}
+
+    def ref(x):
+        return mla_reference(x, w, rope_base=m.rope_base, interleaved=m.rope_interleaved)
+
+    mode = data.draw(st.sampled_from(["prefill", "absorbed", "decompressed"]), label="mode")
+    if mode == "prefill":
+        out = m(x)
+        assert_error_rule(
+            out, ref(x), ground_truth(ref, x), name="mla prefill", slack_ulps=_fwd_ulps(dtype)
+        )
+        if data.draw(st.booleans(), label="backward"):
+            _check_grads(m, ref, [x], torch.randn(out.shape).to(dtype))
+    else:
+        prompt = data.draw(st.integers(1, T), label="prompt")
+        chunk = data.draw(st.integers(1, 3), label="chunk")
+        cache = m.new_cache(B, T + data.draw(st.integers(0, 3), label="spare rows"))
+        with torch.no_grad():
+            outs = [m(x[:, :prompt], cache, absorb=mode == "absorbed")]
+            for t in range(prompt, T, chunk):
+                outs.append(m(x[:, t : t + chunk], cache, absorb=mode == "absorbed"))
+        out = torch.cat(outs, dim=1)
+        assert cache.lengths.tolist() == [T] * B
+        # factor 4, as tests/test_mla.py: the absorbed form sums in another order (the latent,
+        # then W^UV) and in low precision rounds the latent query and the attended latent once
+        # more than the reference does.
+        assert_error_rule(
+            out,
+            ref(x),
+            ground_truth(ref, x),
+            name=f"mla {mode} decode",
+            factor=4.0,
+            slack_ulps=_fwd_ulps(dtype),
+        )
+    _count("mla")
+
+
+# --------------------------------------------------------------------------- spatial (CBAM)
+def _feature_map(data, dtype):
+    N, C = data.draw(st.integers(0, 3), label="N"), data.draw(st.integers(1, 40), label="C")
+    H, W = data.draw(st.integers(0, 13), label="H"), data.draw(st.integers(0, 13), label="W")
+    layout = data.draw(st.sampled_from(["nchw", "channels_last", "strided"]), label="layout")
+    x = torch.randn(N, C, H, 2 * W if layout == "strided" else W).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":  # neither layout: the ops copy it
+        x = x[..., ::2]
+    return x, layout
+
+
+@given(data=st.data())
+def test_fuzz_channel_pool(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    x, _ = _feature_map(data, dtype)
+    if data.draw(st.booleans(), label="ties"):  # few distinct values: ties for the max
+        x = torch.randint(-2, 3, x.shape).to(dtype).contiguous(memory_format=_format(x))
+    pooled, argmax = attn_ext.channel_pool(x, return_argmax=True)
+    assert pooled.dtype == dtype and argmax.dtype == torch.int32
+    assert pooled.shape == (x.size(0), 2, *x.shape[2:])
+    assert torch.equal(argmax.long(), torch.max(x, dim=1, keepdim=True).indices)
+    ref = spatial_ref.channel_pool
+    assert_error_rule(pooled, ref(x), ground_truth(ref, x), name="pooled", slack_ulps=SPATIAL_ULPS)
+    if data.draw(st.booleans(), label="backward") and pooled.numel() > 0:
+        _check_grads(attn_ext.channel_pool, ref, [x], torch.randn(pooled.shape).to(dtype))
+    _count("channel_pool")
+
+
+@given(data=st.data())
+def test_fuzz_spatial_gate(data):
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    x, layout = _feature_map(data, dtype)
+    low = dtype in (torch.bfloat16, torch.float16)
+    gate_dtype = torch.float32 if low and data.draw(st.booleans(), label="fp32 gate") else dtype
+    gate = (3 * torch.randn(x.size(0), 1, *x.shape[2:])).to(gate_dtype)
+    if data.draw(st.booleans(), label="channels_last gate"):
+        gate = gate.contiguous(memory_format=torch.channels_last)
+
+    def ref(x, gate):  # rounded to x's dtype like ours (the reference promotes to the gate's)
+        return spatial_ref.spatial_gate(x, gate).to(x.dtype)
+
+    out = attn_ext.spatial_gate(x, gate)
+    assert out.dtype == dtype and out.shape == x.shape
+    if layout != "strided":
+        assert (
+            out.stride() == x.stride()
+            or out.numel() == 0
+            or min(x.shape[1], x.shape[2] * x.shape[3]) <= 1
+        )
+    assert_error_rule(
+        out, ref(x, gate), ground_truth(ref, x, gate), name="gated", slack_ulps=SPATIAL_ULPS
+    )
+    if data.draw(st.booleans(), label="backward") and out.numel() > 0:
+        _check_grads(attn_ext.spatial_gate, ref, [x, gate], torch.randn(out.shape).to(dtype))
+    _count("spatial_gate")
+
+
+def _format(x):
+    return (
+        torch.channels_last
+        if x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and not x.is_contiguous()
+        else torch.contiguous_format
+    )
+
+
+# --------------------------------------------------------------------------- drop-in modules
+def _compat_case(data):
+    """One attn_ext.compat class or function against its document's code, with drawn
+    constructor arguments and input shapes (the fixed-shape cases are compat_cases())."""
+    tc, lfs, tb, zoo = torchcode, llms_from_scratch, textbook, attention_zoo
+    ints = st.integers
+    B, Sq, Sk = (
+        data.draw(ints(1, 3), label="B"),
+        data.draw(ints(1, 20), label="Sq"),
+        data.draw(ints(1, 20), label="Sk"),
+    )
+    heads = data.draw(ints(1, 4), label="heads")
+    hd = data.draw(ints(1, 12), label="head dim")
+    E = heads * hd
+    D, Dv = data.draw(ints(1, 24), label="D"), data.draw(ints(1, 24), label="Dv")
+    bias = data.draw(st.booleans(), label="qkv_bias")
+    name = data.draw(st.sampled_from(COMPAT_NAMES), label="case")
+    x, kv = (B, Sq, E), (B, Sk, E)
+    C = CompatCase
+    if name == "torchcode.scaled_dot_product_attention":
+        lead = data.draw(st.sampled_from([(), (B,), (B, heads), (B, 2, heads)]), label="lead dims")
+        return C(
+            name,
+            doc000.scaled_dot_product_attention,
+            tc.scaled_dot_product_attention,
+            ((*lead, Sq, D), (*lead, Sk, D), (*lead, Sk, Dv)),
+        )
+    if name == "torchcode.MultiHeadAttention":
+        return C(
+            name, doc000.MultiHeadAttention, tc.MultiHeadAttention, (x, kv, kv), args=(E, heads)
+        )
+    if name == "torchcode.causal_attention":
+        return C(
+            name,
+            doc000.causal_attention,
+            tc.causal_attention,
+            ((B, Sq, D), (B, Sk, D), (B, Sk, Dv)),
+        )
+    if name == "torchcode.MultiHeadCrossAttention":
+        return C(
+            name,
+            doc000.MultiHeadCrossAttention,
+            tc.MultiHeadCrossAttention,
+            (x, kv),
+            args=(E, heads),
+        )
+    if name == "torchcode.GroupQueryAttention":
+        kv_heads = data.draw(
+            st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]), label="kv heads"
+        )
+        return C(
+            name,
+            doc000.GroupQueryAttention,
+            tc.GroupQueryAttention,
+            (x,),
+            args=(E, heads, kv_heads),
+        )
+    if name == "torchcode.sliding_window_attention":
+        w = data.draw(ints(0, Sq + 2), label="window")
+        return C(
+            name,
+            doc000.sliding_window_attention,
+            tc.sliding_window_attention,
+            ((B, Sq, D), (B, Sq, D), (B, Sq, Dv)),
+            kwargs=lambda device: {"window_size": w},
+        )
+    if name == "torchcode.flash_attention":
+        bs = data.draw(ints(1, 40), label="block_size")
+        return C(
+            name,
+            doc000.flash_attention,
+            tc.flash_attention,
+            ((B, Sq, D),) * 3,
+            kwargs=lambda device: {"block_size": bs},
+        )
+    if name == "torchcode.apply_rope":
+        # the document's cos/sin tables are float32 for any input (compat_cases' note)
+        d2 = 2 * data.draw(ints(1, 12), label="D / 2")
+        return C(
+            name,
+            _concat(doc000.apply_rope),
+            _concat(tc.apply_rope),
+            ((B, Sq, d2),) * 2,
+            f64_rtol=max(Sq, 1) * 2.0**-22,
+        )
+    if name == "torchcode.linear_attention":
+        return C(
+            name,
+            doc000.linear_attention,
+            tc.linear_attention,
+            ((B, Sq, D), (B, Sk, D), (B, Sk, Dv)),
+        )
+    if name == "llms_from_scratch.simplified_self_attention":
+        return C(name, doc001.simplified_self_attention, lfs.simplified_self_attention, ((Sq, D),))
+    if name in ("llms_from_scratch.SelfAttention_v1", "llms_from_scratch.SelfAttention_v2"):
+        cls = name.split(".")[1]
+        return C(name, getattr(doc001, cls), getattr(lfs, cls), ((Sq, E),), args=(E, D))
+    if name == "llms_from_scratch.CausalAttention":
+        ctx = Sq + data.draw(ints(0, 5), label="context extra")
+        return C(
+            name, doc001.CausalAttention, lfs.CausalAttention, (x,), args=(E, D, ctx, 0.0, bias)
+        )
+    if name == "llms_from_scratch.MultiHeadAttentionWrapper":
+        ctx = Sq + data.draw(ints(0, 5), label="context extra")
+        return C(
+            name,
+            doc001.MultiHeadAttentionWrapper,
+            lfs.MultiHeadAttentionWrapper,
+            (x,),
+            args=(E, D, ctx, 0.0, heads, bias),
+        )
+    if name == "llms_from_scratch.MultiHeadAttention":
+        ctx = Sq + data.draw(ints(0, 5), label="context extra")
+        return C(
+            name,
+            doc001.MultiHeadAttention,
+            lfs.MultiHeadAttention,
+            (x,),
+            args=(E, E, ctx, 0.0, heads, bias),
+        )
+    if name == "textbook.attention":
+        keep = torch.rand(Sq, Sk) < 0.6
+        keep[:, 0] = True  # a row with no key: the document averages, ours is 0 (documented)
+        return C(
+            name,
+            doc003.attention,
+            tb.attention,
+            ((B, heads, Sq, D), (B, heads, Sk, D), (B, heads, Sk, Dv)),
+            kwargs=lambda device: {"mask": keep.to(device)},
+        )
+    if name == "textbook.repeat_kv":
+        n_rep = data.draw(ints(1, 4), label="n_rep")
+        return C(
+            name,
+            doc003.repeat_kv,
+            tb.repeat_kv,
+            ((B, heads, Sq, D),),
+            kwargs=lambda device: {"n_rep": n_rep},
+        )
+    if name == "attention_zoo.SelfAttention":
+        lead = data.draw(st.sampled_from([(), (B,), (B, 2)]), label="lead dims")
+        return C(name, doc004.SelfAttention, zoo.SelfAttention, ((*lead, Sq, E),), args=(E, D))
+    if name == "attention_zoo.MultiHeadAttention":
+        return C(
+            name,
+            doc004.MultiHeadAttention,
+            zoo.MultiHeadAttention,
+            ((B, Sq, D),),
+            args=(D, heads, E),
+        )
+    if name == "attention_zoo.CrossAttention":
+        b2 = data.draw(st.sampled_from([B, 1]), label="x2 batch")
+        return C(name, doc004.CrossAttention, zoo.CrossAttention, (x, (b2, Sk, E)), args=(E, D))
+    if name == "attention_zoo.GroupedAttention":
+        groups = data.draw(
+            st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0]), label="groups"
+        )
+        return C(
+            name,
+            doc004.GroupedAttention,
+            zoo.GroupedAttention,
+            ((B, Sq, D),),
+            args=(D, E, heads, groups),
+        )
+    if name == "attention_zoo.SpatialAttention":
+        k = data.draw(st.sampled_from([3, 7]), label="kernel_size")
+        shape = (
+            B,
+            data.draw(ints(1, 9), label="C"),
+            data.draw(ints(1, 12), label="H"),
+            data.draw(ints(1, 12), label="W"),
+        )
+        return C(name, doc004.SpatialAttention, zoo.SpatialAttention, (shape,), args=(k,))
+    assert name == "attention_zoo.TemporalAttention"
+    t = data.draw(ints(1, 10), label="time_emb_dim")
+    return C(
+        name,
+        doc004.TemporalAttention,
+        zoo.TemporalAttention,
+        ((B, Sq, D), (B, 1, t)),
+        args=(D, E, t),
+    )
+
+
+COMPAT_NAMES = [
+    "torchcode.scaled_dot_product_attention",
+    "torchcode.MultiHeadAttention",
+    "torchcode.causal_attention",
+    "torchcode.MultiHeadCrossAttention",
+    "torchcode.GroupQueryAttention",
+    "torchcode.sliding_window_attention",
+    "torchcode.flash_attention",
+    "torchcode.apply_rope",
+    "torchcode.linear_attention",
+    "llms_from_scratch.simplified_self_attention",
+    "llms_from_scratch.SelfAttention_v1",
+    "llms_from_scratch.SelfAttention_v2",
+    "llms_from_scratch.CausalAttention",
+    "llms_from_scratch.MultiHeadAttentionWrapper",
+    "llms_from_scratch.MultiHeadAttention",
+    "textbook.attention",
+    "textbook.repeat_kv",
+    "attention_zoo.SelfAttention",
+    "attention_zoo.MultiHeadAttention",
+    "attention_zoo.CrossAttention",
+    "attention_zoo.GroupedAttention",
+    "attention_zoo.SpatialAttention",
+    "attention_zoo.TemporalAttention",
+]
+
+
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_compat_modules(data):
+    # python -m attn_ext's compat check (selfcheck_compat.run_compat_case: ours loaded strictly
+    # from the document's state dict; output and every input and parameter gradient, float64
+    # to 1e-10 of the magnitude, float32 within 2x the document's own error + 4 float32 ulps)
+    case = _compat_case(data)
+    dtype = data.draw(st.sampled_from([torch.float64, torch.float32]), label="dtype")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    res = run_compat_case(case, torch.device("cpu"), dtype, seed=seed)
+    assert res.ok, format_result(res)
+    _count("compat_modules")

@@ -200,6 +200,32 @@ def test_decode_cuda_composite_equals_cpu_kernel(dtype):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("N", [1, 19])
+def test_decode_op_size_one_factor_dims_read_in_bounds(device, N):
+    # Found by tests/test_fuzz.py: the CPU op merges a factor's (token, rank) dims into rows and
+    # took their stride from dim 2 even when the rank R is 1, whose stride PyTorch leaves
+    # arbitrary (a rank-major view (B, R, N, n).transpose(1, 2) has stride N * n there and
+    # counts as contiguous): it read far past the tensor (random NaN/inf). With one token, a
+    # rank dim expanded with stride 0 was read with the row length as stride instead.
+    B, H, S, D = 3, 4, 1, 36
+    q = torch.randn(B, H, S, D, device=device, dtype=torch.float64)
+    rank_major = [
+        torch.randn(B, 1, N, n, device=device, dtype=torch.float64).transpose(1, 2)
+        for n in (H, D, H, D)
+    ]
+    expanded = [
+        torch.randn(B, N, 1, n, device=device, dtype=torch.float64).expand(B, N, 3, n)
+        for n in (H, D, H, D)
+    ]
+    lengths = torch.tensor([N, max(N - 13, 0), N], device=device, dtype=torch.int32)
+    for factors in (rank_major, expanded, rank_major[:2] + expanded[2:]):
+        out, lse = attn_ext.tpa_decode_attention(q, *factors, lengths, return_lse=True)
+        dense = [f.contiguous() for f in factors]
+        want, want_lse = tpa_decode_reference(q, *dense, lengths)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 def test_decode_op_gradcheck(device):
     q = torch.randn(2, 3, 2, 5, device=device, dtype=torch.float64, requires_grad=True)
     factors = _factor_cache(2, 7, 2, 3, 3, 5, torch.float64, device, grad=True)

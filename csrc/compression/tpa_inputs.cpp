@@ -1,6 +1,8 @@
 #include "compression/tpa_inputs.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include "decoding/decode_inputs.h"
@@ -73,12 +75,41 @@ at::Tensor allocate_tpa_output(const TpaExpandParams& p, const at::Tensor& a) {
 
 namespace {
 
-// A (B, N, R, X) factor cache whose (token, rank) dimensions merge into rows with a
-// contiguous last dimension: the tensor itself, else one contiguous copy.
-at::Tensor factor_rows(const at::Tensor& t) {
+// The stride of the merged (token, rank) row index t * R + r of a (B, N, R, X) factor cache,
+// if that index has one (rows not overlapping, so that BLAS takes it as a leading dimension).
+// PyTorch leaves the stride of a size-1 dimension arbitrary (and calls such tensors
+// contiguous): with R == 1 the rows step by the token stride, with N == 1 by the rank stride;
+// reading stride(2) when R == 1 walked off the tensor (found by tests/test_fuzz.py).
+std::optional<int64_t> merged_row_stride(const at::Tensor& t) {
+  const int64_t tokens = t.size(1), rank = t.size(2), width = std::max<int64_t>(t.size(3), 1);
+  if (tokens * rank <= 1 || t.size(3) == 0) {  // nothing to step over: any valid stride
+    return width;
+  }
+  int64_t stride = 0;
+  if (rank == 1) {
+    stride = t.stride(1);
+  } else if (tokens == 1 || t.stride(1) == rank * t.stride(2)) {
+    stride = t.stride(2);
+  } else {
+    return std::nullopt;
+  }
+  if (stride < width) {
+    return std::nullopt;
+  }
+  return stride;
+}
+
+// A factor cache as rows of merged (token, rank) index with a contiguous last dimension: the
+// tensor itself, else one contiguous copy; *row_stride receives the rows' stride.
+at::Tensor factor_rows(const at::Tensor& t, int64_t* row_stride) {
   const bool last_ok = t.stride(3) == 1 || t.size(3) <= 1;
-  const bool merge_ok = t.size(1) <= 1 || t.stride(1) == t.size(2) * t.stride(2);
-  return last_ok && merge_ok ? t : t.contiguous();
+  if (const auto stride = merged_row_stride(t); last_ok && stride) {
+    *row_stride = *stride;
+    return t;
+  }
+  at::Tensor copy = t.contiguous();
+  *row_stride = merged_row_stride(copy).value();
+  return copy;
 }
 
 void check_factor_cache(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q,
@@ -116,12 +147,12 @@ PreparedTpaDecode prepare_tpa_decode(const char* op, const at::Tensor& q, const 
 
   PreparedTpaDecode r;
   r.q = blas_rows(q);
-  r.a_k = factor_rows(a_k);
-  r.b_k = factor_rows(b_k);
-  r.a_v = factor_rows(a_v);
-  r.b_v = factor_rows(b_v);
-  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, B, q, N, check_values);
   TpaDecodeParams& p = r.params;
+  r.a_k = factor_rows(a_k, &p.ak_row_stride);
+  r.b_k = factor_rows(b_k, &p.bk_row_stride);
+  r.a_v = factor_rows(a_v, &p.av_row_stride);
+  r.b_v = factor_rows(b_v, &p.bv_row_stride);
+  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, B, q, N, check_values);
   p.batch = B, p.heads = H, p.seqlen_q = q.size(2), p.head_dim = D, p.tokens = N;
   p.rank_k = a_k.size(2), p.rank_v = a_v.size(2);
   p.q = r.q.const_data_ptr();
@@ -129,15 +160,8 @@ PreparedTpaDecode prepare_tpa_decode(const char* op, const at::Tensor& q, const 
   p.q_row_stride = blas_row_stride(r.q);
   p.a_k = r.a_k.const_data_ptr(), p.b_k = r.b_k.const_data_ptr();
   p.a_v = r.a_v.const_data_ptr(), p.b_v = r.b_v.const_data_ptr();
-  p.ak_batch_stride = r.a_k.stride(0), p.ak_row_stride = r.a_k.stride(2);
-  p.bk_batch_stride = r.b_k.stride(0), p.bk_row_stride = r.b_k.stride(2);
-  p.av_batch_stride = r.a_v.stride(0), p.av_row_stride = r.a_v.stride(2);
-  p.bv_batch_stride = r.b_v.stride(0), p.bv_row_stride = r.b_v.stride(2);
-  // BLAS needs a valid leading dimension even for one-column rows
-  p.ak_row_stride = std::max<int64_t>(p.ak_row_stride, H);
-  p.bk_row_stride = std::max<int64_t>(p.bk_row_stride, std::max<int64_t>(D, 1));
-  p.av_row_stride = std::max<int64_t>(p.av_row_stride, H);
-  p.bv_row_stride = std::max<int64_t>(p.bv_row_stride, std::max<int64_t>(D, 1));
+  p.ak_batch_stride = r.a_k.stride(0), p.bk_batch_stride = r.b_k.stride(0);
+  p.av_batch_stride = r.a_v.stride(0), p.bv_batch_stride = r.b_v.stride(0);
   p.scale =
       scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(D, 1)));
   p.k_scale = k_scale.has_value() ? *k_scale : 1.0 / static_cast<double>(p.rank_k);
