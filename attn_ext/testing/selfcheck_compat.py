@@ -265,10 +265,17 @@ def compat_forward_backward(fn, params, inputs, grad_out) -> Dict[str, torch.Ten
 
 
 def run_compat_case(
-    case: CompatCase, device: torch.device, dtype: torch.dtype, seed: int = 0
+    case: CompatCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    grad_floor_ulps: float = 0.0,
 ) -> CheckResult:
     """The case at one dtype; ``seed`` seeds the weights, inputs and output gradient
-    (tests/test_fuzz.py draws it)."""
+    (tests/test_fuzz.py draws it). ``grad_floor_ulps`` raises the float32 floor of the
+    gradients to that many ulps of their magnitude (the fuzz's drawn shapes include rows that
+    see one key, where the document's gradient of q and k is exactly 0 and ours is a
+    rounding: tests/test_fuzz.py's GRAD_ULPS_F32)."""
     res = CheckResult(case.name, str(device), str(dtype).replace("torch.", ""))
     torch.manual_seed(seed)
     try:
@@ -297,7 +304,10 @@ def run_compat_case(
                 1.0, finite.max().item() if finite.numel() else 0.0
             )
         else:
-            tol = 2 * max_error(b, w) + accumulation_floor(w)
+            floor = accumulation_floor(w)
+            if label != "out" and grad_floor_ulps:
+                floor = max(floor, floor * grad_floor_ulps / ACC_ULPS)
+            tol = 2 * max_error(b, w) + floor
         res.errors[label] = (max_error(g, w), tol)
     return res
 
