@@ -521,6 +521,43 @@ def test_document_004_scale_is_float32_sqrt():
     assert _float32_sqrt(6) == float(torch.sqrt(torch.tensor(6).float()))
 
 
+def test_document_004_scale_is_torchs_float32_sqrt_for_every_head_size():
+    """The drop-ins' scale is the number the document's torch.sqrt gives in this process, not
+    the correctly rounded float32 sqrt: MKL's float32 sqrt is one ulp off for some n (on this
+    CPU's code path or another's), which moved CrossAttention's float64 results by 1e-7 x
+    the 1e-10 bound (the CI failure of test_fuzz_compat_modules, D = 19)."""
+    from attn_ext.compat import _float32_sqrt
+
+    n = torch.arange(1, 4097)
+    want = torch.sqrt(n.float()).tolist()
+    assert [_float32_sqrt(i) for i in range(1, 4097)] == want
+
+
+@pytest.mark.parametrize("mkl_cbwr", ["COMPATIBLE", "AVX2"])
+def test_cross_attention_float64_with_mkl_code_path(mkl_cbwr):
+    """Regression (CI: test_fuzz_compat_modules, CrossAttention(1, 19), float64, seed 0): under
+    MKL's SSE/AVX code path (MKL_CBWR=COMPATIBLE, as on the CI machine) torch's float32 sqrt(19)
+    is one ulp below the correctly rounded one that the drop-in used; the float64 output was
+    1.5e-9 off the document's (bound 1.2e-10). A fresh process: MKL picks its path at load."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from attn_ext.compat import attention_zoo\n"
+        "from attn_ext.testing.documents import doc004\n"
+        "from attn_ext.testing.selfcheck_compat import CompatCase, run_compat_case\n"
+        "case = CompatCase('CrossAttention', doc004.CrossAttention, attention_zoo.CrossAttention,"
+        " ((1, 1, 1), (1, 2, 1)), args=(1, 19))\n"
+        "r = run_compat_case(case, torch.device('cpu'), torch.float64, seed=0)\n"
+        "assert r.ok, r.errors\n"
+    )
+    env = dict(os.environ, MKL_CBWR=mkl_cbwr)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_causal_buffer_kept(device):
     doc, ours = build("001.MultiHeadAttention", device, torch.float32)
     assert torch.equal(ours.mask, doc.mask) and ours.mask.shape == (12, 12)

@@ -17,8 +17,6 @@ Where a document's code is wrong (a typo, a broadcasting bug), the drop-in does 
 means; each such difference is listed in the docstring of the class concerned.
 """
 
-import math
-import struct
 from typing import Optional
 
 import torch
@@ -147,11 +145,28 @@ def _attend(
     return out * 0.0 if drop_all else out
 
 
+@torch.compiler.assume_constant_result
 def _float32_sqrt(n: int) -> float:
     """``torch.sqrt(torch.tensor(n).float())`` as a Python float: document 004 scales by the
     float32 square root of the head size, which differs from the float64 one in the 8th digit
-    (e.g. for 8); the drop-in uses the same number so float64 results agree to ~1e-15."""
-    return struct.unpack("f", struct.pack("f", math.sqrt(n)))[0]
+    (e.g. for 8); the drop-in uses the same number so float64 results agree to ~1e-15.
+
+    The number is computed the document's way, with torch, not as the correctly rounded
+    ``float32(math.sqrt(n))``: torch's CPU float32 ``sqrt`` goes through MKL's vector math,
+    whose result is within one ulp but not always correctly rounded, and depends on the code
+    path MKL picks for the CPU. Its AVX-512 path is one ulp off for 330 of the integers below
+    65,536 (the first is 267); its SSE/AVX path (``MKL_CBWR=COMPATIBLE``, and the CPU of the
+    CI run that failed) for 12,562, 10 of them below 100, 19 the first: there the document
+    divides by 4.35889864 where the correctly rounded sqrt is 4.35889912. One float32 ulp in the
+    scale moves a float64 result by ~1e-7 relative. Computed once per n (MKL picks its path
+    once per process)."""
+    n = int(n)
+    if n not in _FLOAT32_SQRT:
+        _FLOAT32_SQRT[n] = torch.sqrt(torch.tensor(n).float()).item()
+    return _FLOAT32_SQRT[n]
+
+
+_FLOAT32_SQRT: dict = {}
 
 
 from . import attention_zoo, llms_from_scratch, textbook, torchcode  # noqa: E402

@@ -3,7 +3,8 @@
 Same names, constructor signatures, parameter names (``W_q``, ``W_k``, ``W_v``, ``W_o``),
 forward signatures, accepted input ranks and return values as the document; the attention is
 computed by :func:`attn_ext.attention`. The document scales by
-``torch.sqrt(torch.tensor(n).float())``, a float32 square root; the drop-ins use that same number.
+``torch.sqrt(torch.tensor(n).float())``, a float32 square root; the drop-ins use that same number,
+computed the same way (MKL's float32 sqrt is not always correctly rounded: see ``_float32_sqrt``).
 
 Differences from the document's code:
 
