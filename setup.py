@@ -15,6 +15,10 @@ Environment switches:
                             (of the same file's, today f32, f64, bf16, f16; default all; others
                             raise on CUDA)
   ATTN_EXT_CUDA_BACKWARD    0: no attention backward kernels on CUDA (default 1)
+  CUTLASS_PATH              a CUTLASS checkout (its include/ holds cute/ and cutlass/); unset, the
+                            headers of the installed nvidia-cutlass package (tools/bootstrap.sh
+                            installs it where nvcc is found). Without them the CuTe forward
+                            (flash_fwd_cute.cuh) is left out of a CUDA build
   TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs'; with
                             none visible "8.0+PTX;9.0a")
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
@@ -74,7 +78,7 @@ def _cuda_enabled():
 
 # Attention instantiations (tools/gen_cuda_instantiations.py writes them).
 _INSTANTIATION = re.compile(
-    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
+    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
 )
 
 
@@ -83,6 +87,24 @@ def _kernel_set():
     with open(KERNEL_SET) as f:
         ks = json.load(f)
     return tuple(ks["dtypes"]), tuple(ks["mma_head_dims"])
+
+
+def cutlass_include():
+    """The folder holding cute/ and cutlass/ (CUTLASS_PATH's include/, else the nvidia-cutlass
+    package's cutlass_library/source/include, found without importing the package), or None."""
+    import importlib.util
+
+    if os.environ.get("CUTLASS_PATH"):
+        inc = os.path.join(os.environ["CUTLASS_PATH"], "include")
+        if not os.path.isdir(os.path.join(inc, "cute")):
+            raise RuntimeError(f"CUTLASS_PATH: no include/cute under {os.environ['CUTLASS_PATH']}")
+        return inc
+    spec = importlib.util.find_spec("cutlass_library")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        inc = os.path.join(base, "source", "include")
+        if os.path.isdir(os.path.join(inc, "cute")):
+            return inc
+    return None
 
 
 def _env_list(name, allowed, convert=str):
@@ -104,6 +126,7 @@ def _cuda_attention_selection():
     dtypes = _env_list("ATTN_EXT_CUDA_DTYPES", all_dtypes)
     head_dims = _env_list("ATTN_EXT_CUDA_HEAD_DIMS", all_head_dims, int)
     backward = os.environ.get("ATTN_EXT_CUDA_BACKWARD", "1") != "0"
+    cute = cutlass_include() is not None
     keep = []
     for src in _sources(os.path.join(INSTANTIATIONS, "*.cu")):
         m = _INSTANTIATION.match(os.path.basename(src))
@@ -112,6 +135,8 @@ def _cuda_attention_selection():
                 f"{src}: not an instantiation name tools/gen_cuda_instantiations.py writes"
             )
         if m["dtype"] not in dtypes or (m["pass"] == "bwd" and not backward):
+            continue
+        if m["kernel"] == "cute" and not cute:
             continue
         if m["hd"] is not None and int(m["hd"]) not in head_dims:
             continue
@@ -122,6 +147,7 @@ def _cuda_attention_selection():
         f"-DATTN_EXT_CUDA_DTYPE_MASK={dtype_mask}",
         f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
         f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}",
+        f"-DATTN_EXT_CUDA_CUTE={int(cute)}",
     ]
     return keep, defines
 
@@ -177,6 +203,10 @@ def _extension(cuda):
         arch = _cuda_arch_list() or "the visible GPUs' architectures"
         instantiations, defines = _cuda_attention_selection()
         nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"] + defines
+        if cutlass_include() is not None:
+            kwargs["include_dirs"].append(cutlass_include())
+        else:
+            print("attn_ext: no CUTLASS headers (pip install nvidia-cutlass): no CuTe forward")
         hand_written = [s for s in _sources("csrc/**/*.cu") if not _in_folder(s, "instantiations")]
         sources += hand_written + instantiations + [s for s in every_cpp if _in_folder(s, "cuda")]
         print(f"attn_ext: building CUDA kernels for {arch}")

@@ -6,7 +6,10 @@
 #   bash dev/gpu_session.sh build test sanitize   # first call on a fresh machine
 #   bash dev/gpu_session.sh bench                 # next call while the machine is warm
 #
-# build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT
+# build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT;
+#           the nvidia-cutlass wheel carried in .whl/ (the machine has no network) first
+# cute:     dev/cute_fwd_check.py (CuTe forward vs the older kernel: errors, bits, timing), then
+#           the CUDA attention and varlen tests with ATTN_EXT_UNVERIFIED_CUDA=1
 # test:     python -m attn_ext, then the whole suite (xdist) with the CUDA cases
 # sanitize: compute-sanitizer memcheck / racecheck / synccheck over tools/sanitize_cuda.py
 # bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
@@ -38,6 +41,8 @@ step() {
 for phase in "$@"; do
   case $phase in
     build)
+      ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 &&
+        $PY -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl >> "$SUMMARY" 2>&1
       { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version | tail -1; } >> "$SUMMARY" 2>&1
       step build 420 bash tools/bootstrap.sh test
       so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
@@ -53,6 +58,12 @@ for phase in "$@"; do
       OMP_NUM_THREADS=1 step pytest 400 $PY -m pytest tests -q -n 14 -p no:cacheprovider --timeout 300 -rfE \
         --deselect tests/test_cuda_build.py::test_cuda_sources_compile
       grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
+    cute)
+      step cute_check 150 $PY dev/cute_fwd_check.py
+      grep -E "FAIL|NOT CUTE|CUTE CHECK" "$OUT/cute_check.log" | head -20 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_tests 150 $PY -m pytest \
+        tests/test_attention_cuda.py tests/test_varlen_cuda.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/cute_tests.log" | tail -1 >> "$SUMMARY" ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py
@@ -87,5 +98,5 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -E "^(FAILED|ERROR)" "$OUT"/pytest.log 2>/dev/null | cut -c1-220 | head -60
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

@@ -73,9 +73,13 @@ def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(hd))
     monkeypatch.setenv("ATTN_EXT_CUDA_BACKWARD", "0")
     keep, defines = setup_py._cuda_attention_selection()
+    # the CuTe forward's instantiation comes with its head dim where the CUTLASS headers are
+    cute = setup_py.cutlass_include() is not None
     assert sorted(Path(k).name for k in keep) == sorted(
         [f"fwd_generic_{dtype}.cu", f"fwd_mma_{dtype}_hd{hd}.cu"]
+        + ([f"fwd_cute_{dtype}_hd{hd}.cu"] if cute else [])
     )
+    assert f"-DATTN_EXT_CUDA_CUTE={int(cute)}" in defines
     assert f"-DATTN_EXT_CUDA_DTYPE_MASK={1 << dtypes.index(dtype)}" in defines
     assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={1 << head_dims.index(hd)}" in defines
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(head_dims[0] + 1))

@@ -41,6 +41,14 @@ if [ "${1:-}" = "test" ] && missing transformers; then
     echo "bootstrap: could not install transformers (offline?): tests/test_transformers.py will be skipped"
 fi
 
+# The CuTe/CUTLASS headers of the CUDA kernels, wherever nvcc is (the CUDA build and CI's
+# compile check, tests/test_cuda_build.py, need them): headers only, so none of the package's
+# Python dependencies.
+if command -v nvcc >/dev/null 2>&1 && missing cutlass_library; then
+  "$PY" -m pip install --no-deps "nvidia-cutlass==${ATTN_EXT_CUTLASS_VERSION:-4.2.0.0}" ||
+    echo "bootstrap: could not install nvidia-cutlass (offline?): the CUDA build leaves the CuTe forward out"
+fi
+
 # The objects persist in build/ (setup.py's BUILD_TEMP): running this again, or after editing a
 # kernel, recompiles only what changed (ninja), then links.
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .

@@ -29,7 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
-NVCC_FLAGS = ["-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DATTN_EXT_WITH_CUDA"]
+NVCC_FLAGS = [
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-O3",
+    "-DATTN_EXT_WITH_CUDA",
+    "-DATTN_EXT_CUDA_CUTE=1",
+]
 CXX_FLAGS = ["-std=c++20", "-fsyntax-only", "-DATTN_EXT_WITH_CUDA"]
 
 
@@ -77,7 +83,20 @@ def main(argv=None) -> int:
         return 2
     from torch.utils import cpp_extension
 
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
+    sys.path.insert(0, str(ROOT))
+    from setup import cutlass_include  # the build's own rule for finding the CuTe headers
+
+    cutlass = cutlass_include()
+    if cutlass is None:
+        print(
+            "check_cuda_compile: no CUTLASS headers for the CuTe kernels "
+            "(pip install --no-deps nvidia-cutlass==4.2.0.0, as tools/bootstrap.sh does)"
+        )
+        return 1
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [
+        f"-I{ROOT / 'csrc'}",
+        f"-I{cutlass}",
+    ]
     nvcc = str(cuda_home / "bin" / "nvcc")
     cu = sorted((ROOT / "csrc").rglob("*.cu"))
     # setup.py's rule: the .cpp files of the cuda/ folders are the CUDA build's; the others

@@ -24,7 +24,7 @@ KERNEL_SET = ROOT / "csrc" / "attention" / "cuda" / "instantiations.json"
 OUT_DIR = KERNEL_SET.parent / "instantiations"
 HEADER_NAME = "kernel_set.h"
 NAME_RE = re.compile(
-    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
+    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
 )
 
 GENERATED = (
@@ -56,6 +56,13 @@ def mma_fwd(t: str, hd: int) -> str:
     return _instantiation(
         "flash_fwd_mma.cuh",
         [f"template cudaError_t run_fwd_mma<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
+    )
+
+
+def cute_fwd(t: str, hd: int) -> str:
+    return _instantiation(
+        "flash_fwd_cute.cuh",
+        [f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
     )
 
 
@@ -112,6 +119,7 @@ def files() -> dict:
     for dtype in ks["mma_dtypes"]:
         for hd in ks["mma_head_dims"]:
             out[f"fwd_mma_{dtype}_hd{hd}.cu"] = mma_fwd(ks["dtypes"][dtype], hd)
+            out[f"fwd_cute_{dtype}_hd{hd}.cu"] = cute_fwd(ks["dtypes"][dtype], hd)
     for dtype, t in ks["dtypes"].items():
         out[f"fwd_generic_{dtype}.cu"] = generic_fwd(t)
         out[f"bwd_generic_{dtype}.cu"] = generic_bwd(t)

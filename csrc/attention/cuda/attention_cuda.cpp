@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
 #include "attention/cuda/attention_launch.h"
@@ -36,6 +39,17 @@ void check_verified(const char* op, const AttentionParams& p) {
   if (has_score_mods(p)) require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
 }
 
+// The CuTe forward (flash/flash_fwd_cute.cuh) serves what it can (ran green on an H100,
+// 2026-11-26: dev/gpu_notes.md); ATTN_EXT_CUDA_FWD_KERNEL=mma selects the older tensor-core
+// kernel instead, for comparisons (dev/cute_fwd_check.py). Read at each call.
+bool cute_forward_enabled() {
+  const char* v = std::getenv("ATTN_EXT_CUDA_FWD_KERNEL");
+  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "cute") == 0) return true;
+  TORCH_CHECK(std::strcmp(v, "mma") == 0,
+              "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default) or 'mma', got '", v, "'");
+  return false;
+}
+
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   AttentionParams& p = in.params;
   check_verified(op, p);
@@ -43,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   auto [out, lse] = allocate_outputs(p, in.q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   check_supported(op, p, kind, /*backward=*/false);
-  C10_CUDA_CHECK(launch_attention_fwd(p, kind, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_attention_fwd(p, kind, cute_forward_enabled(), c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 
@@ -56,7 +71,7 @@ at::Tensor sink_grads(const AttentionBwdParams& p, const at::Tensor& ws, const a
                                          : std::vector<int64_t>{p.batch, p.heads, p.seqlen_q};
   const at::Tensor delta = ws[0].view(shape), lse2 = ws[1].view(shape), lo = ws[2].view(shape);
   const at::Tensor prob = at::exp2((sink2.view({1, -1, 1}) - lse2) - lo);
-  return -(prob * delta).sum({0, 2});
+  return -(prob * delta).sum(at::IntArrayRef{0, 2});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(

@@ -7,6 +7,7 @@
 // referenced (it would not link).
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include "attention/cuda/attention_launch.h"
 #include "attention/cuda/flash/launch_templates.h"
@@ -22,6 +23,10 @@
 #endif
 #ifndef ATTN_EXT_CUDA_BACKWARD
 #define ATTN_EXT_CUDA_BACKWARD 1
+#endif
+// The CuTe forward's instantiations are compiled only where setup.py found the CUTLASS headers.
+#ifndef ATTN_EXT_CUDA_CUTE
+#define ATTN_EXT_CUDA_CUTE 0
 #endif
 
 namespace attn_ext::cuda {
@@ -40,6 +45,48 @@ constexpr bool mma_built(int idx) {
   return kernel_set::kHasMma<T> && dtype_built<T>() && ((ATTN_EXT_CUDA_HEAD_DIM_MASK >> idx) & 1);
 }
 constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
+constexpr bool kCuteBuilt = ATTN_EXT_CUDA_CUTE != 0;
+
+// 16-byte vectors: cp.async and the output's stores move 8 16-bit elements at a time.
+constexpr int64_t kCuteVec = 8;
+
+// The index into kMmaHeadDims of the CuTe forward serving these inputs, or -1: what
+// flash_fwd_cute.cuh serves (no explicit mask, dropout, varlen batch or score modifier;
+// D == Dv == an instantiated head dim; every row 16-byte aligned).
+template <typename T>
+int cute_index(const AttentionParams& p) {
+  if (!kCuteBuilt || varlen_or_mods(p) || p.mask_kind != MaskKind::kNone || p.dropout_p > 0.0 ||
+      p.head_dim != p.head_dim_v) {
+    return -1;
+  }
+  const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+    for (const int64_t s : strides)
+      if (s % kCuteVec != 0) return false;
+    return true;
+  };
+  if (!aligned(p.q, {p.q_batch_stride, p.q_head_stride, p.q_row_stride}) ||
+      !aligned(p.k, {p.k_batch_stride, p.k_head_stride, p.k_row_stride}) ||
+      !aligned(p.v, {p.v_batch_stride, p.v_head_stride, p.v_row_stride}) ||
+      !aligned(p.out, {p.o_batch_stride, p.o_head_stride, p.o_row_stride})) {
+    return -1;
+  }
+  for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
+    if (mma_built<T>(idx) && p.head_dim == kMmaHeadDims[idx]) return idx;
+  return -1;
+}
+
+template <typename T, int kIdx = 0>
+cudaError_t fwd_cute(int idx, const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kIdx == kNumMmaHeadDims || !kCuteBuilt) {
+    return cudaErrorInvalidValue;
+  } else {
+    if constexpr (mma_built<T>(kIdx)) {
+      if (idx == kIdx) return run_fwd_cute<T, kMmaHeadDims[kIdx]>(p, stream);
+    }
+    return fwd_cute<T, kIdx + 1>(idx, p, stream);
+  }
+}
 
 // The index into kMmaHeadDims of the tensor-core kernel serving these inputs, or -1 for the
 // generic kernel (which serves every varlen batch and score modifier).
@@ -67,7 +114,10 @@ cudaError_t fwd_mma(int idx, const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t fwd(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t fwd(const AttentionParams& p, bool cute, cudaStream_t stream) {
+  if (cute) {
+    if (const int idx = cute_index<T>(p); idx >= 0) return fwd_cute<T>(idx, p, stream);
+  }
   if (const int idx = mma_index<T>(p); idx >= 0) return fwd_mma<T>(idx, p, stream);
   if constexpr (dtype_built<T>()) {
     return run_fwd_generic<T>(p, stream);
@@ -118,10 +168,11 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
   return why;
 }
 
-cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, cudaStream_t stream) {
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute,
+                                 cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return fwd<T>(p, stream);
+    return fwd<T>(p, cute, stream);
   });
 }
 

@@ -16,6 +16,11 @@ namespace attn_ext::cuda {
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
 
+// CuTe tensor-core forward (bf16 / fp16): D == Dv == kHeadDim, 16-byte aligned rows, no mask,
+// dropout or modifier (flash_fwd_cute.cuh).
+template <typename T, int kHeadDim>
+cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream);
+
 // Generic (SIMT) forward: any dtype and head dims, exact accumulation in acc_t.
 template <typename T>
 cudaError_t run_fwd_generic(const AttentionParams& p, cudaStream_t stream);
