@@ -13,6 +13,10 @@
 //   5. the score accumulator read as the P V product's A operand (acc_as_a) holds, element
 //      for element, the (row, key) the MMA's A partition expects (P never leaves registers);
 //   6. the output staging copy (registers -> shared) covers the output tile exactly once.
+// The backward's traits (BwdCuteTraits, flash_bwd_cute.cuh), per instantiation: the budget; the
+// Q/dO, K/V and P/dS layouts bijective and their transposed views reading the same bytes; the
+// global copies covering the Q and K/V tiles once; the three MMAs' accumulators (S and dP,
+// dK and dV, dQ) and the P/dS staging copy covering their tiles once.
 // Prints one line per instantiation; exit status 1 on the first failure.
 #include <cstdio>
 #include <cstdlib>
@@ -153,6 +157,67 @@ void check(const char* name) {
               kThreads, Tr::kSmemBytes);
 }
 
+template <class Mma, class Shape2>
+bool mma_covers(Mma const& mma, int threads, int rows, int cols, Shape2 shape) {
+  return covers_once(threads, rows, cols, [&](int tid) {
+    return mma.get_thread_slice(tid).partition_C(make_identity_tensor(shape));
+  });
+}
+
+template <typename T, int kHeadDim>
+void check_bwd(const char* name) {
+  using Tr = attn_ext::cuda::BwdCuteTraits<T, kHeadDim>;
+  constexpr int M = Tr::kBlockM, N = Tr::kBlockN, D = Tr::kHeadDim, kThreads = Tr::kThreads;
+  CHECK(Tr::kSmemBytes <= 163 * 1024, "%s: %zu bytes of shared memory", name, Tr::kSmemBytes);
+  CHECK(bijective(typename Tr::SmemLayoutQ{}), "%s: Q layout", name);
+  CHECK(bijective(typename Tr::SmemLayoutKV{}), "%s: K/V layout", name);
+  CHECK(bijective(typename Tr::SmemLayoutPdS{}), "%s: P/dS layout", name);
+  {
+    typename Tr::SmemLayoutQ q;
+    typename Tr::SmemLayoutQt qt;
+    typename Tr::SmemLayoutKV k;
+    typename Tr::SmemLayoutKt kt;
+    typename Tr::SmemLayoutPdS pds;
+    typename Tr::SmemLayoutPdSt pdst;
+    for (int m = 0; m < M; ++m)
+      for (int d = 0; d < D; ++d) CHECK(qt(d, m) == q(m, d), "%s: Q^T(%d, %d)", name, d, m);
+    for (int n = 0; n < N; ++n)
+      for (int d = 0; d < D; ++d) CHECK(kt(d, n) == k(n, d), "%s: K^T(%d, %d)", name, d, n);
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) CHECK(pdst(n, m) == pds(m, n), "%s: P^T(%d, %d)", name, n, m);
+  }
+  typename Tr::GmemCopy gcopy;
+  CHECK(covers_once(kThreads, M, D,
+                    [&](int tid) {
+                      return gcopy.get_thread_slice(tid).partition_S(
+                          make_identity_tensor(Shape<Int<M>, Int<D>>{}));
+                    }),
+        "%s: Q/dO tile copy", name);
+  CHECK(covers_once(kThreads, N, D,
+                    [&](int tid) {
+                      return gcopy.get_thread_slice(tid).partition_S(
+                          make_identity_tensor(Shape<Int<N>, Int<D>>{}));
+                    }),
+        "%s: K/V tile copy", name);
+  typename Tr::TiledMmaSdP sdp;
+  typename Tr::TiledMmaKV kv;
+  typename Tr::TiledMmaQ dq;
+  CHECK(size(sdp) == kThreads && size(kv) == kThreads && size(dq) == kThreads,
+        "%s: MMA thread counts", name);
+  CHECK(mma_covers(sdp, kThreads, M, N, Shape<Int<M>, Int<N>>{}), "%s: S / dP partition", name);
+  CHECK(mma_covers(kv, kThreads, N, D, Shape<Int<N>, Int<D>>{}), "%s: dK / dV partition", name);
+  CHECK(mma_covers(dq, kThreads, M, D, Shape<Int<M>, Int<D>>{}), "%s: dQ partition", name);
+  auto pcopy = make_tiled_copy_C(typename Tr::SmemCopyAtomPdS{}, sdp);
+  CHECK(covers_once(kThreads, M, N,
+                    [&](int tid) {
+                      return pcopy.get_thread_slice(tid).partition_D(
+                          make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+                    }),
+        "%s: P / dS staging copy", name);
+  std::printf("ok   %s backward: %d x %d tiles, %d threads, %zu bytes of shared memory\n", name, M,
+              N, kThreads, Tr::kSmemBytes);
+}
+
 }  // namespace
 
 int main() {
@@ -162,6 +227,9 @@ int main() {
   check<__half, 64>("f16 d64");
   check<__half, 128>("f16 d128");
   check<__half, 256>("f16 d256");
+  check_bwd<__nv_bfloat16, 64>("bf16 d64");
+  check_bwd<__nv_bfloat16, 128>("bf16 d128");
+  check_bwd<__half, 128>("f16 d128");
   std::printf("%s\n", failures ? "CUTE LAYOUT CHECK FAIL" : "CUTE LAYOUT CHECK PASS");
   return failures ? 1 : 0;
 }

@@ -306,14 +306,53 @@ def test_dropout_forward_backward(dtype, causal):
 # --------------------------------------------------------------------------- #
 # Determinism, streams, float64
 # --------------------------------------------------------------------------- #
+@pytest.fixture
+def deterministic_algorithms():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_is_deterministic(dtype):
+@pytest.mark.parametrize("cute", [False, True], ids=["default", "cute_opt_in"])
+def test_backward_is_deterministic(dtype, cute, monkeypatch, deterministic_algorithms):
+    """Under torch.use_deterministic_algorithms, identical bits twice: the CuTe backward (opt-in
+    until verified) adds dQ by atomics, so it yields to the generic kernel there."""
+    if cute:
+        monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     q, k, v = make_qkv(2, 8, 2, 300, 300, 64, dtype=dtype, device=DEV)
     g = torch.randn(2, 8, 300, 64, device=DEV).to(dtype)
     a = autograd_grads(lambda x, y, z: attn_ext.attention(x, y, z, causal=True), [q, k, v], g)
     b = autograd_grads(lambda x, y, z: attn_ext.attention(x, y, z, causal=True), [q, k, v], g)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+# (B, H, Hkv, Sq, Sk, D, options): the CuTe backward's inputs (D == Dv in 64 / 128) at block
+# edges (64 query rows, 128 keys), odd lengths, GQA / MQA, causal both alignments, windows
+CUTE_BWD_CASES = [
+    (2, 4, 4, 128, 128, 64, {}),
+    (1, 4, 2, 129, 257, 128, {}),
+    (1, 8, 1, 1, 300, 64, {}),
+    (1, 2, 2, 300, 1, 128, {}),
+    (2, 4, 4, 200, 200, 128, dict(causal=True)),
+    (1, 4, 2, 65, 300, 64, dict(causal=True)),
+    (1, 4, 4, 300, 65, 128, dict(causal=True)),
+    (1, 2, 2, 333, 333, 64, dict(window_size=(31, 17))),
+    (1, 2, 2, 256, 400, 128, dict(window_size=(-1, 40))),
+]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("case", CUTE_BWD_CASES, ids=str)
+def test_cute_backward(dtype, case, monkeypatch):
+    """The CuTe backward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green here) by the suite's
+    error rule against the reference's gradients and float64."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    B, H, Hkv, Sq, Sk, D, kw = case
+    q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
+    check_grads(q, k, v, **kw)
 
 
 def test_runs_on_the_current_stream():

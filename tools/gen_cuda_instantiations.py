@@ -40,6 +40,7 @@ def kernel_set() -> dict:
     dims = ks["mma_head_dims"]
     assert dims == sorted(set(dims)), f"{KERNEL_SET}: mma_head_dims must ascend"
     assert set(ks["mma_dtypes"]) <= set(ks["dtypes"]), f"{KERNEL_SET}: mma_dtypes not in dtypes"
+    assert set(ks["cute_bwd_head_dims"]) <= set(dims), f"{KERNEL_SET}: cute_bwd_head_dims"
     return ks
 
 
@@ -63,6 +64,16 @@ def cute_fwd(t: str, hd: int) -> str:
     return _instantiation(
         "flash_fwd_cute.cuh",
         [f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
+    )
+
+
+def cute_bwd(t: str, hd: int) -> str:
+    return _instantiation(
+        "flash_bwd_cute.cuh",
+        [
+            f"template cudaError_t run_bwd_cute<{t}, {hd}>(const AttentionBwdParams&,",
+            "                                             BwdWorkspace, cudaStream_t);",
+        ],
     )
 
 
@@ -108,7 +119,10 @@ def header(ks: dict) -> str:
         + "\n// Head dims of the tensor-core forward, ascending, in the bit order of\n"
         "// ATTN_EXT_CUDA_HEAD_DIM_MASK (setup.py); max(D, Dv) pads up to the first built one.\n"
         f"constexpr int kMmaHeadDims[] = {{{', '.join(map(str, dims))}}};\n"
-        f"constexpr int kNumMmaHeadDims = {len(dims)};\n\n"
+        f"constexpr int kNumMmaHeadDims = {len(dims)};\n"
+        "// Head dims of the CuTe backward (a subset of kMmaHeadDims).\n"
+        f"constexpr int kCuteBwdHeadDims[] = {{{', '.join(map(str, ks['cute_bwd_head_dims']))}}};\n"
+        f"constexpr int kNumCuteBwdHeadDims = {len(ks['cute_bwd_head_dims'])};\n\n"
         "}  // namespace attn_ext::cuda::kernel_set\n"
     )
 
@@ -120,6 +134,8 @@ def files() -> dict:
         for hd in ks["mma_head_dims"]:
             out[f"fwd_mma_{dtype}_hd{hd}.cu"] = mma_fwd(ks["dtypes"][dtype], hd)
             out[f"fwd_cute_{dtype}_hd{hd}.cu"] = cute_fwd(ks["dtypes"][dtype], hd)
+        for hd in ks["cute_bwd_head_dims"]:
+            out[f"bwd_cute_{dtype}_hd{hd}.cu"] = cute_bwd(ks["dtypes"][dtype], hd)
     for dtype, t in ks["dtypes"].items():
         out[f"fwd_generic_{dtype}.cu"] = generic_fwd(t)
         out[f"bwd_generic_{dtype}.cu"] = generic_bwd(t)

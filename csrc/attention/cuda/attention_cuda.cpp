@@ -1,9 +1,11 @@
 // CUDA op wrappers of attn_ext.attention, attention_varlen and their backwards: validation
 // shared with the CPU ops (prepare_attention*), the current stream, a checked launch; nothing
 // synchronizes.
-// The backward is deterministic by construction (flash/flash_bwd_generic.cuh), so it
-// honours torch.use_deterministic_algorithms without a flag.
+// The generic backward is deterministic by construction (flash/flash_bwd_generic.cuh); the
+// CuTe one (opt-in until verified) adds dQ by atomics and yields to it under
+// torch.use_deterministic_algorithms.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -50,6 +52,13 @@ bool cute_forward_enabled() {
   return false;
 }
 
+// The CuTe backward (flash/flash_bwd_cute.cuh) compiles but has not yet run on a GPU: off
+// unless ATTN_EXT_UNVERIFIED_CUDA=1. Its dQ sums are ordered by atomics, so under
+// torch.use_deterministic_algorithms the generic (deterministic) kernel runs instead.
+bool cute_backward_enabled() {
+  return unverified_cuda_enabled() && !at::globalContext().deterministicAlgorithms();
+}
+
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   AttentionParams& p = in.params;
   check_verified(op, p);
@@ -88,7 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
     // delta, lse2 and lse2_lo of every row (indexed as lse), in the compute type
     at::Tensor ws = at::empty({3, rows}, g.dq.options());
     const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
-    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, cute_backward_enabled(),
+                                        c10::cuda::getCurrentCUDAStream()));
     if (p.sinks != nullptr) g.dsinks.copy_(sink_grads(p, ws, in.in.sinks));
   }
   return finish_grads(p, std::move(g), q.scalar_type(), sinks);

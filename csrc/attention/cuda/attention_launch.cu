@@ -47,6 +47,13 @@ constexpr bool mma_built(int idx) {
 constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
 constexpr bool kCuteBuilt = ATTN_EXT_CUDA_CUTE != 0;
 
+// Position of a head dim in kMmaHeadDims (-1 if absent), at compile time.
+constexpr int mma_head_dim_index(int head_dim) {
+  for (int i = 0; i < kNumMmaHeadDims; ++i)
+    if (kMmaHeadDims[i] == head_dim) return i;
+  return -1;
+}
+
 // 16-byte vectors: cp.async and the output's stores move 8 16-bit elements at a time.
 constexpr int64_t kCuteVec = 8;
 
@@ -74,6 +81,37 @@ int cute_index(const AttentionParams& p) {
   for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
     if (mma_built<T>(idx) && p.head_dim == kMmaHeadDims[idx]) return idx;
   return -1;
+}
+
+// The index into kMmaHeadDims of the head dim whose CuTe backward serves these inputs, or -1:
+// the forward's conditions (cute_index) for the head dims of kCuteBwdHeadDims, dO's rows
+// 16-byte aligned too.
+template <typename T>
+int cute_bwd_index(const AttentionBwdParams& p) {
+  if (!kBackwardBuilt) return -1;
+  const int idx = cute_index<T>(p);
+  if (idx < 0 || reinterpret_cast<uintptr_t>(p.dout) % 16 != 0 ||
+      p.do_batch_stride % kCuteVec != 0 || p.do_head_stride % kCuteVec != 0 ||
+      p.do_row_stride % kCuteVec != 0) {
+    return -1;
+  }
+  for (int i = 0; i < kernel_set::kNumCuteBwdHeadDims; ++i)
+    if (kernel_set::kCuteBwdHeadDims[i] == kMmaHeadDims[idx]) return idx;
+  return -1;
+}
+
+template <typename T, int kIdx = 0>
+cudaError_t bwd_cute(int idx, const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
+  if constexpr (kIdx == kernel_set::kNumCuteBwdHeadDims || !kCuteBuilt || !kBackwardBuilt) {
+    return cudaErrorInvalidValue;
+  } else {
+    constexpr int kHeadDim = kernel_set::kCuteBwdHeadDims[kIdx];
+    constexpr int kMmaIdx = mma_head_dim_index(kHeadDim);
+    if constexpr (mma_built<T>(kMmaIdx)) {
+      if (idx == kMmaIdx) return run_bwd_cute<T, kHeadDim>(p, ws, stream);
+    }
+    return bwd_cute<T, kIdx + 1>(idx, p, ws, stream);
+  }
 }
 
 template <typename T, int kIdx = 0>
@@ -177,9 +215,12 @@ cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool c
 }
 
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 cudaStream_t stream) {
+                                 bool cute, cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if (cute) {
+      if (const int idx = cute_bwd_index<T>(p); idx >= 0) return bwd_cute<T>(idx, p, ws, stream);
+    }
     if constexpr (dtype_built<T>() && kBackwardBuilt) {
       return run_bwd_generic<T>(p, ws, stream);
     } else {

@@ -39,8 +39,10 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
 cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute,
                                  cudaStream_t stream);
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
-// (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row); deterministic.
+// (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row). With
+// `cute`, the CuTe tensor-core kernel where it serves the inputs (dQ summed by atomics: not
+// deterministic); else the generic kernel, deterministic.
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 cudaStream_t stream);
+                                 bool cute, cudaStream_t stream);
 
 }  // namespace attn_ext::cuda

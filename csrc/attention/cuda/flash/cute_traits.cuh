@@ -134,4 +134,79 @@ struct FwdCuteTraits {
   static_assert(kSmemBytes <= 163 * 1024, "tiles fit the shared memory of sm_80 and sm_90");
 };
 
+// Compile-time shape of the CuTe tensor-core backward (flash_bwd_cute.cuh), FlashAttention-2's
+// algorithm: one block per (b, query head, key block) accumulates dK and dV in registers over
+// the query blocks that see its keys, and adds each query block's dQ share to an fp32 buffer
+// with atomics.
+template <typename T, int kHeadDim_>
+struct BwdCuteTraits {
+  using Elem = typename CuteElem<T>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // D == Dv == kHeadDim (attention_launch.cu)
+  // 128 keys per block, 64 query rows per step, 8 warps: dK and dV of 128 keys stay in
+  // registers for the whole loop (2 * 128 * D / 256 fp32 per thread: 128 at D = 128), beside
+  // the 64 x 128 score and dP fragments (32 each).
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kVec = 16 / sizeof(Elem);
+  static constexpr int kPanel = 64;
+  static_assert(kHeadDim % kPanel == 0 && kBlockN % kPanel == 0, "whole 64-element panels");
+
+  using SmemLayoutAtom = typename FwdCuteTraits<T, kHeadDim>::SmemLayoutAtom;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(  // Q and dO: (kBlockM, kHeadDim)
+      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(  // K and V: (kBlockN, kHeadDim)
+      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutPdS = decltype(cute::tile_to_shape(  // P and dS: (kBlockM, kBlockN)
+      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  // The transposed operands read the same bytes through a (cols, rows) view with the
+  // transposing ldmatrix: Q^T and dO^T (kHeadDim, kBlockM), K^T (kHeadDim, kBlockN), P^T and
+  // dS^T (kBlockN, kBlockM).
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{},
+                                       cute::GenRowMajor{})));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                        cute::GenRowMajor{})));
+  using SmemLayoutPdSt = decltype(cute::composition(
+      SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
+                                         cute::GenRowMajor{})));
+
+  using MmaAtom = cute::MMA_Atom<typename CuteElem<T>::MmaOp>;
+  // S = Q K^T and dP = dO V^T, (kBlockM x kBlockN): 2 x 4 warps.
+  using TiledMmaSdP =
+      cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::_2, cute::_4, cute::_1>>,
+                     cute::Tile<cute::_32, cute::_64, cute::_16>>;
+  // dV += P^T dO and dK += dS^T Q, (kBlockN x kHeadDim): 4 x 2 warps.
+  using TiledMmaKV =
+      cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::_4, cute::_2, cute::_1>>,
+                     cute::Tile<cute::_64, cute::_32, cute::_16>>;
+  // dQ = dS K, (kBlockM x kHeadDim): 4 x 2 warps.
+  using TiledMmaQ = TiledMmaKV;
+  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Elem>;
+  using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Elem>;
+  // Registers -> shared for P and dS: two adjacent elements per 32-bit store.
+  using SmemCopyAtomPdS = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Elem>;
+
+  static constexpr int kThreadsPerRow = kPanel / kVec;
+  using GmemThreadLayout =
+      cute::Layout<cute::Shape<cute::Int<kThreads / kThreadsPerRow>, cute::Int<kThreadsPerRow>>,
+                   cute::Stride<cute::Int<kThreadsPerRow>, cute::_1>>;
+  using GmemCopy = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Elem>{}, GmemThreadLayout{},
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kVec>>>{}));
+
+  static constexpr size_t kSmemQ = cute::cosize_v<SmemLayoutQ> * sizeof(Elem);
+  static constexpr size_t kSmemKV = cute::cosize_v<SmemLayoutKV> * sizeof(Elem);
+  static constexpr size_t kSmemPdS = cute::cosize_v<SmemLayoutPdS> * sizeof(Elem);
+  // Q, dO, K, V, P, dS: 128 KB at D = 128.
+  static constexpr size_t kSmemBytes = 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemPdS;
+
+  static_assert(kBlockM % (kThreads / kThreadsPerRow) == 0 &&
+                    kBlockN % (kThreads / kThreadsPerRow) == 0,
+                "global copies tile the blocks exactly");
+  static_assert(kSmemBytes <= 163 * 1024, "tiles fit the shared memory of sm_80 and sm_90");
+};
+
 }  // namespace attn_ext::cuda

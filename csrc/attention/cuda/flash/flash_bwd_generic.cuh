@@ -329,6 +329,18 @@ inline cudaError_t set_smem(const void* kernel, size_t smem) {
                               static_cast<int>(smem));
 }
 
+// The preprocess alone (the CuTe backward runs it too): every row of lse.
+template <typename T, bool kVarlenOrMods>
+cudaError_t launch_bwd_preprocess(const AttentionBwdParams& p, BwdWorkspace ws,
+                                  cudaStream_t stream) {
+  using Tr = GenericBwdTraits;
+  const int64_t rows = p.row_batches() * p.heads * p.q_rows();
+  constexpr int kRowsPerBlock = Tr::kThreads / Tr::kWarp;  // one warp per row
+  flash_bwd_preprocess_kernel<T, kVarlenOrMods>
+      <<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0, stream>>>(p, ws);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kVarlenOrMods>
 cudaError_t launch_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
   using Tr = GenericBwdTraits;
@@ -336,10 +348,7 @@ cudaError_t launch_bwd_generic(const AttentionBwdParams& p, BwdWorkspace ws, cud
   // A fixed-length batch without keys has no gradient; with sinks, the preprocess still forms
   // the rows their gradient is read from.
   if (rows == 0 || (p.k_rows() == 0 && p.sinks == nullptr)) return cudaSuccess;
-  constexpr int kRowsPerBlock = Tr::kThreads / Tr::kWarp;  // one warp per row
-  flash_bwd_preprocess_kernel<T, kVarlenOrMods>
-      <<<static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)), Tr::kThreads, 0, stream>>>(p, ws);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_bwd_preprocess<T, kVarlenOrMods>(p, ws, stream);
   if (e != cudaSuccess || p.k_rows() == 0) return e;
 
   const size_t smem = bwd_generic_smem_bytes<T>(p.head_dim, p.head_dim_v);

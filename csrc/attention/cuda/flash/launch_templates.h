@@ -21,6 +21,11 @@ cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream);
 
+// CuTe tensor-core backward (bf16 / fp16): the CuTe forward's inputs at the head dims of
+// kernel_set::kCuteBwdHeadDims; dQ's sums ordered by atomics (flash_bwd_cute.cuh).
+template <typename T, int kHeadDim>
+cudaError_t run_bwd_cute(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream);
+
 // Generic (SIMT) forward: any dtype and head dims, exact accumulation in acc_t.
 template <typename T>
 cudaError_t run_fwd_generic(const AttentionParams& p, cudaStream_t stream);

@@ -23,5 +23,8 @@ template <> constexpr bool kHasMma<__half> = true;
 // ATTN_EXT_CUDA_HEAD_DIM_MASK (setup.py); max(D, Dv) pads up to the first built one.
 constexpr int kMmaHeadDims[] = {64, 128, 256};
 constexpr int kNumMmaHeadDims = 3;
+// Head dims of the CuTe backward (a subset of kMmaHeadDims).
+constexpr int kCuteBwdHeadDims[] = {64, 128};
+constexpr int kNumCuteBwdHeadDims = 2;
 
 }  // namespace attn_ext::cuda::kernel_set
