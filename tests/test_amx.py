@@ -53,6 +53,9 @@ CASES = [
     ("bool_mask", 1, 2, 2, 100, 77, 64, 64, {"mask": "bool"}),
     ("float_mask", 1, 2, 1, 100, 77, 96, 64, {"mask": "float"}),
     ("modifiers", 1, 2, 2, 100, 150, 64, 64, {"softcap": 20.0, "alibi": True, "sinks": True}),
+    # 16500 x (128 + 128) packed elements exceed the per-thread whole-head budget
+    # (kMaxPackedHeadElems = 2^22): K and V are packed tile by tile.
+    ("per_tile_packing", 1, 2, 1, 40, 16500, 128, 128, {"causal": True}),
 ]
 
 _SCRIPT = r"""
