@@ -11,7 +11,8 @@
 
 namespace {
 
-// cpu_block_kernels() -> "avx512" | "avx2" | "blas" (a build without the packed kernels); raises
+// cpu_block_kernels() -> "amx" | "avx512" | "avx2" | "blas" (a build without the packed kernels;
+// "amx": the bf16 forward on AMX tiles, the rest on the AVX-512 products); raises
 // RuntimeError when ATTN_EXT_CPU_KERNELS names kernels this CPU cannot run.
 PyObject* cpu_block_kernels(PyObject*, PyObject*) {
 #ifdef ATTN_EXT_AVX2
@@ -29,7 +30,7 @@ PyObject* cpu_block_kernels(PyObject*, PyObject*) {
 }
 
 PyMethodDef methods[] = {{"cpu_block_kernels", cpu_block_kernels, METH_NOARGS,
-                          "The CPU block products this process runs: avx512, avx2 or blas."},
+                          "The CPU block products this process runs: amx, avx512, avx2 or blas."},
                          {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

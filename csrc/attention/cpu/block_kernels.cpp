@@ -9,15 +9,20 @@
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/avx512_block_products.h"
+#include "attention/cpu/amx_block_products.h"
 #endif
 
 namespace attn_ext::cpu {
 #ifdef ATTN_EXT_AVX2
 namespace {
 
-constexpr BlockKernels kAvx2{"avx2", &avx2::scores_tile, &avx2::pv_tile, &avx2::atb_tile};
+constexpr BlockKernels kAvx2{"avx2", &avx2::scores_tile, &avx2::pv_tile, &avx2::atb_tile, false};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
-constexpr BlockKernels kAvx512{"avx512", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile};
+constexpr BlockKernels kAvx512{"avx512", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile,
+                               false};
+#ifdef ATTN_EXT_AMX_PRODUCTS
+constexpr BlockKernels kAmx{"amx", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile, true};
+#endif
 #endif
 
 // libgcc's check includes the OS: AVX-512 state must be enabled in XCR0, not only in CPUID.
@@ -29,19 +34,40 @@ bool cpu_has_avx512() {
 #endif
 }
 
-// auto takes AVX-512 where the CPU has it. The AVX-512 kernels are checked bit for bit
-// against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check) and through scalar stand-ins
-// for their intrinsics (tests/test_cpu_kernels.py); their speed on AVX-512 hardware is not
-// yet measured (dev/gpu_session.sh's cpu phase does it): avx2 is the fallback to pin.
+bool cpu_has_amx() {
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AMX_PRODUCTS)
+  return cpu_has_avx512() && amx::available();
+#else
+  return false;
+#endif
+}
+
+// auto takes AMX where the CPU and OS offer it, else AVX-512 where the CPU has it. The AVX-512
+// kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check)
+// and through scalar stand-ins for their intrinsics (tests/test_cpu_kernels.py); avx2 is the
+// fallback to pin. The AMX bf16 forward is checked against float64 and torch's bf16 flash
+// kernel (tests/test_amx.py) and ran 2.0-2.9x the AVX-512 bf16 forward on a Sapphire Rapids
+// VM (docs/performance.md, 2026-11-26); avx512 pins the fp32-P products.
 const BlockKernels* choose() {
   const char* env = std::getenv("ATTN_EXT_CPU_KERNELS");
   const std::string want = env && *env ? env : "auto";
-  TORCH_CHECK(want == "auto" || want == "avx2" || want == "avx512",
-              "ATTN_EXT_CPU_KERNELS: expected auto, avx2 or avx512, got '", want, "'");
+  TORCH_CHECK(want == "auto" || want == "avx2" || want == "avx512" || want == "amx",
+              "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512 or amx, got '", want, "'");
   if (want == "avx2") return &kAvx2;
+  if (want == "amx") {
+    TORCH_CHECK(cpu_has_amx(),
+                "ATTN_EXT_CPU_KERNELS=amx, but this CPU or OS offers no AMX-BF16 tiles "
+                "(or Linux refused the tile state)");
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AMX_PRODUCTS)
+    return &kAmx;
+#endif
+  }
   const bool avx512 = cpu_has_avx512();
   TORCH_CHECK(want == "auto" || avx512,
               "ATTN_EXT_CPU_KERNELS=avx512, but this CPU reports no AVX-512F");
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AMX_PRODUCTS)
+  if (want == "auto" && cpu_has_amx()) return &kAmx;
+#endif
 #ifdef ATTN_EXT_AVX512_PRODUCTS
   if (avx512) return &kAvx512;
 #endif

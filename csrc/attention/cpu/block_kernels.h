@@ -3,7 +3,9 @@
 // that runs them: AVX-512 where it has it (avx512_block_products.cpp), else AVX2
 // (avx2_block_products.h). Both read the same 16-wide panels (packed by avx2::pack_*) and
 // form every output element from the same fused multiply-adds in the same order, so they
-// return identical bits; only the speed differs.
+// return identical bits; only the speed differs. The "amx" set runs the bf16 forward's
+// products on AMX tiles instead (amx_block_products.h: P rounded to bf16, so not the same
+// bits) and everything else on the AVX-512 products.
 #include <cstdint>
 
 namespace attn_ext::cpu {
@@ -20,11 +22,13 @@ struct BlockKernels {
   // C[n x dc] += A[m x n]^T B[m x dc], B as value panels.
   void (*atb)(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
               int64_t panel_stride, int64_t dc, float* c, int64_t ldc);
+  // The bf16 forward runs on AMX tiles (amx_block_products.h) rather than on these products.
+  bool amx_bf16_forward;
 };
 
-// The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2 or
-// avx512 pins the choice (auto or unset: the widest). Read on first use; a value that is
-// unknown or that this CPU cannot run raises then.
+// The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2,
+// avx512 or amx pins the choice (auto or unset: the widest). Read on first use; a value that
+// is unknown or that this CPU cannot run raises then.
 const BlockKernels& block_kernels();
 
 }  // namespace attn_ext::cpu

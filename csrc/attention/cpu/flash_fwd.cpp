@@ -18,6 +18,7 @@
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
+#include "attention/cpu/amx_block_products.h"
 #endif
 
 namespace attn_ext::cpu {
@@ -155,6 +156,89 @@ struct PackedProducts {
   void accumulate(const float* pm, int64_t ldp, int64_t m, int64_t n, const float* factor,
                   float* o) const {
     kernels.pv(pm, ldp, m, vp, v_panel_stride, n, dv, factor, o, dv);
+  }
+};
+#endif
+
+#ifdef ATTN_EXT_AMX_PRODUCTS
+// The bf16 forward on AMX tiles (amx_block_products.h; block_kernels().amx_bf16_forward). K and
+// V are packed into tiles once per (batch, kv head) while the packed head fits the fp32 panels'
+// element budget (half their bytes), else tile by tile, as PackedProducts does. The query block,
+// which the worker converted to fp32, is rounded back to bf16 (exactly: it was bf16) once per
+// task, and P once per key tile, just before P V.
+struct AmxProducts {
+  using Traits = FlashTraits<c10::BFloat16>;
+  static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
+
+  int64_t d, dv, d_pad, dv_pad, sk_pad;
+  bool whole_head;
+  const uint16_t *k = nullptr, *v = nullptr;
+  int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
+  Buffer<uint16_t> k_tiles, v_tiles, v_tail;
+  std::vector<uint16_t> q_tile, p_tile;  // sized by the largest query block seen
+  bool q_ready = false;
+  const uint16_t *kt = nullptr, *vt = nullptr;
+  amx::ThreadTiles tiles;  // this thread's tile configuration, while the worker lives
+
+  AmxProducts(const AttentionParams& p, int64_t block_n)
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        d_pad(amx::round_up(d, amx::kPairDepth)),
+        dv_pad(amx::round_up(dv, amx::kAccCols)),
+        sk_pad(amx::round_up(p.seqlen_k, amx::kPairDepth)),
+        whole_head(sk_pad * (d_pad + dv_pad) <= Traits::kMaxPackedHeadElems),
+        k_tiles(amx::key_tile_elems(whole_head ? sk_pad : block_n, d)),
+        v_tiles(amx::value_tile_elems(whole_head ? sk_pad : block_n, dv)),
+        v_tail(amx::value_tile_elems(amx::kPairDepth, dv)) {}
+
+  // Called once per task, before its first scores: also marks the query block as not yet
+  // rounded. `keys` bounds the rows read, as in PackedProducts.
+  void load_head(int64_t head_id, const c10::BFloat16* k_rows, int64_t k_stride,
+                 const c10::BFloat16* v_rows, int64_t v_stride, int64_t n_begin, int64_t n_end,
+                 int64_t keys) {
+    k = reinterpret_cast<const uint16_t*>(k_rows), v = reinterpret_cast<const uint16_t*>(v_rows);
+    k_ld = k_stride, v_ld = v_stride, q_ready = false;
+    if (!whole_head || n_begin >= n_end) return;
+    if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
+    const int64_t stop = std::min(amx::round_up(n_end, kKeyAlign), amx::round_up(keys, kKeyAlign));
+    if (hi >= stop) return;
+    const int64_t n = std::min(stop, keys) - hi;
+    amx::pack_keys(k + hi * k_ld, k_ld, n, d, k_tiles.get() + hi * d_pad);
+    amx::pack_values(v + hi * v_ld, v_ld, n, dv, v_tiles.get() + hi * dv_pad);
+    hi = stop;
+  }
+
+  void load_tile(int64_t j0, int64_t n) {
+    if (whole_head) {
+      kt = k_tiles.get() + j0 * d_pad, vt = v_tiles.get() + j0 * dv_pad;
+    } else {
+      amx::pack_keys(k + j0 * k_ld, k_ld, n, d, k_tiles.get());
+      amx::pack_values(v + j0 * v_ld, v_ld, n, dv, v_tiles.get());
+      kt = k_tiles.get(), vt = v_tiles.get();
+    }
+  }
+
+  void scores(const float* q, int64_t ldq, int64_t m, int64_t n, float scale, float* s,
+              int64_t lds) {
+    if (!q_ready) {
+      grow(q_tile, amx::round_up(m, amx::kTileRows) * d_pad);
+      amx::round_rows(q, ldq, m, d, q_tile.data(), d_pad);
+      q_ready = true;
+    }
+    amx::scores(q_tile.data(), d_pad, m, kt, n, d, scale, s, lds);
+  }
+
+  void accumulate(const float* pm, int64_t ldp, int64_t m, int64_t n, const float* factor,
+                  float* o) {
+    const int64_t n_pad = amx::round_up(n, amx::kPairDepth);
+    grow(p_tile, amx::round_up(m, amx::kTileRows) * n_pad);
+    amx::round_rows(pm, ldp, m, n, p_tile.data(), n_pad);
+    amx::pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv, v_tail.get());
+  }
+
+ private:
+  static void grow(std::vector<uint16_t>& buf, int64_t elems) {
+    if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
   }
 };
 #endif
@@ -298,13 +382,20 @@ void flash_fwd(const AttentionParams& p) {
 }
 
 // The packed products for float accumulation once the query blocks of a head are
-// enough to amortize packing it; BLAS otherwise (fp64, other ISAs, a few query rows).
+// enough to amortize packing it (for bf16 on AMX tiles where block_kernels() says so); BLAS
+// otherwise (fp64, other ISAs, a few query rows).
 template <typename scalar_t>
 void flash_fwd(const AttentionParams& p) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
-    if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries)
+    if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries) {
+#ifdef ATTN_EXT_AMX_PRODUCTS
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (block_kernels().amx_bf16_forward) return flash_fwd<scalar_t, AmxProducts>(p);
+      }
+#endif
       return flash_fwd<scalar_t, PackedProducts<scalar_t>>(p);
+    }
   }
 #endif
   flash_fwd<scalar_t, BlasProducts<scalar_t>>(p);

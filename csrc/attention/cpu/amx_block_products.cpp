@@ -1,0 +1,333 @@
+// The bf16 forward's block products on AMX tiles (contracts in amx_block_products.h).
+//
+// Shapes: every tile is 16 rows x 64 bytes. A micro-tile is 32 rows x 32 columns of output in
+// the four accumulator tiles 0-3, fed by two A tiles (4, 5: 16 rows x 32 bf16 of Q or P) and two
+// B tiles (6, 7: packed K or V), so each pair of loads feeds four tile products; a block edge
+// with only 16 rows or columns left runs the same loop on fewer tiles. Accumulators leave
+// through a 16 x 16 fp32 scratch in L1, where the scale (scores) or the online-softmax rescale
+// (P V) is applied while writing the caller's row-major block, with masked stores at its edges.
+//
+// This file is compiled with the build's flags (AVX2) and switches to AVX-512/AMX with a target
+// pragma after its includes, as avx512_block_products.cpp does, so no inline function it shares
+// with the rest of the library is ever emitted with these instructions; block_kernels() calls
+// it only where available() holds.
+#include "attention/cpu/amx_block_products.h"
+
+#ifdef ATTN_EXT_AMX_PRODUCTS
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(                                                              \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+#endif
+
+namespace attn_ext::cpu::amx {
+namespace {
+
+// Linux (>= 5.16) keeps the 8 KiB tile data state off until a process asks for it
+// (Documentation/arch/x86/xstate.rst); these are the arch_prctl codes and the state's bit.
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+// CPUID leaf 7 bits: EBX (subleaf 0) AVX512F; EDX (subleaf 0) AMX-BF16, AMX-TILE;
+// EAX (subleaf 1) AVX512-BF16. XCR0 bits: SSE/AVX/opmask/ZMM state and the two tile states.
+constexpr unsigned kCpuidAvx512f = 1u << 16;
+constexpr unsigned kCpuidAmxBf16 = 1u << 22;
+constexpr unsigned kCpuidAmxTile = 1u << 24;
+constexpr unsigned kCpuidAvx512Bf16 = 1u << 5;
+constexpr unsigned kCpuidOsxsave = 1u << 27;  // leaf 1 ECX
+constexpr uint64_t kXcr0Avx512 = 0xE6;        // bits 1, 2, 5, 6, 7
+constexpr uint64_t kXcr0Tiles = 3ull << 17;   // XTILECFG, XTILEDATA
+
+constexpr int kRowBytes = 64;  // every tile row: 32 bf16 or 16 fp32
+constexpr int kPaletteTiles = 8;
+constexpr uint8_t kPalette = 1;  // the one palette of AMX (8 tiles of up to 16 x 64 bytes)
+constexpr int kLanes = 16;       // fp32 lanes of a zmm, one accumulator tile row
+
+// The 64-byte operand of LDTILECFG (Intel SDM vol. 2, "LDTILECFG").
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads exactly 64 bytes");
+
+uint64_t xcr0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+
+bool probe() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & kCpuidOsxsave)) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const unsigned max_subleaf = a;
+  if (!(b & kCpuidAvx512f) || !(d & kCpuidAmxBf16) || !(d & kCpuidAmxTile)) return false;
+  if (max_subleaf < 1) return false;
+  __cpuid_count(7, 1, a, b, c, d);
+  if (!(a & kCpuidAvx512Bf16)) return false;
+  const uint64_t x = xcr0();
+  if ((x & kXcr0Avx512) != kXcr0Avx512 || (x & kXcr0Tiles) != kXcr0Tiles) return false;
+  // Granted process-wide, threads started before or after included; asking again is harmless
+  // (torch's oneDNN asks too).
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+  unsigned long granted = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0) return false;
+  return (granted >> kXfeatureXtiledata) & 1ul;
+}
+
+inline __mmask16 lane_mask(int64_t cols) {
+  return cols >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u);
+}
+
+// Accumulator tile t (0-3) of a micro-tile, stored as 16 x 16 fp32.
+using TileScratch = float[4][kTileRows * kAccCols];
+
+// Tiles 0-3 += A (tiles 4, 5: rows a, a + 16 rows) x B (tiles 6, 7: b0, b1), over `steps`
+// reduction steps: step i reads A at a + i * a_step (bf16 elements) and B at b_at(i) and
+// b_at(i) + b_next. R2 / C2: whether the second row / column block exists.
+template <bool R2, bool C2, typename BAt>
+inline void micro_tile(const uint16_t* a, int64_t lda, int64_t a_step, int64_t steps, BAt b_at,
+                       int64_t b_next, TileScratch& out) {
+  const int64_t a_bytes = lda * int64_t(sizeof(uint16_t));
+  _tile_zero(0);
+  if constexpr (C2) _tile_zero(1);
+  if constexpr (R2) _tile_zero(2);
+  if constexpr (R2 && C2) _tile_zero(3);
+  for (int64_t i = 0; i < steps; ++i) {
+    const uint16_t* b = b_at(i);
+    _tile_loadd(4, a + i * a_step, a_bytes);
+    _tile_loadd(6, b, kRowBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C2) {
+      _tile_loadd(7, b + b_next, kRowBytes);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (R2) {
+      _tile_loadd(5, a + kTileRows * lda + i * a_step, a_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (C2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out[0], kRowBytes);
+  if constexpr (C2) _tile_stored(1, out[1], kRowBytes);
+  if constexpr (R2) _tile_stored(2, out[2], kRowBytes);
+  if constexpr (R2 && C2) _tile_stored(3, out[3], kRowBytes);
+}
+
+// Runs micro_tile over an m x n output in 32 x 32 micro-tiles (16 at the edges), then
+// epilogue(tile, r0, c0) for each accumulator tile it filled.
+template <typename Micro, typename Epilogue>
+inline void for_micro_tiles(int64_t m, int64_t n, Micro micro, Epilogue epilogue) {
+  TileScratch acc;
+  const int64_t row_blocks = (m + kTileRows - 1) / kTileRows;
+  const int64_t col_blocks = (n + kAccCols - 1) / kAccCols;
+  for (int64_t rb = 0; rb < row_blocks; rb += 2) {
+    const bool r2 = rb + 1 < row_blocks;
+    for (int64_t cb = 0; cb < col_blocks; cb += 2) {
+      const bool c2 = cb + 1 < col_blocks;
+      if (r2 && c2)
+        micro(std::true_type{}, std::true_type{}, rb, cb, acc);
+      else if (r2)
+        micro(std::true_type{}, std::false_type{}, rb, cb, acc);
+      else if (c2)
+        micro(std::false_type{}, std::true_type{}, rb, cb, acc);
+      else
+        micro(std::false_type{}, std::false_type{}, rb, cb, acc);
+      for (int t = 0; t < 4; ++t) {
+        const int64_t r0 = (rb + t / 2) * kTileRows, c0 = (cb + t % 2) * kAccCols;
+        if (r0 < m && c0 < n && (t / 2 == 0 || r2) && (t % 2 == 0 || c2)) epilogue(acc[t], r0, c0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = probe();
+  return ok;
+}
+
+// GCC 12 does not apply the target pragma to constructors and destructors (an always_inline
+// mismatch on _tile_loadconfig): they call these plain functions instead.
+void load_tile_config() {
+  TileConfig cfg{};
+  cfg.palette_id = kPalette;
+  for (int t = 0; t < kPaletteTiles; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = kRowBytes;
+  }
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so the stores to the
+  // rest were dropped as dead (tilezero then faulted on an unconfigured thread); the empty asm
+  // with a memory clobber keeps all 64 bytes written.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+void release_tiles() {
+  _tile_release();
+}
+
+ThreadTiles::ThreadTiles() {
+  load_tile_config();
+}
+
+ThreadTiles::~ThreadTiles() {
+  release_tiles();
+}
+
+void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst) {
+  const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
+  for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kTileRows) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint16_t* tile = dst + (j0 / kTileRows * chunks + c) * kTileElems;
+      const int64_t f0 = c * kPairDepth;
+      if (j0 + kTileRows <= n && f0 + kPairDepth <= d) {
+        // A whole tile: a 16 x 16 transpose of feature pairs (32-bit words), branch-free.
+        for (int64_t j = 0; j < kTileRows; ++j) {
+          const uint16_t* row = k + (j0 + j) * ld + f0;
+          for (int64_t t = 0; t < kTileRows; ++t)
+            std::memcpy(tile + (t * kTileRows + j) * 2, row + 2 * t, 2 * sizeof(uint16_t));
+        }
+        continue;
+      }
+      for (int64_t t = 0; t < kTileRows; ++t)
+        for (int64_t j = 0; j < kTileRows; ++j)
+          for (int64_t e = 0; e < 2; ++e) {
+            const int64_t key = j0 + j, f = f0 + 2 * t + e;
+            tile[(t * kTileRows + j) * 2 + e] = key < n && f < d ? k[key * ld + f] : 0;
+          }
+    }
+  }
+}
+
+void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst) {
+  const int64_t blocks = round_up(dv, kAccCols) / kAccCols;
+  for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kPairDepth) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint16_t* tile = dst + (j0 / kPairDepth * blocks + b) * kTileElems;
+      const int64_t f0 = b * kAccCols;
+      if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
+        // A whole tile: rows 2t and 2t + 1 interleaved, branch-free.
+        for (int64_t t = 0; t < kTileRows; ++t) {
+          const uint16_t* even = v + (j0 + 2 * t) * ld + f0;
+          const uint16_t* odd = even + ld;
+          for (int64_t col = 0; col < kAccCols; ++col) {
+            tile[(t * kAccCols + col) * 2] = even[col];
+            tile[(t * kAccCols + col) * 2 + 1] = odd[col];
+          }
+        }
+        continue;
+      }
+      for (int64_t t = 0; t < kTileRows; ++t)
+        for (int64_t col = 0; col < kAccCols; ++col)
+          for (int64_t e = 0; e < 2; ++e) {
+            const int64_t key = j0 + 2 * t + e, f = f0 + col;
+            tile[(t * kAccCols + col) * 2 + e] = key < n && f < dv ? v[key * ld + f] : 0;
+          }
+    }
+  }
+}
+
+void round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst, int64_t ldd) {
+  const int64_t n_pad = round_up(n, kPairDepth);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < n_pad; c += kLanes) {
+      const __m512 x =
+          _mm512_maskz_loadu_ps(lane_mask(std::max<int64_t>(n - c, 0)), src + r * ld + c);
+      const __m256bh y = _mm512_cvtneps_pbh(x);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + c), (__m256i)y);
+    }
+  }
+  for (int64_t r = m; r < round_up(m, kTileRows); ++r)
+    std::memset(dst + r * ldd, 0, n_pad * sizeof(uint16_t));
+}
+
+void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles, int64_t n,
+            int64_t d, float scale, float* s, int64_t lds) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for_micro_tiles(
+      m, n,
+      [&](auto r2, auto c2, int64_t rb, int64_t cb, TileScratch& acc) {
+        const uint16_t* keys = key_tiles + cb * chunks * kTileElems;
+        micro_tile<decltype(r2)::value, decltype(c2)::value>(
+            q + rb * kTileRows * ldq, ldq, kPairDepth, chunks,
+            [&](int64_t c) { return keys + c * kTileElems; }, chunks * kTileElems, acc);
+      },
+      [&](const float* tile, int64_t r0, int64_t c0) {
+        const __mmask16 cols = lane_mask(n - c0);
+        const int64_t rows = std::min<int64_t>(kTileRows, m - r0);
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_mask_storeu_ps(s + (r0 + r) * lds + c0, cols,
+                                _mm512_mul_ps(_mm512_loadu_ps(tile + r * kAccCols), sv));
+      });
+}
+
+void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_tiles, int64_t n,
+        int64_t dv, const float* factor, float* o, int64_t ldo, uint16_t* v_tail) {
+  if (m <= 0) return;
+  const int64_t blocks = round_up(dv, kAccCols) / kAccCols;
+  const int64_t chunk_elems = blocks * kTileElems;  // the tiles of one 32-key chunk
+  const int64_t full = n / kPairDepth, chunks = round_up(n, kPairDepth) / kPairDepth;
+  if (chunks > full) {
+    // Keys [n, end of chunk) may be keys these rows never see (past the band, past the
+    // sequence): zero them in a copy rather than trust P's zeros (0 * NaN is NaN).
+    const int64_t keep = n - full * kPairDepth;
+    std::memcpy(v_tail, value_tiles + full * chunk_elems, chunk_elems * sizeof(uint16_t));
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t t = 0; t < kTileRows; ++t)
+        for (int64_t e = 0; e < 2; ++e)
+          if (2 * t + e >= keep)
+            for (int64_t col = 0; col < kAccCols; ++col)
+              v_tail[b * kTileElems + (t * kAccCols + col) * 2 + e] = 0;
+  }
+  for_micro_tiles(
+      m, dv,
+      [&](auto r2, auto c2, int64_t rb, int64_t cb, TileScratch& acc) {
+        micro_tile<decltype(r2)::value, decltype(c2)::value>(
+            p_bf16 + rb * kTileRows * ldp, ldp, kPairDepth, chunks,
+            [&](int64_t c) {
+              return (c < full ? value_tiles + c * chunk_elems : v_tail) + cb * kTileElems;
+            },
+            kTileElems, acc);
+      },
+      [&](const float* tile, int64_t r0, int64_t c0) {
+        const __mmask16 cols = lane_mask(dv - c0);
+        const int64_t rows = std::min<int64_t>(kTileRows, m - r0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = o + (r0 + r) * ldo + c0;
+          const __m512 acc = _mm512_loadu_ps(tile + r * kAccCols);
+          const __m512 ov = _mm512_maskz_loadu_ps(cols, dst);
+          const __m512 res = factor ? _mm512_fmadd_ps(ov, _mm512_set1_ps(factor[r0 + r]), acc)
+                                    : _mm512_add_ps(ov, acc);
+          _mm512_mask_storeu_ps(dst, cols, res);
+        }
+      });
+}
+
+}  // namespace attn_ext::cpu::amx
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif  // ATTN_EXT_AMX_PRODUCTS

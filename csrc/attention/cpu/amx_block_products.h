@@ -1,0 +1,85 @@
+#pragma once
+// The bf16 forward's two block products on AMX tiles (Intel Sapphire Rapids and later):
+// scores = scale * Q K^T and O = O * factor + P V, each a sum of 16 x 16 x 32 tile products
+// (_tile_dpbf16ps: bf16 pairs multiplied, accumulated in fp32). Compiled into every x86-64
+// build, called only where available() says the CPU and the OS allow tiles
+// (block_kernels(): ATTN_EXT_CPU_KERNELS=amx).
+//
+// Numerics: Q, K and V are bf16 inputs, so their products are exact and only the fp32
+// accumulation rounds, as in the fp32 panels. P is rounded to bf16 once before P V (torch's
+// and FlashAttention's bf16 kernels do the same); the row sums of the softmax, and so the
+// normalization and lse, use the unrounded fp32 P. tests/test_amx.py bounds the error this
+// adds against torch's own bf16 SDPA.
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && \
+    (defined(__GNUC__) || defined(__clang__))
+#define ATTN_EXT_AMX_PRODUCTS 1
+
+namespace attn_ext::cpu::amx {
+
+constexpr int64_t kTileRows = 16;   // rows of every tile this file configures
+constexpr int64_t kPairDepth = 32;  // bf16 reduction elements per tile row (16 pairs, 64 bytes)
+constexpr int64_t kAccCols = 16;    // fp32 columns of an accumulator tile (64 bytes)
+// A packed operand tile: kTileRows rows of kPairDepth bf16 (1 KiB).
+constexpr int64_t kTileElems = kTileRows * kPairDepth;
+
+inline int64_t round_up(int64_t n, int64_t to) {
+  return (n + to - 1) / to * to;
+}
+
+// Whether this process may run AMX bf16 tiles: the CPU reports AMX-TILE, AMX-BF16 and
+// AVX512-BF16 (which rounds P), the OS enables the tile state in XCR0, and Linux grants the
+// process permission for it (requested here on the first call; without it the first tile
+// instruction faults).
+bool available();
+
+// Loads this file's tile configuration on the calling thread and releases the tiles when it
+// goes out of scope. The configuration is per thread and other code (oneDNN inside torch) may
+// change it between calls, so each worker holds one while it runs; it cannot move threads.
+class ThreadTiles {
+ public:
+  ThreadTiles();
+  ~ThreadTiles();
+  ThreadTiles(const ThreadTiles&) = delete;
+  ThreadTiles& operator=(const ThreadTiles&) = delete;
+};
+
+// Elements of the packed forms of n keys (features d) and n values (features dv).
+inline int64_t key_tile_elems(int64_t n, int64_t d) {
+  return round_up(n, kPairDepth) * round_up(d, kPairDepth);
+}
+inline int64_t value_tile_elems(int64_t n, int64_t dv) {
+  return round_up(n, kPairDepth) * round_up(dv, kAccCols);
+}
+
+// Keys [0, n) of rows k (stride ld, bf16 bits) as B tiles of Q K^T: for each block of 16 keys
+// and each 32-feature chunk, a tile whose row t holds features (2t, 2t + 1) of each of the 16
+// keys (the pair layout _tile_dpbf16ps reads). Keys from n to round_up(n, 32) and features past
+// d are zero, so the tiles of keys j0.. (j0 a multiple of 32) start at dst + j0 * round_up(d, 32).
+void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst);
+
+// Values [0, n) (stride ld) as B tiles of P V: for each chunk of 32 keys and each block of 16
+// features, a tile whose row t holds keys (2t, 2t + 1) of each of the 16 features; zero past n
+// and dv. The tiles of keys j0.. (a multiple of 32) start at dst + j0 * round_up(dv, 16).
+void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst);
+
+// dst[r][c] = bf16(src[r][c]) (nearest even) for r < m, c < n; zero for c in
+// [n, round_up(n, 32)) and for rows [m, round_up(m, 16)). dst holds that many rows of ldd.
+void round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst, int64_t ldd);
+
+// S[m x n] = scale * Q K^T: q as round_rows wrote it (d padded to 32, ldq), key_tiles as
+// pack_keys wrote them for these n keys. Columns past n are left alone.
+void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles, int64_t n,
+            int64_t d, float scale, float* s, int64_t lds);
+
+// O[m x dv] = O * factor[row] + P V for P = p_bf16 (round_rows of the fp32 P, ldp) and
+// value_tiles as pack_values wrote them. Only keys [0, n) count: a chunk that ends past n is
+// copied into v_tail (round_up(dv, 16) * 32 elements) with those keys zeroed, so a value row a
+// row never sees (NaN included) reaches no output.
+void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_tiles, int64_t n,
+        int64_t dv, const float* factor, float* o, int64_t ldo, uint16_t* v_tail);
+
+}  // namespace attn_ext::cpu::amx
+
+#endif
