@@ -207,6 +207,8 @@ class PagedKVCache:
     slot and copies only its partly filled last page, so both may append. A page shared any
     other way (a block_table edited by hand) is written by whichever sequence appends into it,
     and every sharer sees the write: copy-on-write is the caller's business.
+
+    CPU only for now: on CUDA the ops raise ``NotImplementedError`` (issue 21's paged kernels).
     """
 
     def __init__(

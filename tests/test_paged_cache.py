@@ -456,3 +456,19 @@ def test_paged_cache_arguments():
     assert c.k.shape == (4, 2, 16, 8) and c.v.shape == (4, 2, 16, 6)
     assert c.block_table.shape == (3, 2) and c.block_table.dtype == torch.int32
     assert "PagedKVCache(num_pages=4, page_size=16" in repr(c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_ops_not_yet_on_cuda():
+    """The paged CUDA kernels are not written yet: a clear error after validation (a bad table
+    still gets the validation's message)."""
+    k, v, table, lens = (t.cuda() for t in _bad_table_setup())
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+        attn_ext.decode_attention(
+            torch.randn(2, 4, 1, 8, device="cuda"), k, v, lens, block_table=table
+        )
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+        new = torch.zeros(2, 2, 1, 8, device="cuda")
+        ops.kv_cache_append(k, v, lens, new, new, block_table=table)
+    with pytest.raises(RuntimeError, match="block_table must be int32"):
+        ops.kv_cache_append(k, v, lens, new, new, block_table=table.long())
