@@ -14,7 +14,7 @@ from . import (  # noqa: F401  (drop-in and canonical modules)
     nn,
 )
 from .cache_size import kv_cache_bytes
-from .caches import KVCache, LatentKVCache, LinearAttentionState, TPAFactorCache
+from .caches import KVCache, LatentKVCache, LinearAttentionState, PagedKVCache, TPAFactorCache
 from .decoding import decode_attention, rope, rope_
 from .functional import (
     attention,
@@ -42,6 +42,7 @@ __all__ = [
     "rope_",
     "decode_attention",
     "KVCache",
+    "PagedKVCache",
     "LatentKVCache",
     "TPAFactorCache",
     "LinearAttentionState",

@@ -255,6 +255,7 @@ def _kv_cache_append_fake(
     rope_base=10000.0,
     rope_interleaved=False,
     rotary_dim=None,
+    block_table=None,
 ):
     return None
 

@@ -17,7 +17,38 @@ from .decoding import decode_attention
 
 _ops = torch.ops.attn_ext
 
-__all__ = ["KVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"]
+__all__ = ["KVCache", "PagedKVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"]
+
+# A block_table entry past a sequence's pages: never read (the ops read only the entries that
+# cover a sequence's rows), and out of range, so a bug that did read it would be caught.
+_NO_PAGE = -1
+
+
+def _room_after(
+    host_lengths: List[int], capacity: int, k: torch.Tensor, new_lengths: Optional[torch.Tensor]
+) -> Tuple[List[int], Optional[str]]:
+    """The host lengths after appending k, and why the append must fail (None if it fits).
+    Raised after the op has validated its inputs, so that a bad input gets the op's own
+    error, as on the CPU (a GPU append that does not fit writes nothing)."""
+    if k.dim() != 4:  # the op reports the shape error
+        return host_lengths, None
+    s_new, batch = k.size(2), len(host_lengths)
+    add = [s_new] * batch if new_lengths is None else [int(n) for n in new_lengths.cpu()]
+    if len(add) != batch:
+        return host_lengths, None
+    for b, (n, a) in enumerate(zip(host_lengths, add)):
+        if not 0 <= a <= s_new:
+            return (
+                host_lengths,
+                f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}",
+            )
+        if n + a > capacity:
+            return host_lengths, (
+                f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
+                f"cache_seqlens[{b}] = {n} + {a} new tokens > capacity {capacity} "
+                "(nothing was written)"
+            )
+    return [n + a for n, a in zip(host_lengths, add)], None
 
 
 class KVCache:
@@ -79,32 +110,7 @@ class KVCache:
     def _room_after(
         self, k: torch.Tensor, new_lengths: Optional[torch.Tensor]
     ) -> Tuple[List[int], Optional[str]]:
-        """The host lengths after appending k, and why the append must fail (None if it fits).
-        Raised after the op has validated its inputs, so that a bad input gets the op's own
-        error, as on the CPU (a GPU append that does not fit writes nothing)."""
-        if k.dim() != 4:  # the op reports the shape error
-            return self._host_lengths, None
-        s_new = k.size(2)
-        add = (
-            [s_new] * self.batch_size
-            if new_lengths is None
-            else [int(n) for n in new_lengths.cpu()]
-        )
-        if len(add) != self.batch_size:
-            return self._host_lengths, None
-        for b, (n, a) in enumerate(zip(self._host_lengths, add)):
-            if not 0 <= a <= s_new:
-                return (
-                    self._host_lengths,
-                    f"attn_ext.kv_cache_append: new_lengths[{b}] must be in [0, {s_new}], got {a}",
-                )
-            if n + a > self.max_len:
-                return self._host_lengths, (
-                    f"attn_ext.kv_cache_append: sequence {b} would overflow the cache: "
-                    f"cache_seqlens[{b}] = {n} + {a} new tokens > capacity {self.max_len} "
-                    "(nothing was written)"
-                )
-        return [n + a for n, a in zip(self._host_lengths, add)], None
+        return _room_after(self._host_lengths, self.max_len, k, new_lengths)
 
     def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next ``seqlen`` tokens of each sequence, the
@@ -178,6 +184,256 @@ class KVCache:
         return (
             f"KVCache(batch_size={B}, num_kv_heads={Hkv}, max_len={L}, head_dim={D}, "
             f"head_dim_v={self.v.size(3)}, dtype={self.k.dtype}, device={self.k.device})"
+        )
+
+
+class PagedKVCache:
+    """A paged key/value cache (vLLM's PagedAttention layout): a pool of ``num_pages`` pages of
+    ``page_size`` rows, handed to sequences as they grow, so that memory follows the tokens
+    actually held instead of ``max_len`` per sequence.
+
+    ``k`` (num_pages, Hkv, page_size, D) and ``v`` (num_pages, Hkv, page_size, Dv) are allocated
+    once; ``block_table`` (max_batch, max_pages_per_seq) int32 maps sequence ``b``'s row ``t`` to
+    row ``t % page_size`` of page ``block_table[b, t // page_size]`` (entries past a sequence's
+    pages are -1); ``lengths`` (max_batch,) int32 counts each sequence's rows. The pages are
+    allocated on the host, before the operator runs: :meth:`append` takes the pages the new
+    rows need from the free list and then writes through ``kv_cache_append``; it raises,
+    writing nothing and taking no page, if a sequence would pass ``max_pages_per_seq *
+    page_size`` rows or the pool has too few free pages. :meth:`release` returns a finished
+    sequence's pages; :meth:`attend` runs :func:`decode_attention` through the table.
+
+    Prefix sharing / beam search: two sequences may point at the same page (a page is free
+    again once no sequence holds it). :meth:`fork` shares a sequence's full pages with another
+    slot and copies only its partly filled last page, so both may append. A page shared any
+    other way (a block_table edited by hand) is written by whichever sequence appends into it,
+    and every sharer sees the write: copy-on-write is the caller's business.
+
+    CPU only for now: on CUDA the ops raise ``NotImplementedError`` (issue 21's paged kernels).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: Optional[int] = None,
+        *,
+        max_batch: int,
+        max_pages_per_seq: int,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
+        for name, value, least in (
+            ("num_pages", num_pages, 1),
+            ("page_size", page_size, 1),
+            ("num_kv_heads", num_kv_heads, 0),
+            ("head_dim", head_dim, 0),
+            ("max_batch", max_batch, 0),
+            ("max_pages_per_seq", max_pages_per_seq, 0),
+        ):
+            if int(value) < least:
+                raise ValueError(f"attn_ext.PagedKVCache: {name} must be >= {least}, got {value}")
+        dv = head_dim if head_dim_v is None else head_dim_v
+        kw = dict(dtype=dtype, device=device)
+        self.k = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, **kw)
+        self.v = torch.zeros(num_pages, num_kv_heads, page_size, dv, **kw)
+        dev = self.k.device
+        self.block_table = torch.full(
+            (max_batch, max_pages_per_seq), _NO_PAGE, dtype=torch.int32, device=dev
+        )
+        self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.reset()
+
+    @property
+    def page_size(self) -> int:
+        return self.k.size(2)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.size(0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.size(0)
+
+    @property
+    def max_len(self) -> int:
+        """The rows one sequence can hold: ``max_pages_per_seq * page_size``."""
+        return self.block_table.size(1) * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def pages(self, b: int) -> List[int]:
+        """The pages of sequence ``b``, in row order (a copy)."""
+        return list(self._pages[b])
+
+    def reset(self) -> None:
+        """Forgets every sequence and returns every page to the pool (the memory is kept)."""
+        self.lengths.zero_()
+        self.block_table.fill_(_NO_PAGE)
+        self._host_lengths = [0] * self.batch_size
+        self._pages: List[List[int]] = [[] for _ in range(self.batch_size)]
+        # Lowest page ids first (popped from the end), so a fresh cache fills pages in order.
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._holders = [0] * self.num_pages  # sequences holding each page
+
+    def release(self, b: int) -> None:
+        """Ends sequence ``b``: its length becomes 0 and the pages no other sequence holds go
+        back to the free list."""
+        for page in self._pages[b]:
+            self._drop(page)
+        self._pages[b] = []
+        self._host_lengths[b] = 0
+        self.lengths[b] = 0
+        self.block_table[b].fill_(_NO_PAGE)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Starts sequence ``dst`` as a copy of ``src`` (beam search, a shared prompt): the full
+        pages of ``src`` are shared, its partly filled last page (if any) is copied to a new
+        page, so either sequence may append without changing the other. ``dst``'s previous
+        pages are released first."""
+        if src == dst:
+            return
+        n = self._host_lengths[src]
+        shared = n // self.page_size
+        tail = n % self.page_size != 0
+        if tail and not self._free:
+            raise RuntimeError(
+                "attn_ext.PagedKVCache.fork: out of pages: copying the last, partly filled page "
+                "needs 1 free page, 0 are free (nothing was changed)"
+            )
+        self.release(dst)
+        pages = self._pages[src][:shared]
+        for page in pages:
+            self._holders[page] += 1
+        if tail:
+            page = self._take()
+            self.k[page].copy_(self.k[self._pages[src][shared]])
+            self.v[page].copy_(self.v[self._pages[src][shared]])
+            pages = pages + [page]
+        self._pages[dst] = pages
+        self.block_table[dst, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self._host_lengths[dst] = n
+        self.lengths[dst] = n
+
+    def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, seqlen) int64 positions of the next tokens, as :meth:`KVCache.positions`."""
+        return KVCache.positions(self, seqlen, new_lengths)
+
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        new_lengths: Optional[torch.Tensor] = None,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+    ) -> None:
+        """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length,
+        taking new pages from the free list as the sequences cross page boundaries, and
+        advances ``lengths``; arguments as :meth:`KVCache.append` (B = ``max_batch``)."""
+        after, refusal = _room_after(self._host_lengths, self.max_len, k, new_lengths)
+        taken = [] if refusal is not None else self._allocate(after)
+        try:
+            _ops.kv_cache_append(
+                self.k,
+                self.v,
+                self.lengths,
+                k,
+                v,
+                new_lengths,
+                rope=rope,
+                rope_base=rope_base,
+                rope_interleaved=rope_interleaved,
+                rotary_dim=rotary_dim,
+                block_table=self.block_table,
+            )
+        except Exception:
+            self._give_back(taken)
+            raise
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        self._host_lengths = after
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        *,
+        scale: Optional[float] = None,
+        causal: bool = True,
+        window_left: int = -1,
+        num_splits: int = 0,
+        return_lse: bool = False,
+    ):
+        """:func:`decode_attention` of q (B, H, Sq, D) against this cache, through its table."""
+        return decode_attention(
+            q,
+            self.k,
+            self.v,
+            self.lengths,
+            scale=scale,
+            causal=causal,
+            window_left=window_left,
+            num_splits=num_splits,
+            return_lse=return_lse,
+            block_table=self.block_table,
+        )
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._holders[page] = 1
+        return page
+
+    def _drop(self, page: int) -> None:
+        self._holders[page] -= 1
+        if self._holders[page] == 0:
+            self._free.append(page)
+
+    def _allocate(self, after: List[int]) -> List[Tuple[int, int]]:
+        """Gives each sequence the pages its new length needs, all or none; returns the
+        (sequence, page) pairs taken (for :meth:`_give_back` if the append then fails)."""
+        need = [
+            max(0, -(-n // self.page_size) - len(pages)) for n, pages in zip(after, self._pages)
+        ]
+        if sum(need) > len(self._free):
+            raise RuntimeError(
+                f"attn_ext.PagedKVCache: out of pages: the append needs {sum(need)} new pages of "
+                f"{self.page_size} rows, {len(self._free)} are free (nothing was written; "
+                "release finished sequences or make the cache larger)"
+            )
+        taken, rows, cols = [], [], []
+        for b, n in enumerate(need):
+            for _ in range(n):
+                page = self._take()
+                rows.append(b)
+                cols.append(len(self._pages[b]))
+                self._pages[b].append(page)
+                taken.append((b, page))
+        if taken:
+            dev = self.block_table.device
+            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            pages = torch.tensor([page for _, page in taken], dtype=torch.int32, device=dev)
+            self.block_table.index_put_(index, pages)
+        return taken
+
+    def _give_back(self, taken: List[Tuple[int, int]]) -> None:
+        for b, page in reversed(taken):
+            self._pages[b].pop()
+            self.block_table[b, len(self._pages[b])] = _NO_PAGE
+            self._drop(page)
+
+    def __repr__(self) -> str:
+        P, Hkv, ps, D = self.k.shape
+        return (
+            f"PagedKVCache(num_pages={P}, page_size={ps}, num_kv_heads={Hkv}, head_dim={D}, "
+            f"head_dim_v={self.v.size(3)}, max_batch={self.batch_size}, "
+            f"max_pages_per_seq={self.block_table.size(1)}, dtype={self.k.dtype}, "
+            f"device={self.k.device})"
         )
 
 

@@ -82,6 +82,7 @@ def decode_attention(
     sinks: Optional[torch.Tensor] = None,
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
 ):
     """Attention of ``Sq`` new queries against a KV cache with per-sequence lengths.
 
@@ -108,6 +109,15 @@ def decode_attention(
     modifiers and these two raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: their kernel
     code has not yet run on a GPU.)
 
+    Paged cache (``block_table`` (B, max_pages) int32 on the cache's device, rows contiguous):
+    k_cache (num_pages, Hkv, page_size, D) and v_cache (num_pages, Hkv, page_size, Dv) (vLLM /
+    FlashAttention's ``(num_pages, page_size, Hkv, D)`` pages ``.transpose(1, 2)`` are read in
+    place); row ``t`` of sequence ``b`` is row ``t % page_size`` of page ``block_table[b, t //
+    page_size]``, so each sequence holds up to ``max_pages * page_size`` rows and two sequences
+    may share a page. Not together with ``cache_batch_idx``. The CPU op checks that every entry
+    covering ``[0, cache_seqlens[b])`` is a page of the cache; :class:`attn_ext.PagedKVCache`
+    manages the pages. (Not yet on CUDA.)
+
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.
     """
@@ -126,6 +136,7 @@ def decode_attention(
         sinks=sinks,
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
+        block_table=block_table,
     )
     return (out, lse) if return_lse else out
 

@@ -54,11 +54,13 @@ Differences from FlashAttention, by design:
   same softmax and output), so its lse is larger by ``slope * (i + Sk - Sq)``.
 - ``flash_attn_with_kvcache`` applies ``rotary_cos`` / ``rotary_sin`` with torch element-wise
   ops (in fp32, fp64 for fp64 inputs) before appending through ``kv_cache_append`` (with
-  ``cache_batch_idx`` or ``block_table`` by indexed writes: the op knows neither). With
-  ``block_table`` the used pages are gathered into a dense ``(B, max length, Hkv, D)`` copy for
-  ``decode_attention`` (the varlen functions: the used tokens, packed), and the largest length is
-  read on the host, as FlashAttention's paged check does: correct, not fast, until a paged
-  decode operator exists. On CUDA out-of-range block indices are clamped, not checked (no sync).
+  ``cache_batch_idx`` by indexed writes: the op does not know it). With ``block_table`` on the
+  CPU, ``kv_cache_append`` and ``decode_attention`` read and write the pages in place through
+  the table; on CUDA (whose paged kernels are not written yet) and in the varlen functions the
+  rows are written by index and the used pages gathered into a dense ``(B, max length, Hkv, D)``
+  copy (varlen: the used tokens, packed): correct, not fast. The largest length is read on the
+  host, as FlashAttention's paged check does. On CUDA out-of-range block indices are clamped,
+  not checked (no sync).
 - On CUDA, the varlen functions, ``softcap``, ``alibi_slopes`` and ``flash_attn_with_kvcache``'s
   ``cache_batch_idx`` / ``cache_leftpad`` / right windows run on kernel code that has not yet
   run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in.
@@ -597,6 +599,10 @@ def flash_attn_with_kvcache(
     if paged:
         _check_block_table(fn, block_table, k_cache, v_cache, B, lens + s_new)
         blocks = _page_index(fn, block_table, k_cache, lens + s_new)
+    # The CPU ops read and write the (num_blocks, Hkv, page_size, D) view of the pages through
+    # the table (whose rows they need contiguous); on CUDA the pages are gathered below.
+    paged_ops = paged and dev.type == "cpu"
+    table = block_table.contiguous() if paged_ops else None
     left, right = (int(w) for w in window_size)
     lens_after = lens
     if k is not None:
@@ -606,7 +612,7 @@ def flash_attn_with_kvcache(
             q_steps = torch.arange(sq, device=dev) if causal or (left, right) != NO_WINDOW else 0
             q_pos = (lens.long()[:, None] + q_steps).expand(B, sq)
             q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        if paged or cache_batch_idx is not None:
+        if (paged and not paged_ops) or cache_batch_idx is not None:
             # kv_cache_append writes sequence b at cache row b of a dense cache; these caches
             # place it elsewhere, so the rows are written by index.
             rows = lens.long()[:, None] + torch.arange(s_new, device=dev)  # (B, S_new)
@@ -629,8 +635,9 @@ def flash_attn_with_kvcache(
                     lens_after,
                     k.transpose(1, 2),
                     v.transpose(1, 2),
+                    block_table=table,
                 )
-    if paged:  # the rows up to the longest sequence, page by page
+    if paged and not paged_ops:  # the rows up to the longest sequence, page by page
         longest = int(lens_after.max()) if B > 0 else 0
         rows = torch.arange(longest, device=dev).expand(B, longest)
         where = _page_rows(k_cache, blocks, rows)
@@ -649,6 +656,7 @@ def flash_attn_with_kvcache(
         alibi_slopes=alibi_slopes,
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
+        block_table=table,
         return_lse=True,
     )
     out = out.transpose(1, 2).contiguous()

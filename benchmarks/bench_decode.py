@@ -7,6 +7,9 @@ same everywhere):
 
 * ``attn_ext`` -- :class:`attn_ext.KVCache` (preallocated) + ``kv_cache_append`` +
   ``decode_attention`` (GQA heads share each cache read; split-KV when B * Hkv is small);
+* ``paged16`` / ``paged256`` -- the same through :class:`attn_ext.PagedKVCache` with pages of
+  16 / 256 rows (pages taken from the free list as the sequences grow; the block table read by
+  both ops), to compare with the contiguous cache (issue 21's CPU target: within 10%);
 * ``sdpa``     -- a preallocated cache written with ``copy_`` and
   ``F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``;
 * ``doc``      -- document 000's ``KVCacheAttention`` cache (``torch.cat`` of the past and the new
@@ -21,7 +24,8 @@ then:
   candidate (a fresh cache each, its construction included: one copy of the prompt against
   ``--new-tokens`` reads of it), up to ``--gen-max-context`` (above: "skip").
 
-Ratios ``doc / attn_ext`` and ``sdpa / attn_ext`` (> 1: attn_ext faster). On CUDA also the
+Ratios ``<candidate> / attn_ext`` (> 1: attn_ext faster; for the paged caches, the cost of
+paging). On CUDA also the
 achieved bandwidth of a step (bytes of K and V read / time) against the device's measured copy
 bandwidth. Timing and output: ``attn_ext.testing.harness`` (``decode_<device>.md``).
 
@@ -41,7 +45,7 @@ import attn_ext
 from attn_ext.testing import harness
 from attn_ext.testing.documents import doc000, doc003
 
-CANDIDATES = ("attn_ext", "sdpa", "doc")
+CANDIDATES = ("attn_ext", "paged16", "paged256", "sdpa", "doc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Distinct new tokens cycled through by the steps (enough that no step reuses its predecessor's).
 NEW_TOKEN_POOL = 8
@@ -94,7 +98,41 @@ class AttnExtCache:
         return self.cache.attend(q)
 
 
-MAKERS = {"attn_ext": AttnExtCache, "sdpa": SdpaCache, "doc": DocCache}
+class PagedCache:
+    """attn_ext.PagedKVCache with room for max_len rows per sequence, pages in order of need."""
+
+    def __init__(self, k, v, max_len, page_size):
+        B, Hkv, P, D = k.shape
+        pages_per_seq = -(-max_len // page_size)
+        self.cache = attn_ext.PagedKVCache(
+            B * pages_per_seq,
+            page_size,
+            Hkv,
+            D,
+            v.size(3),
+            max_batch=B,
+            max_pages_per_seq=pages_per_seq,
+            dtype=k.dtype,
+            device=k.device,
+        )
+        self.cache.append(k, v)
+
+    def step(self, q, k_new, v_new):
+        self.cache.append(k_new, v_new)
+        return self.cache.attend(q)
+
+
+def paged(page_size):
+    return lambda k, v, max_len: PagedCache(k, v, max_len, page_size)
+
+
+MAKERS = {
+    "attn_ext": AttnExtCache,
+    "paged16": paged(16),
+    "paged256": paged(256),
+    "sdpa": SdpaCache,
+    "doc": DocCache,
+}
 
 
 def stepper(cache, new):

@@ -60,6 +60,13 @@
 //   sinks as for attention (ALiBi distances from pos). cache_batch_idx (B,) int32: sequence b
 //   reads cache row cache_batch_idx[b]; cache_leftpad (B,) int32: sequence b's keys start at
 //   cache_leftpad[b] (FlashAttention's with_kvcache arguments).
+//   Paged cache (block_table given to kv_cache_append / decode_attention): k_cache
+//   (num_pages, Hkv, page_size, D), v_cache (num_pages, Hkv, page_size, Dv) (vLLM /
+//   FlashAttention's (num_pages, page_size, Hkv, *) .transpose(1, 2) is read in place);
+//   block_table (B, max_pages) int32 on the cache's device, rows contiguous: row t of sequence
+//   b is row t % page_size of page block_table[b, t // page_size], capacity max_pages *
+//   page_size replaces L; sequences may share pages. Not with cache_batch_idx. The CPU ops
+//   check every entry they read or write (in [0, num_pages)) before touching the cache.
 //
 // Spatial attention (CBAM): x (N, C, H, W), dense NCHW or channels-last (read in place; other
 //   strides are copied to NCHW), outputs shaped like x in x's layout. channel_pool reads x once
@@ -148,7 +155,8 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) cache_seqlens, "
       "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
-      "float rope_base=10000.0, bool rope_interleaved=False, SymInt? rotary_dim=None) -> ()");
+      "float rope_base=10000.0, bool rope_interleaved=False, SymInt? rotary_dim=None, "
+      "Tensor? block_table=None) -> ()");
   m.def(
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
@@ -157,7 +165,8 @@ TORCH_LIBRARY(attn_ext, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "
       "int num_splits=0, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
-      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)");
+      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None) "
+      "-> (Tensor out, Tensor lse)");
 
   m.def(
       "tpa_expand(Tensor a, Tensor b, Tensor? positions=None, *, float scale=1.0, "

@@ -36,7 +36,13 @@ def test_state_classes_live_in_caches_and_keep_their_old_paths():
     from attn_ext import caches, decoding
     from attn_ext.nn import linear_attention, tensor_product_attention
 
-    for name in ("KVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"):
+    for name in (
+        "KVCache",
+        "PagedKVCache",
+        "LatentKVCache",
+        "TPAFactorCache",
+        "LinearAttentionState",
+    ):
         cls = getattr(caches, name)
         assert cls.__module__ == "attn_ext.caches" and getattr(attn_ext, name) is cls
     # where users could import them from before they moved

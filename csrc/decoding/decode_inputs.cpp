@@ -1,6 +1,7 @@
 #include "decoding/decode_inputs.h"
 
 #include <cmath>
+#include <vector>
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include "attention/inputs.h"
@@ -119,24 +120,68 @@ at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& len
   return h;
 }
 
+PageTable prepare_page_table(const char* op, const at::Tensor& block_table, int64_t batch,
+                             const at::Tensor& cache, const char* cache_name) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt, op, ": block_table must be int32, got ",
+              block_table.scalar_type());
+  TORCH_CHECK(block_table.device() == cache.device(), op, ": block_table must be on ", cache_name,
+              "'s device ", cache.device(), ", got ", block_table.device());
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op,
+              ": block_table must have shape (B, max_pages) with B = ", batch, ", got ",
+              block_table.sizes());
+  // Rows contiguous: the kernels step through a sequence's pages one int32 at a time.
+  TORCH_CHECK(block_table.size(1) <= 1 || block_table.stride(1) == 1, op,
+              ": block_table must have contiguous rows (stride 1 in dim 1), got strides ",
+              block_table.strides());
+  TORCH_CHECK(cache.size(2) >= 1, op, ": the page size (", cache_name,
+              " dim 2) must be >= 1 with a block_table, got ", cache.size(2), " (shape ",
+              cache.sizes(), ")");
+  PageTable pages;
+  pages.table = block_table.const_data_ptr<int32_t>();
+  pages.row_stride = block_table.stride(0);
+  pages.page_size = cache.size(2);
+  pages.num_pages = cache.size(0);
+  return pages;
+}
+
+void check_page_entries(const char* op, const PageTable& pages, int64_t batch, const int64_t* begin,
+                        const int64_t* end) {
+  for (int64_t b = 0; b < batch; ++b) {
+    if (end[b] <= begin[b]) continue;
+    for (int64_t i = begin[b] / pages.page_size; i <= (end[b] - 1) / pages.page_size; ++i) {
+      const int64_t page = pages.table[b * pages.row_stride + i];
+      TORCH_CHECK(page >= 0 && page < pages.num_pages, op, ": block_table[", b, ", ", i,
+                  "] must be a page of the cache, in [0, num_pages = ", pages.num_pages, "), got ",
+                  page, " (it holds rows [", i * pages.page_size, ", ", (i + 1) * pages.page_size,
+                  ") of sequence ", b, ")");
+    }
+  }
+}
+
 PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim, bool check_values,
+                                 std::optional<int64_t> rotary_dim,
+                                 const std::optional<at::Tensor>& block_table, bool check_values,
                                  const AppendNames& n) {
-  check_float_4d(op, n.k_cache, k_cache, "(B, Hkv, L, D)");
-  check_float_4d(op, n.v_cache, v_cache, "(B, Hkv, L, Dv)");
+  const bool paged = block_table.has_value() && block_table->defined();
+  check_float_4d(op, n.k_cache, k_cache,
+                 paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
+  check_float_4d(op, n.v_cache, v_cache,
+                 paged ? "(num_pages, Hkv, page_size, Dv)" : "(B, Hkv, L, Dv)");
   check_float_4d(op, n.k, k, "(B, Hkv, S_new, D)");
   check_float_4d(op, n.v, v, "(B, Hkv, S_new, Dv)");
   check_same(op, n.v_cache, v_cache, n.k_cache, k_cache);
   check_same(op, n.k, k, n.k_cache, k_cache);
   check_same(op, n.v, v, n.k_cache, k_cache);
-  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), L = k_cache.size(2);
-  check_size(op, n.v_cache, v_cache, 0, "batch size", B);
+  // A paged cache's first axis holds pages, not sequences: the batch is k's, and each
+  // sequence's capacity is its table row's pages.
+  const int64_t B = paged ? k.size(0) : k_cache.size(0), Hkv = k_cache.size(1);
+  check_size(op, n.v_cache, v_cache, 0, paged ? "pages" : "batch size", k_cache.size(0));
   check_size(op, n.v_cache, v_cache, 1, "heads", Hkv);
-  check_size(op, n.v_cache, v_cache, 2, "capacity", L);
+  check_size(op, n.v_cache, v_cache, 2, paged ? "page size" : "capacity", k_cache.size(2));
   check_size(op, n.k, k, 0, "batch size", B);
   check_size(op, n.k, k, 1, "heads", Hkv);
   check_size(op, n.k, k, 3, "head dim", k_cache.size(3));
@@ -149,6 +194,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
 
   PreparedAppend r;
   KVAppendParams& p = r.params;
+  if (paged) p.pages = prepare_page_table(op, *block_table, B, k_cache, n.k_cache);
+  const int64_t L = paged ? block_table->size(1) * p.pages.page_size : k_cache.size(2);
   p.batch = B;
   p.kv_heads = Hkv;
   p.seqlen_new = k.size(2);
@@ -168,6 +215,11 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
     TORCH_CHECK(len[b] + add[b] <= L, op, ": sequence ", b,
                 " would overflow the cache: cache_seqlens[", b, "] = ", len[b], " + ", add[b],
                 " new tokens > capacity ", L, " (nothing was written)");
+  }
+  if (paged && check_values) {
+    std::vector<int64_t> end(B);
+    for (int64_t b = 0; b < B; ++b) end[b] = len[b] + add[b];
+    check_page_entries(op, p.pages, B, len, end.data());
   }
   p.lengths = len;
   p.appended = add;
@@ -207,7 +259,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
   // column views of the one buffer, written row by row without overlap.
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
                            k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
-                           std::nullopt, check_values,
+                           std::nullopt, /*block_table=*/std::nullopt, check_values,
                            {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"});
 }
 
@@ -216,29 +268,44 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
                               const DecodeOptions& o, bool check_values) {
   TORCH_CHECK(o.num_splits >= 0, op, ": num_splits must be >= 0 (0 = automatic), got ",
               o.num_splits);
+  const bool indexed = o.cache_batch_idx.has_value() && o.cache_batch_idx->defined();
+  const bool paged = o.block_table.has_value() && o.block_table->defined();
+  TORCH_CHECK(!(indexed && paged), op,
+              ": give either block_table or cache_batch_idx, not both (a paged cache finds each "
+              "sequence's rows through block_table)");
   check_float_4d(op, "q", q, "(B, H, Sq, D)");
-  check_float_4d(op, "k_cache", k_cache, "(B, Hkv, L, D)");
-  check_float_4d(op, "v_cache", v_cache, "(B, Hkv, L, Dv)");
+  check_float_4d(op, "k_cache", k_cache,
+                 paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
+  check_float_4d(op, "v_cache", v_cache,
+                 paged ? "(num_pages, Hkv, page_size, Dv)" : "(B, Hkv, L, Dv)");
   check_same(op, "k_cache", k_cache, "q", q);
   check_same(op, "v_cache", v_cache, "q", q);
-  const bool indexed = o.cache_batch_idx.has_value() && o.cache_batch_idx->defined();
-  if (!indexed) check_size(op, "k_cache", k_cache, 0, "batch size", q.size(0));
-  check_size(op, "v_cache", v_cache, 0, "batch size", k_cache.size(0));
+  if (!indexed && !paged) check_size(op, "k_cache", k_cache, 0, "batch size", q.size(0));
+  check_size(op, "v_cache", v_cache, 0, paged ? "pages" : "batch size", k_cache.size(0));
   check_size(op, "v_cache", v_cache, 1, "heads", k_cache.size(1));
-  check_size(op, "v_cache", v_cache, 2, "capacity", k_cache.size(2));
+  check_size(op, "v_cache", v_cache, 2, paged ? "page size" : "capacity", k_cache.size(2));
   check_size(op, "k_cache", k_cache, 3, "head dim", q.size(3));
   TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, op,
               ": q heads must be a multiple of the cache's kv heads (GQA), got H=", q.size(1),
               " and Hkv=", k_cache.size(1));
   TORCH_CHECK(!indexed || k_cache.size(0) > 0 || q.size(0) == 0, op,
               ": cache_batch_idx needs a cache with at least one batch row");
+  TORCH_CHECK(!paged || k_cache.size(0) > 0 || q.size(0) == 0, op,
+              ": block_table needs a cache with at least one page, got k_cache of shape ",
+              k_cache.sizes());
+  PageTable pages;
+  if (paged) pages = prepare_page_table(op, *o.block_table, q.size(0), k_cache, "k_cache");
+  // Each sequence's capacity: the cache's rows, or its table row's pages.
+  const int64_t capacity = paged ? o.block_table->size(1) * pages.page_size : k_cache.size(2);
   // The cache is the key/value input of an ordinary attention call with Sk = capacity;
   // the per-sequence lengths then narrow what each sequence sees. With cache_batch_idx the
   // cache's batch differs from q's: validation sees row 0 broadcast over q's batch, and the
   // kernels then step over the cache's own rows. (An empty batch may index an empty cache:
-  // both have zero rows then.)
+  // both have zero rows then.) A paged cache is validated the same way, page 0 standing for
+  // every sequence; its capacity then replaces the page size.
+  const bool remapped = indexed || paged;
   const auto per_query_batch = [&](const at::Tensor& c) {
-    return indexed && c.size(0) > 0 ? c.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : c;
+    return remapped && c.size(0) > 0 ? c.narrow(0, 0, 1).expand({q.size(0), -1, -1, -1}) : c;
   };
   PreparedDecode r;
   r.attention =
@@ -246,10 +313,10 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
                         {std::nullopt, o.scale, o.causal, o.window_left, o.window_right,
                          std::nullopt, 0.0, std::nullopt, o.softcap, o.alibi_slopes, o.sinks});
   r.q = r.attention.q;
-  r.k_cache = indexed ? blas_rows(k_cache) : r.attention.k;
-  r.v_cache = indexed ? blas_rows(v_cache) : r.attention.v;
+  r.k_cache = remapped ? blas_rows(k_cache) : r.attention.k;
+  r.v_cache = remapped ? blas_rows(v_cache) : r.attention.v;
   static_cast<AttentionParams&>(r.params) = r.attention.params;
-  if (indexed) {
+  if (remapped) {
     DecodeParams& p = r.params;
     p.k = r.k_cache.data_ptr();
     p.v = r.v_cache.data_ptr();
@@ -259,17 +326,30 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
     p.v_head_stride = r.v_cache.stride(1);
     p.k_row_stride = blas_row_stride(r.k_cache);
     p.v_row_stride = blas_row_stride(r.v_cache);
+  }
+  if (paged) {
+    r.params.pages = pages;
+    r.params.seqlen_k = capacity;
+    r.params.key_offset = capacity - q.size(2);
+  }
+  if (indexed) {
+    DecodeParams& p = r.params;
     r.batch_idx = int64_lengths(op, "cache_batch_idx", *o.cache_batch_idx, q.size(0), k_cache,
                                 k_cache.size(0) - 1, check_values);
     p.batch_idx = r.batch_idx.data_ptr<int64_t>();
     p.cache_batch = k_cache.size(0);
   }
-  r.lengths = int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, k_cache.size(2),
-                            check_values);
+  r.lengths =
+      int64_lengths(op, "cache_seqlens", cache_seqlens, q.size(0), k_cache, capacity, check_values);
   r.params.lengths = r.lengths.data_ptr<int64_t>();
+  if (paged && check_values) {
+    // Every page holding a valid row: a superset of the rows the band lets the kernel read.
+    const std::vector<int64_t> begin(q.size(0), 0);
+    check_page_entries(op, pages, q.size(0), begin.data(), r.params.lengths);
+  }
   if (o.cache_leftpad.has_value() && o.cache_leftpad->defined()) {
-    r.leftpad = int64_lengths(op, "cache_leftpad", *o.cache_leftpad, q.size(0), k_cache,
-                              k_cache.size(2), check_values);
+    r.leftpad = int64_lengths(op, "cache_leftpad", *o.cache_leftpad, q.size(0), k_cache, capacity,
+                              check_values);
     if (check_values) {
       const int64_t* lp = r.leftpad.data_ptr<int64_t>();
       for (int64_t b = 0; b < q.size(0); ++b)

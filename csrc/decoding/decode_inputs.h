@@ -43,6 +43,16 @@ void set_rope_output(RopeParams& p, const at::Tensor& out);
 at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths, int64_t batch,
                          const at::Tensor& like, int64_t hi, bool check_values);
 
+// A paged cache's block_table: (B, max_pages) int32 on the cache's device with contiguous
+// rows; `cache` (num_pages, Hkv, page_size, *) is named `cache_name` in messages and must have
+// page_size >= 1. The table is read in place (the returned PageTable points into it).
+PageTable prepare_page_table(const char* op, const at::Tensor& block_table, int64_t batch,
+                             const at::Tensor& cache, const char* cache_name);
+// CPU: every entry of sequence b's table row that covers its rows [begin[b], end[b]) must name
+// a page of the cache (in [0, num_pages)); the error names block_table[b, i].
+void check_page_entries(const char* op, const PageTable& pages, int64_t batch, const int64_t* begin,
+                        const int64_t* end);
+
 struct PreparedAppend {
   at::Tensor lengths, appended;  // int64 copies on the cache's device
   KVAppendParams params;
@@ -60,7 +70,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& new_lengths, bool rope,
                                  double rope_base, bool rope_interleaved,
-                                 std::optional<int64_t> rotary_dim, bool check_values,
+                                 std::optional<int64_t> rotary_dim,
+                                 const std::optional<at::Tensor>& block_table, bool check_values,
                                  const AppendNames& names = {});
 
 // The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope];
@@ -82,7 +93,7 @@ struct DecodeOptions {
   bool causal = true;
   int64_t window_left = -1, window_right = -1, num_splits = 0;
   double softcap = 0.0;
-  std::optional<at::Tensor> alibi_slopes, sinks, cache_batch_idx, cache_leftpad;
+  std::optional<at::Tensor> alibi_slopes, sinks, cache_batch_idx, cache_leftpad, block_table;
 };
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,

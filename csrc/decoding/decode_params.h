@@ -28,7 +28,39 @@ struct RopeParams {
   }
 };
 
-// Appends k/v (B, Hkv, S_new, *) to the caches (B, Hkv, L, *) at each sequence's length.
+// Where a sequence's cache row lives: the index on the cache's first axis (a sequence of a
+// contiguous cache, a page of a paged one) and the row within it.
+struct CacheSlot {
+  int64_t block, row;
+};
+
+// A paged cache (vLLM / FlashAttention's layout in our axis order): the cache is
+// (num_pages, Hkv, page_size, *) and row t of sequence b is row t % page_size of page
+// table[b * row_stride + t / page_size], so sequences grow page by page without moving and
+// may share pages. page_size 0 means the cache holds one contiguous block per sequence (the
+// table pointer cannot say so: an empty table has none).
+struct PageTable {
+  const int32_t* table = nullptr;  // (B, max_pages) int32, rows contiguous
+  int64_t row_stride = 0;          // table entries between consecutive sequences
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+
+  C10_HOST_DEVICE bool paged() const { return page_size > 0; }
+  // The CPU ops check every entry they touch before running; a GPU op cannot read the table
+  // without a sync, so an entry is clamped into range here: never an access outside the cache.
+  C10_HOST_DEVICE int64_t page(int64_t b, int64_t t) const {
+    const int64_t pg = table[b * row_stride + t / page_size];
+    return pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
+  }
+  // Row t of sequence b (contiguous cache: row t of block b).
+  C10_HOST_DEVICE CacheSlot locate(int64_t b, int64_t t) const {
+    if (!paged()) return {b, t};
+    return {page(b, t), t % page_size};
+  }
+};
+
+// Appends k/v (B, Hkv, S_new, *) to the caches (B, Hkv, L, *) at each sequence's length
+// (paged: caches (num_pages, Hkv, page_size, *) through `pages`, L = max_pages * page_size).
 struct KVAppendParams {
   const void* k = nullptr;
   const void* v = nullptr;
@@ -45,10 +77,12 @@ struct KVAppendParams {
   const int64_t* appended = nullptr;
   bool rope = false;  // rotate the keys at their cache positions on the way in
   RopePolicy policy;
+  PageTable pages;  // the cache strides' batch stride is then the page stride
 };
 
 // Attention of Sq new queries against a KV cache with per-sequence lengths. Reuses the
-// attention fields: seqlen_k is the cache capacity L, window_right is 0 (causal) or -1.
+// attention fields: seqlen_k is the cache capacity L (paged: max_pages * page_size, with the
+// k/v batch strides the page strides), window_right is 0 (causal) or -1.
 // Query i of sequence b sits at key position lengths[b] - Sq + i (bottom-right).
 struct DecodeParams : AttentionParams {
   const int64_t* lengths = nullptr;  // (B,) int64 on the op's device (CPU: checked in [0, L])
@@ -59,6 +93,7 @@ struct DecodeParams : AttentionParams {
   const int64_t* batch_idx = nullptr;
   const int64_t* leftpad = nullptr;
   int64_t cache_batch = 0;  // the cache's batch rows (batch_idx's range)
+  PageTable pages;          // a paged cache (never together with batch_idx)
 
   // The CPU op checks both values; a GPU op cannot read them without a sync, so they are
   // clamped into range here: never a read outside the cache.
@@ -66,6 +101,10 @@ struct DecodeParams : AttentionParams {
     if (batch_idx == nullptr) return b;
     const int64_t r = batch_idx[b];
     return r < 0 ? 0 : (r >= cache_batch ? cache_batch - 1 : r);
+  }
+  // Key row t of sequence b: through the page table, or row t of its cache batch row.
+  C10_HOST_DEVICE CacheSlot key_slot(int64_t b, int64_t t) const {
+    return pages.paged() ? pages.locate(b, t) : CacheSlot{cache_row(b), t};
   }
   C10_HOST_DEVICE int64_t first_key(int64_t b) const {
     if (leftpad == nullptr) return 0;

@@ -3,6 +3,11 @@
 // The G = H / Hkv query heads that share a KV head are one row block, so every cache row is
 // read once per block. Short batches split the key sequence: each split keeps its own
 // online-softmax state, and the partial results are merged by SoftmaxState::merge.
+// A paged cache is read through its block table. Pages of at least a key tile are read in
+// place, tiles cut at page ends; smaller pages are gathered into the tile buffer (bf16 / fp16
+// tiles are converted into it anyway), so the GEMMs keep the contiguous kernel's tiles and the
+// result is the contiguous cache's, bit for bit. (Cutting 16-row tiles instead ran at the same
+// speed on the 2-core build machine: the scattered pages' reads, not the copy, cost the time.)
 #include <algorithm>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +38,23 @@ struct Partials {
   SoftmaxState<acc_t>* state = nullptr;  // (B * Hkv * rows, splits)
 };
 
+// Rows [j0, j0 + n) of sequence b, gathered page by page from `base` (the cache at its KV
+// head) into buf (n x cols, in the accumulation type).
+template <typename scalar_t, typename acc_t>
+const acc_t* gather_tile(const PageTable& pages, const scalar_t* base, int64_t page_stride,
+                         int64_t row_stride, int64_t b, int64_t j0, int64_t n, int64_t cols,
+                         acc_t* buf) {
+  for (int64_t r = 0; r < n;) {
+    const CacheSlot slot = pages.locate(b, j0 + r);
+    const int64_t run = std::min(n - r, pages.page_size - slot.row);
+    const scalar_t* src = base + slot.block * page_stride + slot.row * row_stride;
+    for (int64_t i = 0; i < run; ++i)
+      load_row(src + i * row_stride, buf + (r + i) * cols, cols, acc_t(1));
+    r += run;
+  }
+  return buf;
+}
+
 template <typename scalar_t>
 void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
@@ -45,10 +67,12 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
+  const bool gather = p.pages.paged() && p.pages.page_size < kN;
+  const bool buffered = Traits::kConvert || gather;
 
   at::parallel_for(0, p.batch * p.kv_heads * num_m * splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
-    Buffer<acc_t> k_buf(Traits::kConvert ? kN * D : 0), v_buf(Traits::kConvert ? kN * Dv : 0);
+    Buffer<acc_t> k_buf(buffered ? kN * D : 0), v_buf(buffered ? kN * Dv : 0);
     std::vector<SoftmaxState<acc_t>> state(kM);
 
     for (int64_t task = begin; task < end; ++task) {
@@ -57,7 +81,7 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       const int64_t bk = task / (splits * num_m), b = bk / p.kv_heads, hk = bk % p.kv_heads;
       const int64_t r0 = mb * kM, m = std::min(kM, rows - r0);
       const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
-      const int64_t len = p.lengths[b], first = p.first_key(b), bc = p.cache_row(b);
+      const int64_t len = p.lengths[b], first = p.first_key(b);
       const LocalBand band{len - Sq, p.window_left, p.window_right};
       const int64_t lo = std::max(band.key_begin(i_begin, len), first);
       const int64_t hi = std::max(band.key_end(i_end, len), lo);
@@ -75,19 +99,27 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       for (int64_t rr = 0; rr < m; ++rr)
         state[rr] = split == 0 ? initial_state<acc_t>(p, hk * G + (r0 + rr) % G, log2e)
                                : SoftmaxState<acc_t>{};
-      const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                              p.k_row_stride, bc, hk, 0);
-      const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
-                              p.v_row_stride, bc, hk, 0);
 
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
-      for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
-        const int64_t n = std::min(kN, j_end - j0);
-        int64_t ldk, ldv;
-        const acc_t* kt =
-            load_tile(k + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
-        const acc_t* vt =
-            load_tile(v + j0 * p.v_row_stride, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+      for (int64_t j0 = j_begin, n = 0; j0 < j_end; j0 += n) {
+        n = std::min(kN, j_end - j0);
+        const acc_t *kt, *vt;
+        int64_t ldk = D, ldv = Dv;
+        if (gather) {
+          const auto* k = static_cast<const scalar_t*>(p.k) + hk * p.k_head_stride;
+          const auto* v = static_cast<const scalar_t*>(p.v) + hk * p.v_head_stride;
+          kt = gather_tile(p.pages, k, p.k_batch_stride, p.k_row_stride, b, j0, n, D, k_buf.get());
+          vt = gather_tile(p.pages, v, p.v_batch_stride, p.v_row_stride, b, j0, n, Dv, v_buf.get());
+        } else {
+          const CacheSlot slot = p.key_slot(b, j0);
+          if (p.pages.paged()) n = std::min(n, p.pages.page_size - slot.row);
+          const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
+                                  p.k_head_stride, p.k_row_stride, slot.block, hk, slot.row);
+          const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
+                                  p.v_head_stride, p.v_row_stride, slot.block, hk, slot.row);
+          kt = load_tile(k, p.k_row_stride, n, D, k_buf.get(), &ldk);
+          vt = load_tile(v, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
+        }
         acc_t* s = s_buf.get();
         gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
         // Scores to the log2 domain (see scale_row_max), modifiers (per head: a row block
@@ -187,13 +219,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
     int64_t window_right, int64_t num_splits, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad) {
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   check_cpu_support(kOp);
-  PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
-                                     {scale, causal, window_left, window_right, num_splits, softcap,
-                                      alibi_slopes, sinks, cache_batch_idx, cache_leftpad},
-                                     /*check_values=*/true);
+  PreparedDecode in =
+      prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
+                     {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
+                      sinks, cache_batch_idx, cache_leftpad, block_table},
+                     /*check_values=*/true);
   DecodeParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};

@@ -1,7 +1,8 @@
 // CPU KV-cache append: copies each sequence's new keys/values into the preallocated cache at
 // its current length (rotating the keys by RoPE at their cache positions when asked) and
-// advances the lengths. Every check runs before the first write, so a rejected call leaves
-// the cache untouched.
+// advances the lengths. A paged cache is written through its block table (row t of sequence
+// b: row t % page_size of page block_table[b, t / page_size]). Every check, the table's
+// entries included, runs before the first write, so a rejected call leaves the cache untouched.
 #include <cstring>
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -38,16 +39,17 @@ void kv_append_kernel(const KVAppendParams& p) {
       const int64_t first = S - p.appended[b];  // inputs are left-padded
       if (t < first) continue;
       const int64_t dst_row = p.lengths[b] + (t - first);
+      const CacheSlot dst = p.pages.locate(b, dst_row);
       if (p.rope) rope_table(p.policy, inv_freq.data(), dst_row, false, cos_t.get(), sin_t.get());
       for (int64_t h = 0; h < p.kv_heads; ++h) {
         const auto* k = static_cast<const scalar_t*>(p.k) + b * p.k_batch_stride +
                         h * p.k_head_stride + t * p.k_row_stride;
         const auto* v = static_cast<const scalar_t*>(p.v) + b * p.v_batch_stride +
                         h * p.v_head_stride + t * p.v_row_stride;
-        auto* kc = static_cast<scalar_t*>(p.k_cache) + b * p.kc_batch_stride +
-                   h * p.kc_head_stride + dst_row * p.kc_row_stride;
-        auto* vc = static_cast<scalar_t*>(p.v_cache) + b * p.vc_batch_stride +
-                   h * p.vc_head_stride + dst_row * p.vc_row_stride;
+        auto* kc = static_cast<scalar_t*>(p.k_cache) + dst.block * p.kc_batch_stride +
+                   h * p.kc_head_stride + dst.row * p.kc_row_stride;
+        auto* vc = static_cast<scalar_t*>(p.v_cache) + dst.block * p.vc_batch_stride +
+                   h * p.vc_head_stride + dst.row * p.vc_row_stride;
         if (p.rope) {
           rope_row(p.policy, k, p.k_col_stride, kc, 1, p.head_dim, cos_t.get(), sin_t.get());
         } else {
@@ -62,10 +64,11 @@ void kv_append_kernel(const KVAppendParams& p) {
 void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
                          const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
-                         bool rope_interleaved, std::optional<int64_t> rotary_dim) {
+                         bool rope_interleaved, std::optional<int64_t> rotary_dim,
+                         const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
-                                       rope, rope_base, rope_interleaved, rotary_dim,
+                                       rope, rope_base, rope_interleaved, rotary_dim, block_table,
                                        /*check_values=*/true);
   if (k.numel() > 0 || v.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(k.scalar_type(), kOp, [&] { kv_append_kernel<scalar_t>(r.params); });

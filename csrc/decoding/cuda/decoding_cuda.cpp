@@ -56,15 +56,25 @@ void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions
       launch_rope(r.params, elem_kind(kOp, x.scalar_type()), c10::cuda::getCurrentCUDAStream()));
 }
 
+// The paged kernels (issue 21) are not written yet. Checked after validation, so a bad
+// table gets the CPU op's messages first; the argument is tested, not PageTable::paged(),
+// because an empty table is still a paged call.
+void check_not_paged(const char* op, const std::optional<at::Tensor>& block_table) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!block_table.has_value() || !block_table->defined(), op,
+                              ": block_table on CUDA is not implemented yet (issue 21)");
+}
+
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
                           const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
-                          bool rope_interleaved, std::optional<int64_t> rotary_dim) {
+                          bool rope_interleaved, std::optional<int64_t> rotary_dim,
+                          const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   c10::cuda::CUDAGuard guard(k_cache.device());
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
-                                       rope, rope_base, rope_interleaved, rotary_dim,
+                                       rope, rope_base, rope_interleaved, rotary_dim, block_table,
                                        /*check_values=*/false);
+  check_not_paged(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
@@ -116,13 +126,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     int64_t window_right, int64_t num_splits, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad) {
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedDecode in = prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
-                                     {scale, causal, window_left, window_right, num_splits, softcap,
-                                      alibi_slopes, sinks, cache_batch_idx, cache_leftpad},
-                                     /*check_values=*/false);
+  PreparedDecode in =
+      prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
+                     {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
+                      sinks, cache_batch_idx, cache_leftpad, block_table},
+                     /*check_values=*/false);
+  check_not_paged(kOp, block_table);
   DecodeParams& p = in.params;
   check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,

@@ -1,0 +1,474 @@
+"""The paged KV cache (issue 21, item 4): ``kv_cache_append`` and ``decode_attention`` through a
+``block_table``, against the contiguous cache holding the same rows, and
+:class:`attn_ext.PagedKVCache`'s page allocation. CPU only: the paged CUDA kernels are not
+written yet (the CUDA ops raise NotImplementedError)."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import attn_ext
+from attn_ext.testing.decoding import decode_reference
+from attn_ext.testing.numerics import assert_error_rule, assert_lse_close, ground_truth, rand
+
+ops = torch.ops.attn_ext
+
+PAGE_SIZES = [1, 16, 64, 256]
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+# The rows a key tile of the CPU decode kernel spans (FlashTraits::kDecodeBlockN). Smaller
+# pages are gathered into whole tiles, pages a multiple of it are read a tile at a time: either
+# way the tiles are the contiguous kernel's (other sizes cut tiles at page ends).
+DECODE_TILE = 256
+
+
+def _lengths(page_size):
+    """Empty, one row, and each side of a page boundary, and a few pages in."""
+    return [0, 1, max(page_size - 1, 0), page_size, page_size + 1, 3 * page_size + 5]
+
+
+def _page_out(k, v, lengths, page_size, *, shared_prefix_pages=0, seed=0, spare_pages=3):
+    """The rows of a contiguous cache k (B, Hkv, L, D), v (B, Hkv, L, Dv) copied into pages of
+    a paged cache in shuffled order, with `spare_pages` unused pages of garbage. With
+    shared_prefix_pages, sequence 1's first pages are sequence 0's own (its rows there are
+    made equal to sequence 0's, in k and v, first). Returns (k_pages, v_pages, block_table)."""
+    B, Hkv, L, D = k.shape
+    max_pages = -(-L // page_size)
+    g = torch.Generator().manual_seed(seed)
+    if shared_prefix_pages:
+        rows = shared_prefix_pages * page_size
+        k[1, :, :rows] = k[0, :, :rows]
+        v[1, :, :rows] = v[0, :, :rows]
+    num_pages = B * max_pages + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    table = perm[: B * max_pages].view(B, max_pages).to(torch.int32)
+    table[1, :shared_prefix_pages] = table[0, :shared_prefix_pages]
+    k_pages = torch.randn(num_pages, Hkv, page_size, D, generator=g).to(k.dtype)
+    v_pages = torch.randn(num_pages, Hkv, page_size, v.size(3), generator=g).to(v.dtype)
+    for b in range(B):
+        for i in range(max_pages):
+            r0, r1 = i * page_size, min(L, (i + 1) * page_size)
+            if b == 1 and i < shared_prefix_pages:
+                continue
+            k_pages[table[b, i], :, : r1 - r0] = k[b, :, r0:r1]
+            v_pages[table[b, i], :, : r1 - r0] = v[b, :, r0:r1]
+    return k_pages, v_pages, table
+
+
+def _dense(k_pages, table, page_size):
+    """The contiguous cache (B, Hkv, max_pages * page_size, D) a block table describes."""
+    B, max_pages = table.shape
+    pages = k_pages[table.long().clamp(min=0)]  # (B, max_pages, Hkv, page_size, D)
+    return pages.transpose(1, 2).reshape(B, k_pages.size(1), max_pages * page_size, -1)
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_matches_contiguous(dtype, page_size, sq, num_splits):
+    """Shuffled pages, pages shared by two sequences, GQA 8/2, lengths around page bounds."""
+    lengths = _lengths(page_size)
+    B, H, Hkv, D, Dv = len(lengths), 8, 2, 32, 24
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    # sequences 0 and 1 share their first page(s) (sequence 1 is the shorter: one row)
+    k_pages, v_pages, table = _page_out(k, v, lengths, page_size, shared_prefix_pages=1)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, sq, D), dtype, "cpu", layout="bshd")
+    out, lse = attn_ext.decode_attention(
+        q, k_pages, v_pages, lens, num_splits=num_splits, return_lse=True, block_table=table
+    )
+    ref_out, ref_lse = decode_reference(q, k, v, lens)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens)
+    assert_error_rule(out, ref_out, t_out, name="paged decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="paged decode lse")
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(window_left=37),
+        dict(causal=False, window_left=20, window_right=5, softcap=2.0),
+        dict(sinks=torch.randn(8), alibi_slopes=torch.rand(8)),
+        dict(cache_leftpad=torch.tensor([0, 0, 5, 9, 3, 40], dtype=torch.int32)),
+    ],
+    ids=["window", "noncausal_window_softcap", "sinks_alibi", "leftpad"],
+)
+def test_paged_decode_with_band_and_modifiers(page_size, extra):
+    """The band and the score modifiers are unchanged by paging (tiles cut at page ends)."""
+    lengths = _lengths(page_size)
+    B, H, Hkv, D = len(lengths), 8, 2, 16
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
+    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    if "cache_leftpad" in extra:  # a sequence's keys start within its rows
+        extra = dict(cache_leftpad=torch.minimum(extra["cache_leftpad"], lens))
+    q = rand((B, H, 3, D), torch.float32, "cpu")
+    out, lse = attn_ext.decode_attention(
+        q, k_pages, v_pages, lens, num_splits=2, return_lse=True, block_table=table, **extra
+    )
+    ref_out, ref_lse = decode_reference(q, k, v, lens, **extra)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **extra)
+    assert_error_rule(out, ref_out, t_out, name="paged decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="paged decode lse")
+
+
+# (page size, window_left): a window starts the tiles off the page boundaries, which cuts the
+# tiles of pages a multiple of the tile (but not the gathered small pages').
+BITWISE_CASES = [(ps, -1) for ps in (1, 16, 64, DECODE_TILE, 2 * DECODE_TILE)] + [
+    (ps, 300) for ps in (1, 16, 64)
+]
+
+
+@pytest.mark.parametrize("page_size,window_left", BITWISE_CASES)
+@pytest.mark.parametrize("num_splits", [1, 2, 0])
+def test_paged_decode_bitwise_where_tiles_coincide(page_size, window_left, num_splits):
+    """Pages smaller than the kernel's key tile or a multiple of it: the same tiles, the same
+    sums, bit for bit."""
+    lengths = [0, 1, page_size - 1, page_size + 1, 3 * page_size + 7]
+    B, H, Hkv, D = len(lengths), 8, 2, 64
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
+    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, 1, D), torch.float32, "cpu")
+    kw = dict(num_splits=num_splits, return_lse=True, window_left=window_left)
+    out, lse = attn_ext.decode_attention(q, k_pages, v_pages, lens, block_table=table, **kw)
+    ref_out, ref_lse = attn_ext.decode_attention(q, k, v, lens, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_paged_decode_reads_flash_attn_pages_in_place():
+    """FlashAttention's (num_pages, page_size, Hkv, D) pages, transposed, are not copied: a
+    write to the pages after the call is seen by the next call."""
+    page_size, lengths = 16, [20, 33]
+    B, H, Hkv, D = 2, 4, 2, 16
+    L = 48
+    k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
+    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    k_fa = k_pages.transpose(1, 2).contiguous()  # (num_pages, page_size, Hkv, D)
+    v_fa = v_pages.transpose(1, 2).contiguous()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, 1, D), torch.float32, "cpu")
+    out = attn_ext.decode_attention(
+        q, k_fa.transpose(1, 2), v_fa.transpose(1, 2), lens, block_table=table
+    )
+    ref = attn_ext.decode_attention(q, k_pages, v_pages, lens, block_table=table)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # the append writes through the same views: row 20 of sequence 0 lands in the pages
+    ops.kv_cache_append(
+        k_fa.transpose(1, 2),
+        v_fa.transpose(1, 2),
+        lens.clone(),
+        torch.ones(B, Hkv, 1, D),
+        torch.ones(B, Hkv, 1, D),
+        block_table=table,
+    )
+    assert torch.equal(k_fa[table[0, 1], 20 % page_size], torch.ones(Hkv, D))
+
+
+# ------------------------------------------------------------------------------------- append
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("rope", [False, True])
+def test_paged_append_matches_contiguous(dtype, page_size, rope):
+    """The same appends into a contiguous and a paged cache leave the same rows, bit for bit
+    (left-padded inputs; new rows crossing page boundaries)."""
+    lengths = _lengths(page_size)
+    B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
+    L = -(-(max(lengths) + S) // page_size) * page_size
+    k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    k_pages, v_pages, table = _page_out(k0, v0, lengths, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
+    v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
+    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    kw = dict(rope=rope, rope_interleaved=True)
+    lens_dense, lens_paged = lens.clone(), lens.clone()
+    ops.kv_cache_append(k0, v0, lens_dense, k_new, v_new, new_lengths, **kw)
+    ops.kv_cache_append(
+        k_pages, v_pages, lens_paged, k_new, v_new, new_lengths, block_table=table, **kw
+    )
+    assert torch.equal(lens_paged, lens_dense)
+    k_dense, v_dense = _dense(k_pages, table, page_size), _dense(v_pages, table, page_size)
+    for b, n in enumerate(lens_dense.tolist()):
+        assert torch.equal(k_dense[b, :, :n], k0[b, :, :n]), b
+        assert torch.equal(v_dense[b, :, :n], v0[b, :, :n]), b
+
+
+def test_paged_append_writes_only_its_rows():
+    """Rows outside [len, len + new) of the pages written, and the other pages, keep their
+    values."""
+    page_size = 4
+    k_pages, v_pages = torch.randn(6, 1, page_size, 8), torch.randn(6, 1, page_size, 8)
+    before_k, before_v = k_pages.clone(), v_pages.clone()
+    table = torch.tensor([[5, 2, -1], [0, -1, -1]], dtype=torch.int32)  # -1: never touched
+    lens = torch.tensor([3, 1], dtype=torch.int32)
+    ops.kv_cache_append(
+        k_pages,
+        v_pages,
+        lens,
+        torch.zeros(2, 1, 2, 8),
+        torch.zeros(2, 1, 2, 8),
+        block_table=table,
+    )
+    assert lens.tolist() == [5, 3]
+    written = {(5, 3), (2, 0), (0, 1), (0, 2)}
+    for page in range(6):
+        for row in range(page_size):
+            want = torch.zeros(8) if (page, row) in written else before_k[page, 0, row]
+            assert torch.equal(k_pages[page, 0, row], want), (page, row)
+            want = torch.zeros(8) if (page, row) in written else before_v[page, 0, row]
+            assert torch.equal(v_pages[page, 0, row], want), (page, row)
+
+
+# ------------------------------------------------------------------------------ bad block tables
+
+
+def _bad_table_setup():
+    page_size, num_pages = 4, 5
+    k = torch.randn(num_pages, 2, page_size, 8)
+    v = torch.randn(num_pages, 2, page_size, 8)
+    table = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
+    lens = torch.tensor([5, 9], dtype=torch.int32)  # entry [0, 2] covers no row: left -1
+    return k, v, table, lens
+
+
+# (how the table is spoiled, what the message must say). The append adds 3 rows to each
+# sequence, rows [5, 8) and [9, 12): entries [0, 1] and [1, 2]; the decode reads entries
+# [0, 0:2] and [1, 0:3].
+BAD_TABLES = [
+    (lambda t: t.long(), "block_table must be int32, got Long"),
+    (lambda t: t[:1], r"block_table must have shape \(B, max_pages\) with B = 2"),
+    (lambda t: t[0], r"block_table must have shape \(B, max_pages\) with B = 2"),
+    (
+        lambda t: torch.stack([t[:, 0], t[:, 0] * 0 - 7, t[:, 1]]).t(),
+        "block_table must have contiguous rows",
+    ),
+    (
+        lambda t: torch.tensor([[0, 1, -1], [2, 3, 5]], dtype=torch.int32),
+        r"block_table\[1, 2\] must be a page of the cache, in \[0, num_pages = 5\), got 5",
+    ),
+    (
+        lambda t: torch.tensor([[0, -2, 2], [2, 3, 4]], dtype=torch.int32),
+        r"block_table\[0, 1\] must be a page of the cache, in \[0, num_pages = 5\), got -2",
+    ),
+    (lambda t: t[:, :2], "would overflow the cache|must be in \\[0, 8\\]"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TABLES)))
+@pytest.mark.parametrize("op", ["append", "decode"])
+def test_bad_block_table_errors_and_writes_nothing(case, op):
+    spoil, msg = BAD_TABLES[case]
+    k, v, table, lens = _bad_table_setup()
+    bad = spoil(table)
+    before = [t.clone() for t in (k, v, lens)]
+    with pytest.raises(RuntimeError, match=msg):
+        if op == "append":
+            ops.kv_cache_append(
+                k, v, lens, torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8), block_table=bad
+            )
+        else:
+            attn_ext.decode_attention(torch.randn(2, 4, 1, 8), k, v, lens, block_table=bad)
+    for a, b in zip(before, (k, v, lens)):
+        assert torch.equal(a, b)
+
+
+def test_block_table_other_errors():
+    k, v, table, lens = _bad_table_setup()
+    q = torch.randn(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="either block_table or cache_batch_idx"):
+        attn_ext.decode_attention(
+            q, k, v, lens, block_table=table, cache_batch_idx=torch.tensor([0, 1])
+        )
+    with pytest.raises(RuntimeError, match=r"page size \(k_cache dim 2\) must be >= 1"):
+        attn_ext.decode_attention(q, k[:, :, :0], v[:, :, :0], lens * 0, block_table=table)
+    with pytest.raises(RuntimeError, match="at least one page"):
+        attn_ext.decode_attention(q, k[:0], v[:0], lens * 0, block_table=table)
+    with pytest.raises(RuntimeError, match="v_cache pages"):
+        attn_ext.decode_attention(q, k, v[:4], lens, block_table=table)
+    with pytest.raises(RuntimeError, match="cache_seqlens\\[1\\] must be in \\[0, 12\\]"):
+        attn_ext.decode_attention(q, k, v, torch.tensor([5, 13]), block_table=table)
+    # the entries past a sequence's length are not read: -1 there is fine
+    attn_ext.decode_attention(q, k, v, torch.tensor([8, 9]), block_table=table)
+
+
+# ------------------------------------------------------------------------- opcheck and compile
+
+
+def _opcheck_inputs():
+    k, v, table, lens = _bad_table_setup()
+    table = torch.tensor([[4, 1, 0], [2, 3, 4]], dtype=torch.int32)  # page 4 shared
+    return k, v[..., :6], table, lens
+
+
+def test_opcheck_paged_ops():
+    k, v, table, lens = _opcheck_inputs()
+    torch.library.opcheck(
+        ops.kv_cache_append.default,
+        (
+            k,
+            v,
+            torch.tensor([1, 0], dtype=torch.int32),
+            torch.randn(2, 2, 2, 8),
+            torch.randn(2, 2, 2, 6),
+        ),
+        dict(block_table=table, rope=True),
+    )
+    q = torch.randn(2, 4, 2, 8).transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(
+        ops.decode_attention.default, (q, k, v, lens), dict(block_table=table, num_splits=2)
+    )
+
+
+def test_compile_paged_decode_step():
+    """A decode step (append + attend through the table) compiles with no graph break and is
+    not recompiled as the lengths grow across pages."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+
+    def step(q, k_new, v_new, k_pages, v_pages, lengths, table):
+        ops.kv_cache_append(k_pages, v_pages, lengths, k_new, v_new, block_table=table)
+        return ops.decode_attention(q, k_pages, v_pages, lengths, block_table=table)[0]
+
+    cstep = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    page_size, B, Hkv, D = 4, 2, 2, 8
+    table = torch.tensor([[3, 0, 5, 1], [2, 4, 6, 7]], dtype=torch.int32)
+    pages = [torch.zeros(8, Hkv, page_size, D) for _ in range(4)]
+    lens = [torch.zeros(B, dtype=torch.int32) for _ in range(2)]
+    for _ in range(10):
+        q, k_new, v_new = (
+            torch.randn(B, 4, 1, D),
+            torch.randn(B, Hkv, 1, D),
+            torch.randn(B, Hkv, 1, D),
+        )
+        out = cstep(q, k_new, v_new, pages[0], pages[1], lens[0], table)
+        ref = step(q, k_new, v_new, pages[2], pages[3], lens[1], table)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    assert torch.equal(pages[0], pages[2]) and lens[0].tolist() == [10, 10]
+
+
+# --------------------------------------------------------------------------------- PagedKVCache
+
+
+def test_paged_cache_grows_frees_and_reuses_pages():
+    c = attn_ext.PagedKVCache(6, 4, 2, 8, max_batch=2, max_pages_per_seq=3, dtype=torch.float32)
+    assert c.num_free_pages == 6 and c.max_len == 12
+    c.append(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    assert c.pages(0) == [0] and c.pages(1) == [1] and c.num_free_pages == 4
+    c.append(torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), new_lengths=torch.tensor([2, 0]))
+    assert c.pages(0) == [0, 2] and c.pages(1) == [1] and c.lengths.tolist() == [5, 3]
+    assert c.block_table.tolist() == [[0, 2, -1], [1, -1, -1]]
+    c.release(0)
+    assert c.num_free_pages == 5 and c.lengths.tolist() == [0, 3] and c.pages(0) == []
+    assert c.block_table[0].tolist() == [-1, -1, -1]
+    c.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))  # freed pages are reused
+    assert sorted(c.pages(0) + c.pages(1)) == [0, 1, 2, 3] and c.lengths.tolist() == [5, 8]
+    c.reset()
+    assert c.num_free_pages == 6 and c.lengths.tolist() == [0, 0]
+
+
+def test_paged_cache_matches_kv_cache():
+    """Prefill (left padded) and decode steps through PagedKVCache and KVCache agree; RoPE on
+    the way in. Page size 256 with float32: the kernel's tiles coincide, bit for bit."""
+    torch.manual_seed(0)
+    B, H, Hkv, D, page_size = 3, 8, 2, 32, 256
+    dense = attn_ext.KVCache(B, Hkv, 3 * page_size, D)
+    paged = attn_ext.PagedKVCache(
+        8, page_size, Hkv, D, max_batch=B, max_pages_per_seq=3, dtype=torch.float32
+    )
+    prompt = 300
+    new_lengths = torch.tensor([300, 17, 255])
+    k, v = torch.randn(B, Hkv, prompt, D), torch.randn(B, Hkv, prompt, D)
+    for c in (dense, paged):
+        c.append(k, v, new_lengths=new_lengths, rope=True)
+    for _ in range(3):
+        k, v, q = torch.randn(B, Hkv, 1, D), torch.randn(B, Hkv, 1, D), torch.randn(B, H, 1, D)
+        outs = []
+        for c in (dense, paged):
+            c.append(k, v, rope=True)
+            outs.append(c.attend(q, return_lse=True))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert paged.lengths.tolist() == [303, 20, 258] and paged.num_free_pages == 8 - 5
+
+
+def test_paged_cache_out_of_pages_writes_nothing():
+    c = attn_ext.PagedKVCache(3, 4, 1, 8, max_batch=2, max_pages_per_seq=4)
+    c.append(torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8))
+    state = [c.k.clone(), c.v.clone(), c.lengths.clone(), c.block_table.clone()]
+    msg = "out of pages: the append needs 2 new pages of 4 rows, 1 are free \\(nothing was written"
+    with pytest.raises(RuntimeError, match=msg):
+        c.append(torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8))
+    with pytest.raises(RuntimeError, match="sequence 0 would overflow the cache"):
+        c.append(torch.randn(2, 1, 13, 8), torch.randn(2, 1, 13, 8))
+    with pytest.raises(RuntimeError, match="k must have k_cache's dtype"):  # pages given back
+        k = torch.randn(2, 1, 1, 8, dtype=torch.float64)
+        c.append(k, k, new_lengths=torch.tensor([1, 0]))
+    for a, b in zip(state, (c.k, c.v, c.lengths, c.block_table)):
+        assert torch.equal(a, b)
+    assert c.num_free_pages == 1 and c.pages(0) == [0]
+    # one sequence still fits
+    c.append(torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8), new_lengths=torch.tensor([1, 0]))
+    assert c.lengths.tolist() == [5, 4] and c.num_free_pages == 0
+
+
+def test_paged_cache_fork_shares_full_pages():
+    """Two sequences on shared pages (a shared prompt): the full pages are shared, the partly
+    filled one copied; each may append; a page is free once neither holds it."""
+    torch.manual_seed(1)
+    c = attn_ext.PagedKVCache(8, 4, 1, 8, max_batch=2, max_pages_per_seq=4)
+    c.append(torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8), new_lengths=torch.tensor([6, 0]))
+    c.fork(0, 1)
+    assert c.pages(1)[0] == c.pages(0)[0] and c.pages(1)[1] != c.pages(0)[1]
+    assert c.lengths.tolist() == [6, 6] and c.num_free_pages == 5
+    k, v = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8)
+    c.append(k, v)  # different continuations of the shared prompt
+    q = torch.randn(2, 2, 1, 8)
+    out = c.attend(q)
+    dense = _dense(c.k, c.block_table, 4)
+    assert torch.equal(dense[0, :, :6], dense[1, :, :6])
+    assert torch.equal(dense[0, :, 6:9], k[0]) and torch.equal(dense[1, :, 6:9], k[1])
+    ref = decode_reference(q, dense, _dense(c.v, c.block_table, 4), c.lengths)[0]
+    torch.testing.assert_close(out, ref)
+    shared = c.pages(0)[0]
+    c.release(0)
+    assert c.num_free_pages == 5  # the shared page is still held by sequence 1
+    assert shared in c.pages(1)
+    c.release(1)
+    assert c.num_free_pages == 8
+
+
+def test_paged_cache_arguments():
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        attn_ext.PagedKVCache(4, 0, 1, 8, max_batch=1, max_pages_per_seq=1)
+    c = attn_ext.PagedKVCache(
+        4, 16, 2, 8, 6, max_batch=3, max_pages_per_seq=2, dtype=torch.bfloat16
+    )
+    assert c.k.shape == (4, 2, 16, 8) and c.v.shape == (4, 2, 16, 6)
+    assert c.block_table.shape == (3, 2) and c.block_table.dtype == torch.int32
+    assert "PagedKVCache(num_pages=4, page_size=16" in repr(c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_ops_not_yet_on_cuda():
+    """The paged CUDA kernels are not written yet: a clear error after validation (a bad table
+    still gets the validation's message)."""
+    k, v, table, lens = (t.cuda() for t in _bad_table_setup())
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+        attn_ext.decode_attention(
+            torch.randn(2, 4, 1, 8, device="cuda"), k, v, lens, block_table=table
+        )
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+        new = torch.zeros(2, 2, 1, 8, device="cuda")
+        ops.kv_cache_append(k, v, lens, new, new, block_table=table)
+    with pytest.raises(RuntimeError, match="block_table must be int32"):
+        ops.kv_cache_append(k, v, lens, new, new, block_table=table.long())
