@@ -564,6 +564,10 @@ def test_fuzz_linear_attention(data):
     if data.draw(st.booleans(), label="initial_state"):  # the state of some earlier keys
         n0 = data.draw(st.integers(1, 30), label="earlier keys")
         k0, v0 = torch.randn(B, H, n0, D), torch.randn(B, H, n0, Dv)
+        if feature_map == "identity":
+            # nonnegative earlier keys too: the state's key sum is part of the normalizer
+            # (--fuzz found it crossing 0 with Sk = 0: gradients ~1e4, inf in float16)
+            k0 = k0.abs()
         inputs += [t.to(state_dtype) for t in final_state(k0, v0, feature_map=feature_map)]
     three_d = H == 1 and data.draw(st.booleans(), label="3-D")
     return_state = data.draw(st.booleans(), label="return_state")
@@ -600,7 +604,15 @@ def test_fuzz_linear_attention(data):
 
         ours, ref = pick(ours_full), pick(ref_full)
         n = ours(*inputs)
-        _check_grads(ours, ref, inputs, torch.randn(n.shape).to(n.dtype))
+        g = torch.randn(n.shape).to(n.dtype)
+        if return_state:
+            # the flat output is float32 for float16 / bfloat16 inputs, but its out part
+            # reaches both kernels through out.to(float32)'s backward, rounded to out's dtype:
+            # the float64 truth must see that same gradient (unrounded, the truth differed
+            # from both by half an ulp of the dtype: --fuzz, kv-state gradient at D = 1)
+            m = got[0].numel()
+            g[:m] = g[:m].to(got[0].dtype).to(g.dtype)
+        _check_grads(ours, ref, inputs, g)
     _count("linear_attention")
 
 

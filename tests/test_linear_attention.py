@@ -649,3 +649,33 @@ def test_composite_shapes_and_errors():
         _composite(
             "linear_attention_backward", torch.randn(2, 3, 5, 4, dtype=torch.float64), q, k, v
         )
+
+
+def test_fp16_grad_where_plain_reference_is_nan():
+    """--fuzz find (float16, relu, D = 1, one query): a query whose feature is 0 has
+    normalizer eps = 1e-6, and the plain float16 reference's gradient there is 0 * inf = NaN
+    while the truth is 0. The kernel (float32 inside) gives 0; the error rule measures the
+    reference over the entries it got finite, so the kernel passes, and a planted error in
+    those entries still fails."""
+    q = torch.tensor([[[[-0.5]], [[0.7]]]], dtype=torch.float16)  # (1, 2, 1, 1): relu(q) = 0, > 0
+    k = torch.tensor([[[[0.3]], [[-0.2]]]], dtype=torch.float16)
+    v = torch.tensor([[[[0.9]], [[-1.1]]]], dtype=torch.float16)
+    kw = dict(causal=True, eps=1e-6, feature_map="relu")
+    inputs, g = [q, k, v], torch.ones(1, 2, 1, 1, dtype=torch.float16)
+
+    def ours(q, k, v):
+        return attn_ext.linear_attention(q, k, v, **kw)
+
+    def ref(q, k, v):
+        return linear_attention_quadratic(q, k, v, **kw)
+
+    got = autograd_grads(ours, inputs, g)
+    plain = autograd_grads(ref, inputs, g)
+    truth = ground_truth_grads(ref, inputs, g)
+    assert any(torch.isnan(r).any() for r in plain)  # the case: the reference breaks down
+    for a, r, t in zip(got, plain, truth):
+        assert torch.isfinite(t).all() and torch.equal(a.double(), t)
+        assert_error_rule(a, r, t, name="grad", slack_ulps=grad_slack_ulps(a.dtype))
+    bad = got[0] + torch.tensor([0.0, 0.25], dtype=torch.float16).view(1, 2, 1, 1)
+    with pytest.raises(AssertionError, match="kernel error"):
+        assert_error_rule(bad, plain[0], truth[0], name="grad", slack_ulps=16.0)
