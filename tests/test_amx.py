@@ -16,22 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attn_ext.testing import harness
 from attn_ext.testing.attention import attention_reference, default_scale, window_keep
 from attn_ext.testing.numerics import ground_truth, ground_truth_grads
 
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= _cpu_flags()
+HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= set(harness.isa_flags())
 pytestmark = pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles")
 
 # (name, B, H, Hkv, Sq, Sk, D, Dv, options). Lengths end mid tile (15, 17, 33, 100) and span

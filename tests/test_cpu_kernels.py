@@ -11,21 +11,11 @@ import sys
 import pytest
 import torch
 
+from attn_ext.testing import harness
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-HAS_AVX512 = "avx512f" in _cpu_flags()
+HAS_AVX512 = "avx512f" in set(harness.isa_flags())
 # auto takes the AMX bf16 forward where the CPU has the tiles (tests/test_amx.py checks it).
-HAS_AMX = HAS_AVX512 and {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
+HAS_AMX = HAS_AVX512 and {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(harness.isa_flags())
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the block products are x86-64 kernels"
 )

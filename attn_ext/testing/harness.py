@@ -310,7 +310,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _isa_flags() -> List[str]:
+def isa_flags() -> List[str]:
+    """The flags of ISA_FLAGS this CPU reports (/proc/cpuinfo; none elsewhere): also what the
+    tests of the CPU kernel sets skip on."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next(
@@ -354,7 +356,7 @@ def environment(device, where: Optional[Path] = None) -> Dict[str, str]:
         "machine": f"{gpu}; {cpu}" if gpu else cpu,
         "commit": _git_commit(where or Path.cwd()),
         "device": device.type,
-        "isa": " ".join(_isa_flags()) or "-",
+        "isa": " ".join(isa_flags()) or "-",
         "versions": (
             f"attn_ext {ext}, torch {torch.__version__}"
             + (f" (CUDA {torch.version.cuda})" if gpu else "")

@@ -24,6 +24,7 @@
 #include "common/cuda/elem.cuh"
 #include "attention/cuda/flash/block_info.cuh"
 #include "attention/cuda/flash/cute_traits.cuh"
+#include "attention/cuda/flash/cute_utils.cuh"
 #include "attention/cuda/flash/flash_bwd_generic.cuh"
 #include "attention/cuda/flash/launch_templates.h"
 
@@ -32,39 +33,8 @@ namespace cute_bwd {
 
 using namespace cute;
 using cute_fwd::rowcol;
-
-// Global -> shared rows [0, rows) of a tile (cp.async), zeros past them.
-template <class TiledCopy, class Src, class Dst, class Coords>
-__device__ __forceinline__ void copy_rows(TiledCopy const& copy_op, Src const& src, Dst& dst,
-                                          Coords const& coords, int64_t rows) {
-#pragma unroll
-  for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coords(0, m, 0)) < rows) {
-      copy(copy_op, src(_, m, _), dst(_, m, _));
-    } else {
-      clear(dst(_, m, _));
-    }
-  }
-}
-
-// acc += A B, both operands read from shared memory slice by slice (ldmatrix), the next
-// slice's loads issued before this slice's MMAs.
-template <class Mma, class Acc, class SA, class SB, class CpA, class CpB, class FA, class FB>
-__device__ __forceinline__ void gemm_smem(Mma const& mma, Acc& acc, FA& rA, FB& rB, SA const& sA,
-                                          SB const& sB, CpA const& cpA, CpB const& cpB) {
-  auto rA_view = cpA.get_slice(threadIdx.x).retile_D(rA);
-  auto rB_view = cpB.get_slice(threadIdx.x).retile_D(rB);
-  copy(cpA, sA(_, _, 0), rA_view(_, _, 0));
-  copy(cpB, sB(_, _, 0), rB_view(_, _, 0));
-#pragma unroll
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) {
-      copy(cpA, sA(_, _, k + 1), rA_view(_, _, k + 1));
-      copy(cpB, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    }
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-  }
-}
+using cute_util::copy_rows;
+using cute_util::gemm_ss;
 
 // Rows [m0, m0 + kBlockM) x keys [n0, n0 + kBlockN): true when every pair is inside the band,
 // the rows and the keys (no element test needed).
@@ -219,8 +189,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
     clear(acc_dp);
-    gemm_smem(mma_sdp, acc_s, rQ, rK, tSsQ, tSsK, cp_sdp_a, cp_sdp_b);
-    gemm_smem(mma_sdp, acc_dp, rdO, rV, tPsdO, tPsV, cp_sdp_a, cp_sdp_b);
+    gemm_ss(mma_sdp, acc_s, rQ, rK, tSsQ, tSsK, cp_sdp_a, cp_sdp_b);
+    gemm_ss(mma_sdp, acc_dp, rdO, rV, tPsdO, tPsV, cp_sdp_a, cp_sdp_b);
 
     // P and dS in registers, rows x cols
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
@@ -261,14 +231,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
          pds_thr.partition_D(sdS));
     __syncthreads();
 
-    gemm_smem(mma_kv, acc_dv, rPt, rdOt, tVsPt, tVsdOt, cp_kv_a, cp_kv_b);
-    gemm_smem(mma_kv, acc_dk, rdSt, rQt, tKsdSt, tKsQt, cp_kv_a, cp_kv_b);
+    gemm_ss(mma_kv, acc_dv, rPt, rdOt, tVsPt, tVsdOt, cp_kv_a, cp_kv_b);
+    gemm_ss(mma_kv, acc_dk, rdSt, rQt, tKsdSt, tKsQt, cp_kv_a, cp_kv_b);
 
     // dQ share of these keys: dQ += scale dS K, added with atomics (blocks of other keys add
     // to the same rows)
     Tensor acc_dq = partition_fragment_C(mma_q, TileQ{});
     clear(acc_dq);
-    gemm_smem(mma_q, acc_dq, rdS, rKt, tQsdS, tQsKt, cp_q_a, cp_q_b);
+    gemm_ss(mma_q, acc_dq, rdS, rKt, tQsdS, tQsKt, cp_q_a, cp_q_b);
     float* dq = static_cast<float*>(p.dq) + (head_rows + m0) * kHeadDim;
 #pragma unroll
     for (int e = 0; e < size(acc_dq); ++e) {
