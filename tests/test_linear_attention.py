@@ -24,6 +24,7 @@ from attn_ext.compat import torchcode
 from attn_ext.testing.linear import (
     doc000_linear_attention,
     final_state,
+    gradient_term_floors,
     linear_attention_quadratic,
     linear_attention_recurrent,
 )
@@ -679,3 +680,41 @@ def test_fp16_grad_where_plain_reference_is_nan():
     bad = got[0] + torch.tensor([0.0, 0.25], dtype=torch.float16).view(1, 2, 1, 1)
     with pytest.raises(AssertionError, match="kernel error"):
         assert_error_rule(bad, plain[0], truth[0], name="grad", slack_ulps=16.0)
+
+
+def test_fp32_dq_cancelling_terms_at_head_dim_one():
+    """--fuzz find (float32, identity features, D = 1, Sq = 78, Sk = 44, Dv = 24, an initial
+    state of 28 keys, not causal): dq is the difference of a numerator and a normalizer term
+    that cancel up to eps (the exact dq is S dO eps / den^2, ~1e-2 here, the terms ~600), so
+    the kernel's and the plain reference's errors are both ~1 float32 ulp of the terms and
+    their ratio is luck (the find: 3.8x). The rule's floor is GRADIENT_TERM_ULPS ulps of the
+    numerator term: the kernel passes it, and a dq missing its normalizer term (or zero) fails."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, s, 1, generator=gen).abs() for s in (78, 44))
+    v = torch.randn(1, 1, 44, 24, generator=gen)
+    k0, v0 = torch.randn(1, 1, 28, 1, generator=gen).abs(), torch.randn(1, 1, 28, 24, generator=gen)
+    inputs = [q, k, v, *(t.float() for t in final_state(k0, v0, feature_map="identity"))]
+    g = torch.randn(1, 1, 78, 24, generator=gen)
+    kw = dict(eps=1e-6, feature_map="identity")
+
+    def ours(q, k, v, s0, z0):
+        return attn_ext.linear_attention(q, k, v, initial_state=(s0, z0), **kw)
+
+    def ref(q, k, v, s0, z0, normalizer_grad=True):
+        init = (s0, z0)
+        return linear_attention_quadratic(
+            q, k, v, initial_state=init, normalizer_grad=normalizer_grad, **kw
+        )
+
+    got = autograd_grads(ours, inputs, g)
+    plain = autograd_grads(ref, inputs, g)
+    truth = ground_truth_grads(ref, inputs, g)
+    floors = gradient_term_floors(lambda *x: ref(*x, normalizer_grad=False), inputs, g)
+    numerator_dq = ground_truth_grads(lambda *x: ref(*x, normalizer_grad=False), inputs, g)[0]
+    # the case: dq is small against the terms it is the difference of
+    assert numerator_dq.abs().max() > 1e4 * truth[0].abs().max() > 0
+    for a, r, t, fl in zip(got, plain, truth, floors):
+        assert_error_rule(a, r, t, name="grad", slack_ulps=grad_slack_ulps(a.dtype), floor=fl)
+    for bad in (numerator_dq.float(), torch.zeros_like(got[0])):
+        with pytest.raises(AssertionError, match="kernel error"):
+            assert_error_rule(bad, plain[0], truth[0], name="grad", floor=floors[0])

@@ -23,8 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from attn_ext.testing.documents import doc000
+from attn_ext.testing.numerics import ground_truth_grads
 
 FEATURE_MAPS = ("elu+1", "relu", "identity")
+# The gradients of q, k and the key-sum state are differences of a numerator term and a
+# normalizer term that cancel along phi(q) up to eps (at D = 1 entirely: the exact dq is
+# S dO eps / den^2), so any float32 evaluation rounds them at the terms' size, not the
+# result's. Their floor is GRADIENT_TERM_ULPS float32 ulps of the numerator term (the kernels
+# form the terms in float32 at every input dtype but float64). Measured on the CPU kernel: at
+# most 8.1 such ulps (D in {1, 2, 3, 8, 33}, eps in {1e-6, 1e-3, 0.5}, 30 seeds each, 72 keys),
+# the plain float32 reference as large; the --fuzz run of 2026-11-26 had failed at D = 1 with
+# the kernel 3.8x the reference's error, both about 1 ulp of a ~600 term around a dq of ~1e-2.
+GRADIENT_TERM_ULPS = 32.0
 
 
 # Document 000's function (attn_ext.testing.documents reproduces the documents' code).
@@ -61,8 +71,13 @@ def linear_attention_quadratic(
     eps=1e-6,
     feature_map="elu+1",
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    normalizer_grad: bool = True,
 ):
-    """The masked quadratic form (materializes Sq x Sk); causal needs Sq == Sk."""
+    """The masked quadratic form (materializes Sq x Sk); causal needs Sq == Sk.
+
+    ``normalizer_grad=False`` detaches the denominator, so that autograd gives the numerator's
+    share of the gradients alone: the error rule's scale for gradients that cancel
+    (``linear_gradient_term_scale``)."""
     fq, fk = feature(q, feature_map), feature(k, feature_map)
     a = fq @ fk.transpose(-1, -2)
     if causal:
@@ -72,7 +87,19 @@ def linear_attention_quadratic(
         s0, z0 = initial_state
         num = num + fq @ s0.to(q.dtype)
         den = den + fq @ z0.to(q.dtype).unsqueeze(-1)
-    return num / (den + eps)
+    den = den + eps
+    return num / (den if normalizer_grad else den.detach())
+
+
+def gradient_term_floors(numerator_only, inputs, grad_out, *, ulps=GRADIENT_TERM_ULPS):
+    """Per input, an absolute floor for the error rule's gradient check (``floor`` of
+    ``assert_error_rule``): ``ulps`` float32 rounding units of the largest float64 gradient of
+    ``numerator_only`` (the reference called with ``normalizer_grad=False``) w.r.t. that input
+    at ``grad_out``. Gradients without a normalizer term (v, the kv state) get a floor at their
+    own size, below the suite's gradient slack."""
+    ulp = torch.finfo(torch.float32).eps
+    terms = ground_truth_grads(numerator_only, inputs, grad_out)
+    return [ulps * ulp * t.abs().max().item() if t.numel() else 0.0 for t in terms]
 
 
 def linear_attention_recurrent(q, k, v, *, eps=1e-6, feature_map="elu+1", initial_state=None):
