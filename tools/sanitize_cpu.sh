@@ -55,7 +55,7 @@ if [ ${#TESTS[@]} -eq 0 ]; then
   TESTS=(tests/test_attention.py tests/test_varlen.py tests/test_decoding.py
          tests/test_errors.py tests/test_linear_attention.py tests/test_spatial.py
          tests/test_tpa.py tests/test_mla.py tests/test_weights.py tests/test_dropout.py
-         tests/test_threads.py -k "not compile")
+         tests/test_threads.py tests/test_paged_cache.py tests/test_amx.py -k "not compile")
 fi
 LOGS=$WORK/logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
