@@ -14,7 +14,14 @@ from . import (  # noqa: F401  (drop-in and canonical modules)
     nn,
 )
 from .cache_size import kv_cache_bytes
-from .caches import KVCache, LatentKVCache, LinearAttentionState, PagedKVCache, TPAFactorCache
+from .caches import (
+    KVCache,
+    LatentKVCache,
+    LinearAttentionState,
+    PagedKVCache,
+    PagedLatentKVCache,
+    TPAFactorCache,
+)
 from .decoding import decode_attention, rope, rope_
 from .functional import (
     attention,
@@ -43,6 +50,7 @@ __all__ = [
     "decode_attention",
     "KVCache",
     "PagedKVCache",
+    "PagedLatentKVCache",
     "LatentKVCache",
     "TPAFactorCache",
     "LinearAttentionState",

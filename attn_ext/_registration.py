@@ -270,6 +270,7 @@ def _latent_cache_append_fake(
     *,
     rope_base=10000.0,
     rope_interleaved=False,
+    block_table=None,
 ):
     return None
 

@@ -17,7 +17,14 @@ from .decoding import decode_attention
 
 _ops = torch.ops.attn_ext
 
-__all__ = ["KVCache", "PagedKVCache", "LatentKVCache", "TPAFactorCache", "LinearAttentionState"]
+__all__ = [
+    "KVCache",
+    "PagedKVCache",
+    "LatentKVCache",
+    "PagedLatentKVCache",
+    "TPAFactorCache",
+    "LinearAttentionState",
+]
 
 # A block_table entry past a sequence's pages: never read (the ops read only the entries that
 # cover a sequence's rows), and out of range, so a bug that did read it would be caught.
@@ -238,11 +245,14 @@ class PagedKVCache:
         kw = dict(dtype=dtype, device=device)
         self.k = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, **kw)
         self.v = torch.zeros(num_pages, num_kv_heads, page_size, dv, **kw)
-        dev = self.k.device
+        self._init_table(max_batch, max_pages_per_seq, self.k.device)
+
+    def _init_table(self, max_batch: int, max_pages_per_seq: int, device) -> None:
+        """The block table and lengths of ``max_batch`` empty sequences (the pages exist)."""
         self.block_table = torch.full(
-            (max_batch, max_pages_per_seq), _NO_PAGE, dtype=torch.int32, device=dev
+            (max_batch, max_pages_per_seq), _NO_PAGE, dtype=torch.int32, device=device
         )
-        self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.reset()
 
     @property
@@ -311,13 +321,16 @@ class PagedKVCache:
             self._holders[page] += 1
         if tail:
             page = self._take()
-            self.k[page].copy_(self.k[self._pages[src][shared]])
-            self.v[page].copy_(self.v[self._pages[src][shared]])
+            self._copy_page(self._pages[src][shared], page)
             pages = pages + [page]
         self._pages[dst] = pages
         self.block_table[dst, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self._host_lengths[dst] = n
         self.lengths[dst] = n
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
 
     def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, seqlen) int64 positions of the next tokens, as :meth:`KVCache.positions`."""
@@ -337,9 +350,8 @@ class PagedKVCache:
         """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length,
         taking new pages from the free list as the sequences cross page boundaries, and
         advances ``lengths``; arguments as :meth:`KVCache.append` (B = ``max_batch``)."""
-        after, refusal = _room_after(self._host_lengths, self.max_len, k, new_lengths)
-        taken = [] if refusal is not None else self._allocate(after)
-        try:
+
+        def write():
             _ops.kv_cache_append(
                 self.k,
                 self.v,
@@ -353,6 +365,17 @@ class PagedKVCache:
                 rotary_dim=rotary_dim,
                 block_table=self.block_table,
             )
+
+        self._append_through(write, k, new_lengths)
+
+    def _append_through(self, write, x: torch.Tensor, new_lengths) -> None:
+        """Takes the pages that appending ``x`` (B, Hkv, S_new, *) needs, runs ``write`` (the
+        append op through the table) and advances the host lengths; gives the pages back if
+        the op raises, and raises the overflow refusal after the op validated its inputs."""
+        after, refusal = _room_after(self._host_lengths, self.max_len, x, new_lengths)
+        taken = [] if refusal is not None else self._allocate(after)
+        try:
+            write()
         except Exception:
             self._give_back(taken)
             raise
@@ -509,6 +532,11 @@ class LatentKVCache(KVCache):
         """The rotated ``k_rope`` columns (B, 1, max_len, rope_dim), a view."""
         return self.kv[..., self.kv_lora_rank :]
 
+    def rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of every sequence, (B, 1, n, kv_lora_rank + rope_dim), a view
+        (the same call as :meth:`PagedLatentKVCache.rows`)."""
+        return self.kv[:, :, :n]
+
     def append(
         self,
         c_kv: torch.Tensor,
@@ -545,6 +573,115 @@ class LatentKVCache(KVCache):
         return (
             f"LatentKVCache(batch_size={B}, max_len={L}, kv_lora_rank={self.kv_lora_rank}, "
             f"rope_dim={self.rope_dim}, dtype={self.kv.dtype}, device={self.kv.device})"
+        )
+
+
+class PagedLatentKVCache(PagedKVCache):
+    """MLA's latent cache (:class:`LatentKVCache`) in pages: one buffer ``kv`` (num_pages, 1,
+    page_size, kv_lora_rank + rope_dim) of rows ``[c_kv, k_rope]``, handed out page by page
+    through ``block_table`` as :class:`PagedKVCache` does (free list, :meth:`release`,
+    :meth:`fork`, prefix sharing). ``k`` is the buffer and ``v`` its first ``kv_lora_rank``
+    columns (a view): the absorbed decode attends to them through the table (:meth:`attend`).
+    :meth:`rows` gathers each sequence's first rows, for the layer's prompt and decompressed
+    paths.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        *,
+        max_batch: int,
+        max_pages_per_seq: int,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ):
+        for name, value, least in (
+            ("num_pages", num_pages, 1),
+            ("page_size", page_size, 1),
+            ("kv_lora_rank", kv_lora_rank, 0),
+            ("rope_dim", rope_dim, 0),
+            ("max_batch", max_batch, 0),
+            ("max_pages_per_seq", max_pages_per_seq, 0),
+        ):
+            if int(value) < least:
+                raise ValueError(
+                    f"attn_ext.PagedLatentKVCache: {name} must be >= {least}, got {value}"
+                )
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.kv = torch.zeros(
+            num_pages, 1, page_size, kv_lora_rank + rope_dim, dtype=dtype, device=device
+        )
+        self._init_table(max_batch, max_pages_per_seq, self.kv.device)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The key head [c_kv, k_rope] of every page: the buffer."""
+        return self.kv
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values: the ``c_kv`` columns of every page, a view."""
+        return self.kv[..., : self.kv_lora_rank]
+
+    @property
+    def empty(self) -> bool:
+        """True until the first :meth:`append` after construction or :meth:`reset`."""
+        return self._empty
+
+    def reset(self) -> None:
+        super().reset()
+        self._empty = True
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        self.kv[dst].copy_(self.kv[src])
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of every sequence, (max_batch, 1, n, kv_lora_rank + rope_dim),
+        gathered through the table (a copy). Rows past a sequence's length are not its own
+        (they read page 0 where it has no page): mask them by ``lengths``, as decoding does."""
+        n_pages = -(-n // self.page_size)
+        table = self.block_table[:, :n_pages].clamp(min=0).long()
+        pages = self.kv[table]  # (B, n_pages, 1, page_size, W)
+        B, W = table.size(0), self.kv.size(3)
+        return pages.transpose(1, 2).reshape(B, 1, n_pages * self.page_size, W)[:, :, :n]
+
+    def append(
+        self,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        *,
+        new_lengths: Optional[torch.Tensor] = None,
+        rope_base: float = 10000.0,
+        rope_interleaved: bool = False,
+    ) -> None:
+        """As :meth:`LatentKVCache.append`, taking new pages from the free list as the
+        sequences cross page boundaries (B = ``max_batch``)."""
+
+        def write():
+            _ops.latent_cache_append(
+                self.kv,
+                self.lengths,
+                c_kv,
+                k_rope,
+                new_lengths,
+                rope_base=rope_base,
+                rope_interleaved=rope_interleaved,
+                block_table=self.block_table,
+            )
+
+        self._append_through(write, c_kv, new_lengths)
+        self._empty = False
+
+    def __repr__(self) -> str:
+        P, _, ps, _ = self.kv.shape
+        return (
+            f"PagedLatentKVCache(num_pages={P}, page_size={ps}, "
+            f"kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, "
+            f"max_batch={self.batch_size}, max_pages_per_seq={self.block_table.size(1)}, "
+            f"dtype={self.kv.dtype}, device={self.kv.device})"
         )
 
 

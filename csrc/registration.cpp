@@ -52,7 +52,8 @@
 //   overflow L it raises and writes nothing.
 //   latent_cache_append (MLA's cache): cache (B, Hkv, L, Dc + Dr) holds rows [c_kv, k_rope];
 //   writes c_kv (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr), the latter rotated by
-//   RoPE (all Dr features) at the rows' positions, as kv_cache_append does (v = c_kv, k = k_rope).
+//   RoPE (all Dr features) at the rows' positions, as kv_cache_append does (v = c_kv, k = k_rope);
+//   paged (block_table given): cache (num_pages, Hkv, page_size, Dc + Dr), as below.
 //   decode_attention: q (B, H, Sq, D) against the cache; query i of sequence b sits at
 //   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
 //   [max(pos - window_left, leftpad_b), min(pos + window_right, len_b - 1)] (causal sets
@@ -160,7 +161,7 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
-      "bool rope_interleaved=False) -> ()");
+      "bool rope_interleaved=False, Tensor? block_table=None) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "

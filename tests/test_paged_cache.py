@@ -1,7 +1,9 @@
-"""The paged KV cache (issue 21, item 4): ``kv_cache_append`` and ``decode_attention`` through a
-``block_table``, against the contiguous cache holding the same rows, and
-:class:`attn_ext.PagedKVCache`'s page allocation. CPU only: the paged CUDA kernels are not
-written yet (the CUDA ops raise NotImplementedError)."""
+"""The paged KV cache (issue 21, item 4): ``kv_cache_append``, ``latent_cache_append`` and
+``decode_attention`` through a ``block_table``, against the contiguous cache holding the same
+rows, :class:`attn_ext.PagedKVCache`'s page allocation, and MLA's
+:class:`attn_ext.PagedLatentKVCache` under :class:`attn_ext.nn.MultiHeadLatentAttention`.
+CPU only: the paged CUDA kernels are not written yet (the CUDA ops raise
+NotImplementedError)."""
 
 import pytest
 import torch
@@ -458,6 +460,117 @@ def test_paged_cache_arguments():
     assert "PagedKVCache(num_pages=4, page_size=16" in repr(c)
 
 
+# ------------------------------------------------------------------------- paged latent cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_paged_latent_append_matches_contiguous(dtype, page_size):
+    """latent_cache_append through a table leaves the rows the contiguous latent cache gets,
+    bit for bit: c_kv as given, k_rope rotated at the rows' positions (left-padded inputs,
+    new rows crossing page boundaries)."""
+    lengths = _lengths(page_size)
+    B, dc, dr, S = len(lengths), 12, 8, 5
+    L = -(-(max(lengths) + S) // page_size) * page_size
+    kv0 = rand((B, 1, L, dc + dr), dtype, "cpu")
+    pages, _, table = _page_out(kv0, kv0[..., :1], lengths, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    c_kv, k_rope = rand((B, 1, S, dc), dtype, "cpu"), rand((B, 1, S, dr), dtype, "cpu", "bshd")
+    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    lens_dense, lens_paged = lens.clone(), lens.clone()
+    kw = dict(rope_interleaved=True)
+    ops.latent_cache_append(kv0, lens_dense, c_kv, k_rope, new_lengths, **kw)
+    ops.latent_cache_append(pages, lens_paged, c_kv, k_rope, new_lengths, block_table=table, **kw)
+    assert torch.equal(lens_paged, lens_dense)
+    dense = _dense(pages, table, page_size)
+    for b, n in enumerate(lens_dense.tolist()):
+        assert torch.equal(dense[b, :, :n], kv0[b, :, :n]), b
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TABLES)))
+def test_bad_block_table_latent_append_writes_nothing(case):
+    spoil, msg = BAD_TABLES[case]
+    k, _, table, lens = _bad_table_setup()
+    before = [k.clone(), lens.clone()]
+    with pytest.raises(RuntimeError, match=msg):
+        ops.latent_cache_append(
+            k, lens, torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4), block_table=spoil(table)
+        )
+    assert torch.equal(before[0], k) and torch.equal(before[1], lens)
+
+
+def test_opcheck_paged_latent_append():
+    k, _, table, _ = _opcheck_inputs()
+    torch.library.opcheck(
+        ops.latent_cache_append.default,
+        (
+            k,
+            torch.tensor([1, 0], dtype=torch.int32),
+            torch.randn(2, 2, 2, 4),
+            torch.randn(2, 2, 2, 4),
+        ),
+        dict(block_table=table),
+    )
+
+
+def _mla(dtype, **dims):
+    from attn_ext.nn import MultiHeadLatentAttention
+
+    torch.manual_seed(0)
+    dims = dims or dict(kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    return MultiHeadLatentAttention(40, 4, **dims).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("absorb", [True, False])
+@pytest.mark.parametrize("page_size", [1, 4, 256])
+def test_mla_paged_latent_cache_matches_contiguous(dtype, absorb, page_size):
+    """MLA decoding against PagedLatentKVCache (prompt into an empty cache, a left-padded
+    multi-token step, single-token steps) gives the contiguous LatentKVCache's outputs bit for
+    bit: the decode kernel gathers small pages into its whole tiles, and the prompt and
+    decompressed paths read the same rows gathered."""
+    m = _mla(dtype)
+    x = torch.randn(3, 12, 40, dtype=dtype)
+    outs = []
+    with torch.no_grad():
+        for paged in (None, page_size):
+            cache = m.new_cache(3, 16, page_size=paged)
+            steps = [m(x[:, :5], cache, absorb=absorb)]
+            steps.append(m(x[:, 5:8], cache, new_lengths=torch.tensor([3, 1, 2]), absorb=absorb))
+            steps += [m(x[:, t : t + 1], cache, absorb=absorb) for t in range(8, 12)]
+            outs.append((torch.cat(steps, dim=1), cache.lengths.tolist()))
+    assert outs[0][1] == outs[1][1] == [12, 10, 11]
+    assert torch.equal(outs[1][0], outs[0][0])
+
+
+def test_paged_latent_cache_pages_fork_and_rows():
+    torch.manual_seed(2)
+    c = attn_ext.PagedLatentKVCache(6, 4, 8, 4, max_batch=2, max_pages_per_seq=3)
+    assert c.kv.shape == (6, 1, 4, 12) and c.k.data_ptr() == c.kv.data_ptr()
+    assert c.v.shape == (6, 1, 4, 8) and c.v.data_ptr() == c.kv.data_ptr()
+    assert c.empty and c.max_len == 12 and "PagedLatentKVCache(num_pages=6" in repr(c)
+    c_kv, k_rope = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 4)
+    c.append(c_kv, k_rope, new_lengths=torch.tensor([6, 0]))
+    assert not c.empty and c.pages(0) == [0, 1] and c.num_free_pages == 4
+    c.fork(0, 1)  # page 0 shared, the partly filled page 1 copied
+    assert c.pages(1)[0] == 0 and c.pages(1)[1] not in (0, 1)
+    rows = c.rows(6)
+    assert rows.shape == (2, 1, 6, 12) and torch.equal(rows[0], rows[1])
+    assert torch.equal(rows[0, 0, :, :8], c_kv[0, 0])
+    c.release(0)
+    assert c.num_free_pages == 4  # page 0 is still sequence 1's
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        attn_ext.PagedLatentKVCache(4, 0, 8, 4, max_batch=1, max_pages_per_seq=1)
+    m = _mla(torch.float32)
+    with pytest.raises(TypeError, match="LatentKVCache or PagedLatentKVCache"):
+        m(
+            torch.randn(2, 1, 40),
+            attn_ext.PagedKVCache(4, 4, 1, 8, max_batch=2, max_pages_per_seq=2),
+        )
+    with pytest.raises(ValueError, match="num_pages needs page_size"):
+        m.new_cache(2, 8, num_pages=4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_paged_ops_not_yet_on_cuda():
     """The paged CUDA kernels are not written yet: a clear error after validation (a bad table
@@ -472,3 +585,5 @@ def test_paged_ops_not_yet_on_cuda():
         ops.kv_cache_append(k, v, lens, new, new, block_table=table)
     with pytest.raises(RuntimeError, match="block_table must be int32"):
         ops.kv_cache_append(k, v, lens, new, new, block_table=table.long())
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+        ops.latent_cache_append(k, lens, new[..., :4], new[..., :4], block_table=table)

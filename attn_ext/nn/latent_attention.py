@@ -21,18 +21,23 @@ Two ways to run:
   the one shared cache row ``[c^KV, k^R]`` as key and to its first ``kv_lora_rank`` columns as
   value, through :func:`attn_ext.decode_attention` (all query heads of the one KV head form one
   row block, so each cache row is read once per step); ``W^UV`` is applied to the attended
-  latent afterwards. Nothing per head is ever materialized for the cached tokens.
+  latent afterwards. Nothing per head is ever materialized for the cached tokens. A
+  :class:`attn_ext.PagedLatentKVCache` (``new_cache(..., page_size=...)``) is read the same
+  way through its block table.
 """
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ..caches import LatentKVCache
+from ..caches import LatentKVCache, PagedLatentKVCache
 from ..decoding import decode_attention, rope
 from ..functional import attention
+
+# The caches the layer decodes against: contiguous, or paged through a block table.
+LatentCache = Union[LatentKVCache, PagedLatentKVCache]
 
 __all__ = ["MultiHeadLatentAttention"]
 
@@ -132,17 +137,37 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------ projections
 
-    def new_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> LatentKVCache:
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        page_size: Optional[int] = None,
+        num_pages: Optional[int] = None,
+        dtype=None,
+        device=None,
+    ) -> LatentCache:
         """An empty :class:`attn_ext.LatentKVCache` for this layer (default: its weights'
-        dtype and device): ``kv_lora_rank + qk_rope_head_dim`` values per token."""
+        dtype and device): ``kv_lora_rank + qk_rope_head_dim`` values per token. With
+        ``page_size``, a :class:`attn_ext.PagedLatentKVCache` of ``num_pages`` pages (default:
+        enough for every sequence at ``max_len``)."""
         w = self.kv_b_proj.weight
-        return LatentKVCache(
-            batch_size,
-            max_len,
+        kw = dict(dtype=dtype or w.dtype, device=device or w.device)
+        if page_size is None:
+            if num_pages is not None:
+                raise ValueError(f"{type(self).__name__}.new_cache: num_pages needs page_size")
+            return LatentKVCache(
+                batch_size, max_len, self.kv_lora_rank, self.qk_rope_head_dim, **kw
+            )
+        pages_per_seq = -(-max_len // page_size) if page_size > 0 else 0
+        return PagedLatentKVCache(
+            batch_size * pages_per_seq if num_pages is None else num_pages,
+            page_size,
             self.kv_lora_rank,
             self.qk_rope_head_dim,
-            dtype=dtype or w.dtype,
-            device=device or w.device,
+            max_batch=batch_size,
+            max_pages_per_seq=pages_per_seq,
+            **kw,
         )
 
     def _rope_kw(self):
@@ -169,6 +194,10 @@ class MultiHeadLatentAttention(nn.Module):
         )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
+    def _split_rows(self, rows: torch.Tensor):
+        """Cache rows [c_kv, k_rope] as the two parts (views)."""
+        return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+
     def _decompress(self, c_kv: torch.Tensor, k_rope: torch.Tensor):
         """Per-head keys (B, H, S, nope + rope) and values (B, H, S, v) from the latent
         (B, 1, S, kv_lora_rank) and the rotated shared key (B, 1, S, rope)."""
@@ -189,7 +218,7 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: Optional[LatentKVCache] = None,
+        cache: Optional[LatentCache] = None,
         *,
         positions: Optional[torch.Tensor] = None,
         new_lengths: Optional[torch.Tensor] = None,
@@ -209,9 +238,10 @@ class MultiHeadLatentAttention(nn.Module):
                 f"{name}: with a cache the positions follow the cache's lengths; "
                 "do not pass positions"
             )
-        if not isinstance(cache, LatentKVCache):
+        if not isinstance(cache, (LatentKVCache, PagedLatentKVCache)):
             raise TypeError(
-                f"{name}: cache must be an attn_ext.LatentKVCache (from new_cache), "
+                f"{name}: cache must be an attn_ext.LatentKVCache or PagedLatentKVCache "
+                "(from new_cache), "
                 f"got {type(cache).__name__}"
             )
         if cache.kv_lora_rank != self.kv_lora_rank or cache.rope_dim != self.qk_rope_head_dim:
@@ -233,7 +263,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         return self._merge_heads(attention(q, k, v, causal=True, scale=self.softmax_scale))
 
-    def _decode(self, x: torch.Tensor, cache: LatentKVCache, new_lengths, absorb: bool):
+    def _decode(self, x: torch.Tensor, cache: LatentCache, new_lengths, absorb: bool):
         S = x.size(1)
         q_nope, q_rope = self._query(x)
         c_kv, k_rope = self._latent(x)
@@ -249,20 +279,19 @@ class MultiHeadLatentAttention(nn.Module):
         if prompt:
             # A prompt into an empty cache: causal attention over its decompressed keys
             # (D = nope + rope) costs less than the absorbed form's kv_lora_rank-wide scores.
-            k, v = self._decompress(cache.latent[:, :, :S], cache.rope_key[:, :, :S])
+            k, v = self._decompress(*self._split_rows(cache.rows(S)))
             return self._attend(q_nope, q_rope, k, v)
         if not absorb:
             return self._decode_decompressed(torch.cat([q_nope, q_rope], dim=-1), cache)
         w_uk, w_uv = self._up_weights()
         # q^C W^UK: (B, H, S, nope) @ (H, nope, kv_lora_rank) -> the query in latent space.
         q = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)
-        out = decode_attention(q, cache.k, cache.v, cache.lengths, scale=self.softmax_scale)
+        out = cache.attend(q, scale=self.softmax_scale)
         # Attended latent (B, H, S, kv_lora_rank) through W^UV (H, v, kv_lora_rank).
         return self._merge_heads(torch.matmul(out, w_uv.transpose(1, 2)))
 
-    def _decode_decompressed(self, q: torch.Tensor, cache: LatentKVCache) -> torch.Tensor:
-        n = _max_length(cache)
-        k, v = self._decompress(cache.latent[:, :, :n], cache.rope_key[:, :, :n])
+    def _decode_decompressed(self, q: torch.Tensor, cache: LatentCache) -> torch.Tensor:
+        k, v = self._decompress(*self._split_rows(cache.rows(_max_length(cache))))
         return self._merge_heads(decode_attention(q, k, v, cache.lengths, scale=self.softmax_scale))
 
     def extra_repr(self) -> str:
@@ -274,10 +303,10 @@ class MultiHeadLatentAttention(nn.Module):
         )
 
 
-def _host_lengths(cache: LatentKVCache):
+def _host_lengths(cache: LatentCache):
     # A GPU cache keeps a host copy of its lengths (reading the tensor would synchronize).
     return cache.lengths.tolist() if cache.kv.device.type == "cpu" else cache._host_lengths
 
 
-def _max_length(cache: LatentKVCache) -> int:
+def _max_length(cache: LatentCache) -> int:
     return max(_host_lengths(cache), default=0)

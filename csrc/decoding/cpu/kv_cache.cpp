@@ -78,10 +78,12 @@ void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& c
 
 void latent_cache_append_cpu(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                              const at::Tensor& k_rope, const std::optional<at::Tensor>& new_lengths,
-                             double rope_base, bool rope_interleaved) {
+                             double rope_base, bool rope_interleaved,
+                             const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
-  PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
-                                           rope_base, rope_interleaved, /*check_values=*/true);
+  PreparedAppend r =
+      prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
+                            rope_interleaved, block_table, /*check_values=*/true);
   if (c_kv.numel() > 0 || k_rope.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp,
                                [&] { kv_append_kernel<scalar_t>(r.params); });

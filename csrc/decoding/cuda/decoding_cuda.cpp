@@ -84,11 +84,13 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
 void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                               const at::Tensor& k_rope,
                               const std::optional<at::Tensor>& new_lengths, double rope_base,
-                              bool rope_interleaved) {
+                              bool rope_interleaved, const std::optional<at::Tensor>& block_table) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
   c10::cuda::CUDAGuard guard(cache.device());
-  PreparedAppend r = prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths,
-                                           rope_base, rope_interleaved, /*check_values=*/false);
+  PreparedAppend r =
+      prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
+                            rope_interleaved, block_table, /*check_values=*/false);
+  check_not_paged(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
