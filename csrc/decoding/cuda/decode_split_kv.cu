@@ -4,7 +4,7 @@
 //
 // One thread block owns up to kRows rows (the G query heads sharing a KV head, times the new
 // tokens) of one (sequence, KV head) and one split of its keys:
-//   prologue  each lane holds its slice of every row's scaled query in registers;
+//   prologue  each lane holds its slice of every row's query in registers;
 //   main loop a key row is read by a group of kLanes lanes, one 16-byte vector each, the
 //             groups of a warp reading adjacent rows (coalesced); each group keeps its own
 //             online-softmax state and output slice for every row, so no lane waits on another
@@ -92,8 +92,9 @@ __device__ __forceinline__ void unpack(const uint4& u, float* f) {
   }
 }
 
-// Grid: x = (sequence, KV head, row block), y = split.
-template <typename T, int kHeadDim, int kRowsPerBlock, typename Rows>
+// Grid: x = (sequence, KV head, row block), y = split. kMods: softcap / ALiBi (their own
+// instantiation, so the kernel without them keeps its registers; the sink is in the epilogue).
+template <typename T, int kHeadDim, int kRowsPerBlock, typename Rows, bool kMods>
 __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kThreads)
     split_kv_kernel(DecodeParams p, DecodeWorkspace ws) {
   using Tr = SplitKvTraits<T, kHeadDim, kRowsPerBlock>;
@@ -102,7 +103,8 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   __shared__ float o_s[Tr::kWarps][kRows][kHeadDim];
   __shared__ SoftmaxState<float> state_s[Tr::kWarps][kRows];
 
-  // ---- prologue: this block's rows and keys, the query slices
+  // ---- prologue: this block's rows and keys (key indices are int32: the host checks the
+  // capacity fits), the query slices
   const int64_t G = p.group(), Sq = p.seqlen_q, rows = G * Sq;
   const int64_t num_m = (rows + kRows - 1) / kRows;
   const int64_t bk = blockIdx.x / num_m, r0 = (blockIdx.x % num_m) * kRows;
@@ -111,28 +113,31 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   int64_t len = p.lengths[b];
   len = len < 0 ? 0 : (len > p.seqlen_k ? p.seqlen_k : len);  // clamped: never past capacity
   const LocalBand band{len - Sq, p.window_left, p.window_right};
+  const int64_t first = p.first_key(b);
   const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
-  const int64_t lo = max(band.key_begin(i_begin, len), p.first_key(b));
-  const int64_t hi = max(band.key_end(i_end, len), lo);
-  const int64_t splits = gridDim.y, split = blockIdx.y;
-  const int64_t chunk =
+  const int32_t lo = static_cast<int32_t>(max(band.key_begin(i_begin, len), first));
+  const int32_t hi = static_cast<int32_t>(max(band.key_end(i_end, len), int64_t(lo)));
+  const int32_t splits = gridDim.y, split = blockIdx.y;
+  const int32_t chunk =
       ((hi - lo + splits - 1) / splits + Tr::kTileKeys - 1) / Tr::kTileKeys * Tr::kTileKeys;
-  const int64_t j_begin = min(hi, lo + split * chunk), j_end = min(hi, j_begin + chunk);
+  const int32_t j_begin = min(hi, lo + split * chunk), j_end = min(hi, j_begin + chunk);
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int group = lane / kLanes, gl = lane % kLanes;
   const float log2e = static_cast<float>(kLog2e);
   const float s_scale = static_cast<float>(p.scale) * log2e;
-  const bool modified = p.softcap != 0.0 || p.alibi_slopes != nullptr;
   // Lane feature e of vector c is column (c * kLanes + gl) * kVec + e % kVec.
   const auto column = [&](int c, int e) { return (c * kLanes + gl) * kVec + e; };
 
+  // Each row's keys of this split, [row_lo, row_hi): its band from the first key on, cut to
+  // the split (empty for the rows past m), so a score needs two compares.
   float q[kRows][kElems];
-  int64_t qi[kRows];  // each row's query index (its band position)
+  int32_t row_lo[kRows], row_hi[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t rg = r0 + (r < m ? r : 0), i = rg / G, h = hk * G + rg % G;
-    qi[r] = i;
+    row_lo[r] = static_cast<int32_t>(max(max(band.key_begin(i, len), first), int64_t(j_begin)));
+    row_hi[r] = r < m ? static_cast<int32_t>(min(band.key_end(i + 1, len), int64_t(j_end))) : 0;
     const T* qr = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                   i * p.q_row_stride;
 #pragma unroll
@@ -153,9 +158,9 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
 
   // ---- main loop: tiles of kTileKeys keys; key u of a group is tile row
   // (u * kWarps + warp) * kGroups + group, so a warp's load covers kGroups adjacent rows.
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += Tr::kTileKeys) {
+  for (int32_t j0 = j_begin; j0 < j_end; j0 += Tr::kTileKeys) {
     uint4 kv[kUnroll][kVecsPerLane], vv[kUnroll][kVecsPerLane];
-    int64_t jj[kUnroll];
+    int32_t jj[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       jj[u] = j0 + (u * Tr::kWarps + warp) * Tr::kGroups + group;
@@ -189,10 +194,12 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
 #pragma unroll
         for (int off = kLanes / 2; off > 0; off /= 2) dot += __shfl_xor_sync(~0u, dot, off);
         float sc = dot * s_scale;
-        const bool ok = r < m && jj[u] < j_end && band.allowed(qi[r], jj[u]);
-        if (ok && modified) {
-          const int64_t h = hk * G + (r0 + r) % G;
-          sc = ScoreMod<float>::make(p, b, h, len - Sq, log2e).apply(sc, qi[r], jj[u]);
+        const bool ok = row_lo[r] <= jj[u] && jj[u] < row_hi[r];
+        if constexpr (kMods) {
+          if (ok) {
+            const int64_t rg = r0 + r, h = hk * G + rg % G;
+            sc = ScoreMod<float>::make(p, b, h, len - Sq, log2e).apply(sc, rg / G, jj[u]);
+          }
         }
         s[u][r] = ok ? sc : -INFINITY;
       }
@@ -331,13 +338,15 @@ __global__ void __launch_bounds__(kMergeThreads)
   if (lane == 0) p.lse[(b * p.heads + h) * Sq + i] = total.lse();
 }
 
-template <typename T, int kHeadDim, int kRows, typename Rows>
+using Launch = cudaError_t (*)(const DecodeParams&, DecodeWorkspace, cudaStream_t);
+
+template <typename T, int kHeadDim, int kRows, typename Rows, bool kMods>
 cudaError_t run(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
   using Tr = SplitKvTraits<T, kHeadDim, kRows>;
   const int64_t rows = p.group() * p.seqlen_q;
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads * ceil_div(rows, kRows)),
                   static_cast<unsigned>(p.num_splits));
-  split_kv_kernel<T, kHeadDim, kRows, Rows><<<grid, Tr::kThreads, 0, stream>>>(p, ws);
+  split_kv_kernel<T, kHeadDim, kRows, Rows, kMods><<<grid, Tr::kThreads, 0, stream>>>(p, ws);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t all_rows = p.batch * p.kv_heads * rows;
@@ -348,17 +357,24 @@ cudaError_t run(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-// The rows per block (the smallest that holds a KV head's rows, or 8 with several blocks)
-// and the cache-row policy.
+// The variants of one dtype and head dim, indexed [8 rows][paged][modifiers]: the rows per
+// block (the smallest that holds a KV head's rows, or 8 with several blocks), the cache-row
+// policy, and softcap / ALiBi.
 template <typename T, int kHeadDim>
-cudaError_t run_rows(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
-  const bool paged = p.pages.paged();
-  if (p.group() * p.seqlen_q <= kSplitKvSmallRows) {
-    return paged ? run<T, kHeadDim, kSplitKvSmallRows, PagedRows>(p, ws, stream)
-                 : run<T, kHeadDim, kSplitKvSmallRows, ContiguousRows>(p, ws, stream);
-  }
-  return paged ? run<T, kHeadDim, kSplitKvRowsPerBlock, PagedRows>(p, ws, stream)
-               : run<T, kHeadDim, kSplitKvRowsPerBlock, ContiguousRows>(p, ws, stream);
+cudaError_t run_variant(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
+  constexpr int kSmall = static_cast<int>(kSplitKvSmallRows);
+  constexpr int kLarge = static_cast<int>(kSplitKvRowsPerBlock);
+  static constexpr Launch kVariants[2][2][2] = {
+      {{run<T, kHeadDim, kSmall, ContiguousRows, false>,
+        run<T, kHeadDim, kSmall, ContiguousRows, true>},
+       {run<T, kHeadDim, kSmall, PagedRows, false>, run<T, kHeadDim, kSmall, PagedRows, true>}},
+      {{run<T, kHeadDim, kLarge, ContiguousRows, false>,
+        run<T, kHeadDim, kLarge, ContiguousRows, true>},
+       {run<T, kHeadDim, kLarge, PagedRows, false>, run<T, kHeadDim, kLarge, PagedRows, true>}},
+  };
+  const bool large = split_kv_rows_per_block(p) == kSplitKvRowsPerBlock;
+  const bool mods = p.softcap != 0.0 || p.alibi_slopes != nullptr;
+  return kVariants[large][p.pages.paged()][mods](p, ws, stream);
 }
 
 }  // namespace
@@ -373,11 +389,11 @@ cudaError_t launch_decode_split_kv(const DecodeParams& p, ElemKind kind, DecodeW
     } else {
       switch (p.head_dim) {
         case 64:
-          return run_rows<T, 64>(p, ws, stream);
+          return run_variant<T, 64>(p, ws, stream);
         case 128:
-          return run_rows<T, 128>(p, ws, stream);
+          return run_variant<T, 128>(p, ws, stream);
         case 256:
-          return run_rows<T, 256>(p, ws, stream);
+          return run_variant<T, 256>(p, ws, stream);
         default:
           return cudaErrorInvalidValue;
       }
