@@ -35,7 +35,7 @@ struct ContiguousRows {
   }
 };
 
-// Through the block table. int32 arithmetic (the host checks the capacity fits), the entry
+// Through the block table. int32 arithmetic (capacity < kSplitKvMaxCapacity), the entry
 // clamped into the cache as PageTable::page does: a GPU op cannot check the table without a
 // sync, so a bad entry reads a wrong page, never outside the cache.
 struct PagedRows {
@@ -103,8 +103,9 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   __shared__ float o_s[Tr::kWarps][kRows][kHeadDim];
   __shared__ SoftmaxState<float> state_s[Tr::kWarps][kRows];
 
-  // ---- prologue: this block's rows and keys (key indices are int32: the host checks the
-  // capacity fits), the query slices
+  // ---- prologue: this block's rows and keys (key indices are int32: the host keeps the
+  // capacity below kSplitKvMaxCapacity, so no sum of keys, tiles and splits overflows), the
+  // query slices
   const int64_t G = p.group(), Sq = p.seqlen_q, rows = G * Sq;
   const int64_t num_m = (rows + kRows - 1) / kRows;
   const int64_t bk = blockIdx.x / num_m, r0 = (blockIdx.x % num_m) * kRows;
@@ -118,6 +119,7 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   const int32_t lo = static_cast<int32_t>(max(band.key_begin(i_begin, len), first));
   const int32_t hi = static_cast<int32_t>(max(band.key_end(i_end, len), int64_t(lo)));
   const int32_t splits = gridDim.y, split = blockIdx.y;
+  // This split's keys: a whole number of tiles each.
   const int32_t chunk =
       ((hi - lo + splits - 1) / splits + Tr::kTileKeys - 1) / Tr::kTileKeys * Tr::kTileKeys;
   const int32_t j_begin = min(hi, lo + split * chunk), j_end = min(hi, j_begin + chunk);

@@ -162,8 +162,7 @@ const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, int64_t e
   if (!aligned(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride) ||
       !aligned(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride))
     return "k_cache / v_cache rows that are not 16-byte aligned (pointer and strides)";
-  // The page arithmetic is int32.
-  if (p.seqlen_k > std::numeric_limits<int32_t>::max()) return "capacities beyond 2^31 - 1 rows";
+  if (p.seqlen_k >= kSplitKvMaxCapacity) return "capacities of 2^30 rows or more";
   return nullptr;
 }
 

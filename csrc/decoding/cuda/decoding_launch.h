@@ -37,6 +37,9 @@ constexpr int64_t kSplitKvHeadDims[] = {64, 128, 256};
 // rows; 8 keeps the per-lane query slices and accumulators in registers at D = 256).
 constexpr int64_t kSplitKvSmallRows = 4;
 constexpr int64_t kSplitKvRowsPerBlock = 8;
+// Key indices are int32 in the kernel: capacities (rows per sequence) below 2^30 leave room for
+// every sum of a key index, a tile and a split.
+constexpr int64_t kSplitKvMaxCapacity = int64_t(1) << 30;
 inline int64_t split_kv_rows_per_block(const DecodeParams& p) {
   return p.group() * p.seqlen_q <= kSplitKvSmallRows ? kSplitKvSmallRows : kSplitKvRowsPerBlock;
 }
