@@ -215,7 +215,9 @@ class PagedKVCache:
     other way (a block_table edited by hand) is written by whichever sequence appends into it,
     and every sharer sees the write: copy-on-write is the caller's business.
 
-    CPU only for now: on CUDA the ops raise ``NotImplementedError`` (issue 21's paged kernels).
+    On CUDA the paged kernels are compiled but have not yet run on a GPU: they need
+    ``ATTN_EXT_UNVERIFIED_CUDA=1`` (the ops raise ``NotImplementedError`` otherwise) and serve
+    bf16 / fp16 / fp32 with ``head_dim == head_dim_v`` in {64, 128, 256}.
     """
 
     def __init__(

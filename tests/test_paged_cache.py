@@ -1,9 +1,9 @@
 """The paged KV cache (issue 21, item 4): ``kv_cache_append``, ``latent_cache_append`` and
 ``decode_attention`` through a ``block_table``, against the contiguous cache holding the same
 rows, :class:`attn_ext.PagedKVCache`'s page allocation, and MLA's
-:class:`attn_ext.PagedLatentKVCache` under :class:`attn_ext.nn.MultiHeadLatentAttention`.
-CPU only: the paged CUDA kernels are not written yet (the CUDA ops raise
-NotImplementedError)."""
+:class:`attn_ext.PagedLatentKVCache` under :class:`attn_ext.nn.MultiHeadLatentAttention`. On
+CUDA (skipped without a GPU) the paged kernels run only with ATTN_EXT_UNVERIFIED_CUDA=1 until
+they have run green on a GPU."""
 
 import pytest
 import torch
@@ -571,19 +571,246 @@ def test_paged_latent_cache_pages_fork_and_rows():
         m.new_cache(2, 8, num_pages=4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_paged_ops_not_yet_on_cuda():
-    """The paged CUDA kernels are not written yet: a clear error after validation (a bad table
-    still gets the validation's message)."""
+# ----------------------------------------------------------------------------------------- CUDA
+# The split-KV decode kernel and the paged append (csrc/decoding/cuda/decode_split_kv.cu,
+# rope.cu) are compiled but off by default until they have run green on a GPU: the paged ops
+# need ATTN_EXT_UNVERIFIED_CUDA=1, which also routes the contiguous decode to the new kernel
+# where it serves the call (bf16 / fp16 / fp32, D = Dv in {64, 128, 256}). Checked against the
+# float64 truth and the same-dtype reference, as on the CPU.
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (H, Hkv, Sq): G * Sq rows per KV head of 1 (MHA), 4 (one small block), 8, and 64 (eight
+# blocks of eight rows).
+CUDA_GROUPS = [(4, 4, 1), (8, 2, 1), (8, 1, 1), (16, 1, 4)]
+
+
+@pytest.fixture
+def unverified(monkeypatch):
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+
+
+def _cuda_case(dtype, page_size, head_dim, groups, extra=None, seed=0):
+    """A shuffled paged cache on the GPU and the contiguous cache holding its rows; lengths
+    around page bounds and one long enough to split (several key tiles)."""
+    torch.manual_seed(seed)
+    H, Hkv, sq = groups
+    lengths = _lengths(page_size) + [1000]
+    B, D = len(lengths), head_dim
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, D), dtype, "cpu")
+    k_pages, v_pages, table = _page_out(k, v, lengths, page_size, shared_prefix_pages=1)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, sq, D), dtype, "cpu", layout="bshd")
+    return [t.cuda() for t in (q, k, v, k_pages, v_pages, table, lens)]
+
+
+def _check_cuda_decode(out, lse, q, k, v, lens, **kw):
+    ref_out, ref_lse = decode_reference(q, k, v, lens, **kw)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **kw)
+    assert_error_rule(out, ref_out, t_out, name="cuda decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="cuda decode lse")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("groups", CUDA_GROUPS, ids=lambda g: "H{}_Hkv{}_Sq{}".format(*g))
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_cuda_split_kv_decode(unverified, dtype, head_dim, page_size, groups, num_splits):
+    """Paged and contiguous caches through the one kernel, against the float64 truth; the
+    paged result equals the contiguous one bit for bit (the same keys in the same order)."""
+    q, k, v, k_pages, v_pages, table, lens = _cuda_case(dtype, page_size, head_dim, groups)
+    kw = dict(num_splits=num_splits, return_lse=True)
+    out, lse = attn_ext.decode_attention(q, k_pages, v_pages, lens, block_table=table, **kw)
+    _check_cuda_decode(out, lse, q, k, v, lens)
+    dense_out, dense_lse = attn_ext.decode_attention(q, k, v, lens, **kw)
+    assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(window_left=37),
+        dict(causal=False, window_left=20, window_right=5, softcap=2.0),
+        dict(sinks="randn", alibi_slopes="rand"),
+        dict(cache_leftpad=[0, 0, 5, 9, 3, 40, 700]),
+    ],
+    ids=["window", "noncausal_window_softcap", "sinks_alibi", "leftpad"],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_cuda_split_kv_decode_band_and_modifiers(unverified, dtype, paged, extra, num_splits):
+    q, k, v, k_pages, v_pages, table, lens = _cuda_case(dtype, 16, 64, (8, 2, 3))
+    kw = {}
+    for name, val in extra.items():
+        if val in ("randn", "rand"):
+            val = getattr(torch, val)(q.size(1), device="cuda")
+        elif name == "cache_leftpad":
+            val = torch.minimum(torch.tensor(val, dtype=torch.int32, device="cuda"), lens)
+        kw[name] = val
+    cache = dict(block_table=table) if paged else {}
+    kc, vc = (k_pages, v_pages) if paged else (k, v)
+    out, lse = attn_ext.decode_attention(
+        q, kc, vc, lens, num_splits=num_splits, return_lse=True, **cache, **kw
+    )
+    _check_cuda_decode(out, lse, q, k, v, lens, **kw)
+
+
+@cuda
+def test_cuda_split_kv_decode_cache_batch_idx(unverified):
+    q, k, v, *_, lens = _cuda_case(torch.bfloat16, 16, 128, (8, 2, 1))
+    idx = torch.randperm(k.size(0), device="cuda").to(torch.int32)
+    lens_b = lens[idx.long()]
+    out, lse = attn_ext.decode_attention(q, k, v, lens_b, cache_batch_idx=idx, return_lse=True)
+    _check_cuda_decode(out, lse, q, k, v, lens_b, cache_batch_idx=idx)
+
+
+@cuda
+def test_cuda_split_kv_never_reads_past_lengths(unverified):
+    """NaN in every row at or past a sequence's length, and in unused pages: never read."""
+    q, k, v, k_pages, v_pages, table, lens = _cuda_case(torch.float16, 16, 128, (8, 2, 1))
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist()):
+        poisoned_k[b, :, n:] = float("nan")
+        poisoned_v[b, :, n:] = float("nan")
+    out, lse = attn_ext.decode_attention(q, poisoned_k, poisoned_v, lens, return_lse=True)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    used = torch.zeros(k_pages.size(0), dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        used[table[b, : -(-n // 16)].long().cpu()] = True
+    k_pages[~used.cuda()] = float("nan")
+    out, lse = attn_ext.decode_attention(
+        q, k_pages, v_pages, lens, block_table=table, return_lse=True
+    )
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("rope", [False, True])
+def test_cuda_paged_append_matches_cpu(unverified, dtype, page_size, rope):
+    lengths = _lengths(page_size)
+    B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
+    L = -(-(max(lengths) + S) // page_size) * page_size
+    k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    k_pages, v_pages, table = _page_out(k0, v0, lengths, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
+    v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
+    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    kw = dict(rope=rope, rope_interleaved=True)
+    gpu = [t.cuda() for t in (k_pages, v_pages, lens, k_new, v_new, new_lengths, table)]
+    ops.kv_cache_append(k_pages, v_pages, lens, k_new, v_new, new_lengths, block_table=table, **kw)
+    ops.kv_cache_append(*gpu[:6], block_table=gpu[6], **kw)
+    assert torch.equal(gpu[2].cpu(), lens)
+    if rope:  # cos / sin on the GPU round differently: the rows agree to an ulp or two
+        torch.testing.assert_close(gpu[0].cpu(), k_pages)
+    else:
+        assert torch.equal(gpu[0].cpu(), k_pages)
+    assert torch.equal(gpu[1].cpu(), v_pages)
+
+
+@cuda
+@pytest.mark.parametrize("case", ["overflow", "bad_entry"])
+def test_cuda_paged_append_that_does_not_fit_writes_nothing(unverified, case):
+    """The GPU op cannot raise without a sync: an append that would overflow, or whose rows
+    land in a table entry outside the cache, writes nothing and leaves the lengths."""
     k, v, table, lens = (t.cuda() for t in _bad_table_setup())
-    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
-        attn_ext.decode_attention(
-            torch.randn(2, 4, 1, 8, device="cuda"), k, v, lens, block_table=table
+    if case == "overflow":
+        table = table[:, :2].contiguous()  # capacity 8 < 9 + 3
+    else:
+        table = torch.tensor([[0, 1, -1], [2, 3, 5]], dtype=torch.int32, device="cuda")
+    before = [t.clone() for t in (k, v, lens)]
+    new = torch.ones(2, 2, 3, 8, device="cuda")
+    ops.kv_cache_append(k, v, lens, new, new, block_table=table)
+    torch.cuda.synchronize()
+    for a, b in zip(before, (k, v, lens)):
+        assert torch.equal(a, b)
+
+
+@cuda
+def test_cuda_paged_cache_matches_cpu(unverified):
+    """PagedKVCache on the GPU: appends, a fork and decode steps give the CPU cache's results."""
+    caches = [
+        attn_ext.PagedKVCache(
+            12, 16, 2, 64, max_batch=3, max_pages_per_seq=4, dtype=torch.float32, device=dev
         )
-    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
-        new = torch.zeros(2, 2, 1, 8, device="cuda")
+        for dev in ("cpu", "cuda")
+    ]
+    torch.manual_seed(0)
+    prompt_k, prompt_v = torch.randn(3, 2, 21, 64), torch.randn(3, 2, 21, 64)
+    for c in caches:
+        c.append(prompt_k.to(c.k.device), prompt_v.to(c.k.device))
+        c.fork(0, 2)
+    for _ in range(3):
+        q, k_new, v_new = (
+            torch.randn(3, 8, 1, 64),
+            torch.randn(3, 2, 1, 64),
+            torch.randn(3, 2, 1, 64),
+        )
+        outs = []
+        for c in caches:
+            dev = c.k.device
+            c.append(k_new.to(dev), v_new.to(dev))
+            outs.append(c.attend(q.to(dev), num_splits=2).cpu())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@cuda
+def test_cuda_paged_ops_need_the_opt_in(monkeypatch):
+    """Off by default: a clear NotImplementedError saying how to enable the kernels, after
+    validation (a bad table still gets the validation's message)."""
+    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
+    k, v, table, lens = (t.cuda() for t in _bad_table_setup())
+    q = torch.randn(2, 4, 1, 8, device="cuda")
+    new = torch.zeros(2, 2, 1, 8, device="cuda")
+    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
+        attn_ext.decode_attention(q, k, v, lens, block_table=table)
+    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
         ops.kv_cache_append(k, v, lens, new, new, block_table=table)
     with pytest.raises(RuntimeError, match="block_table must be int32"):
         ops.kv_cache_append(k, v, lens, new, new, block_table=table.long())
-    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented yet"):
+    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
         ops.latent_cache_append(k, lens, new[..., :4], new[..., :4], block_table=table)
+
+
+@cuda
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(torch.float64, 64), (torch.float32, 48), (torch.bfloat16, 512)]
+)
+def test_cuda_paged_decode_unsupported_shapes(unverified, dtype, head_dim):
+    """What the split-KV kernel does not serve raises on a paged call (the contiguous call
+    runs the SIMT kernel instead)."""
+    k = torch.randn(4, 2, 16, head_dim, device="cuda", dtype=dtype)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5, 16], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 4, 1, head_dim, device="cuda", dtype=dtype)
+    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented for"):
+        attn_ext.decode_attention(q, k, k, lens, block_table=table)
+    out = attn_ext.decode_attention(q, k[:2], k[:2], lens)
+    ref = decode_reference(q, k[:2], k[:2], lens)[0]
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@cuda
+def test_cuda_paged_latent_cache_matches_cpu(unverified):
+    """MLA decoding through PagedLatentKVCache on the GPU gives the CPU's (the latent append
+    through the table, then the absorbed decode: D = 576 runs the SIMT kernel)."""
+    m = _mla(
+        torch.float32, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+    )
+    x = torch.randn(2, 9, 40)
+    outs = []
+    with torch.no_grad():
+        for dev in ("cpu", "cuda"):
+            m = m.to(dev)
+            cache = m.new_cache(2, 12, page_size=4)
+            steps = [m(x[:, :5].to(dev), cache)]
+            steps += [m(x[:, t : t + 1].to(dev), cache) for t in range(5, 9)]
+            outs.append(torch.cat(steps, dim=1).cpu())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)

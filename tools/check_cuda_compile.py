@@ -13,6 +13,7 @@ printed), 2 when no CUDA toolkit is found.
 
     python tools/check_cuda_compile.py                 # both architectures
     python tools/check_cuda_compile.py --arch sm_90a   # one
+    python tools/check_cuda_compile.py --only decoding/cuda/decode_split_kv.cu  # some files
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
     )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="compile only the sources whose csrc-relative path contains one of these strings",
+    )
     args = ap.parse_args(argv)
 
     cuda_home = find_cuda_home()
@@ -109,6 +117,12 @@ def main(argv=None) -> int:
         for p in (ROOT / "csrc").rglob("*.cpp")
         if "cuda" in p.relative_to(ROOT).parts[:-1] or "ATTN_EXT_WITH_CUDA" in p.read_text()
     )
+    if args.only:
+
+        def selected(path):
+            return any(s in str(path.relative_to(ROOT / "csrc")) for s in args.only)
+
+        cu, cpp = [p for p in cu if selected(p)], [p for p in cpp if selected(p)]
     with tempfile.TemporaryDirectory() as tmp:
         stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True)

@@ -14,6 +14,10 @@ The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append 
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
 and spatial_gate (+ backward, both layouts).
+The paged cache on CUDA (issue 21, unverified): PagedKVCache appends across page ends, a fork,
+decode through the block table with the split-KV kernel (every dtype and head dim it serves,
+one and several splits, several queries, a window), a table entry out of range (clamped by
+decode, refused by append). ``--paged`` runs these cases only.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
@@ -209,6 +213,42 @@ def decoding_cases():
     return ok
 
 
+def paged_cases():
+    """The split-KV decode kernel and the paged append (decoding/cuda/decode_split_kv.cu)."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for d in (64, 128, 256):
+            c = attn_ext.PagedKVCache(
+                20, 16, 2, d, max_batch=3, max_pages_per_seq=6, dtype=dtype, device=dev
+            )
+            c.append(
+                torch.randn(3, 2, 40, d, device=dev, dtype=dtype),
+                torch.randn(3, 2, 40, d, device=dev, dtype=dtype),
+                new_lengths=torch.tensor([0, 40, 17], device=dev),
+                rope=True,
+            )
+            c.fork(2, 0)
+            outs = []
+            for h, sq in ((2, 1), (8, 1), (16, 2), (8, 3)):
+                q = torch.randn(3, h, sq, d, device=dev, dtype=dtype)
+                for splits in (1, 3, 0):
+                    outs += c.attend(q, num_splits=splits, return_lse=True)
+                outs += c.attend(q, window_left=9, return_lse=True)
+            ok.append(_report(f"paged append + split-KV decode {dtype} d{d}", outs))
+    # a bad entry: decode clamps it into the cache, append writes nothing
+    k = torch.randn(4, 2, 16, 64, device=dev, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 9], [-5, 3]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([20, 30], dtype=torch.int32, device=dev)
+    out = attn_ext.decode_attention(
+        torch.randn(2, 4, 1, 64, device=dev, dtype=torch.bfloat16), k, k, lens, block_table=table
+    )
+    new = torch.randn(2, 2, 1, 64, device=dev, dtype=torch.bfloat16)
+    torch.ops.attn_ext.kv_cache_append(k, k, lens, new, new, block_table=table)
+    ok.append(_report("paged entries out of range", [out]))
+    return ok
+
+
 def compression_cases():
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float32):
@@ -265,10 +305,13 @@ def main() -> int:
         print("sanitize_cuda: no CUDA device visible; nothing to check")
         return 0
     torch.manual_seed(0)
+    if "--paged" in sys.argv[1:]:
+        return 0 if all(paged_cases()) else 1
     results = (
         [run_case(*c) for c in CASES]
         + modifier_and_varlen_cases()
         + decoding_cases()
+        + paged_cases()
         + compression_cases()
         + spatial_cases()
     )

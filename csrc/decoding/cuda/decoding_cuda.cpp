@@ -2,10 +2,16 @@
 // current stream, a checked launch. Nothing here reads device memory on the host, so no op
 // synchronizes: per-sequence lengths are checked and clamped by the kernels instead.
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <iterator>
+#include <limits>
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAMacros.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -56,12 +62,17 @@ void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions
       launch_rope(r.params, elem_kind(kOp, x.scalar_type()), c10::cuda::getCurrentCUDAStream()));
 }
 
-// The paged kernels (issue 21) are not written yet. Checked after validation, so a bad
-// table gets the CPU op's messages first; the argument is tested, not PageTable::paged(),
-// because an empty table is still a paged call.
-void check_not_paged(const char* op, const std::optional<at::Tensor>& block_table) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!block_table.has_value() || !block_table->defined(), op,
-                              ": block_table on CUDA is not implemented yet (issue 21)");
+// The paged kernels (issue 21) have not yet run on a GPU: a block_table needs
+// ATTN_EXT_UNVERIFIED_CUDA=1 (NotImplementedError otherwise, saying so). Checked after
+// validation, so a bad table gets the CPU op's messages first; the argument is tested, not
+// PageTable::paged(), because an empty table is still a paged call.
+bool paged_call(const char* op, const std::optional<at::Tensor>& block_table) {
+  if (!block_table.has_value() || !block_table->defined()) return false;
+  TORCH_CHECK_NOT_IMPLEMENTED(unverified_cuda_enabled(), op,
+                              ": block_table on CUDA runs kernels that are compiled but have not "
+                              "yet run on a GPU (issue 21); set ATTN_EXT_UNVERIFIED_CUDA=1 to use "
+                              "them (dev/gpu_notes.md lists the runs left)");
+  return true;
 }
 
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
@@ -74,7 +85,7 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim, block_table,
                                        /*check_values=*/false);
-  check_not_paged(kOp, block_table);
+  paged_call(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
@@ -90,23 +101,69 @@ void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, cons
   PreparedAppend r =
       prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
                             rope_interleaved, block_table, /*check_values=*/false);
-  check_not_paged(kOp, block_table);
+  paged_call(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
       cache_seqlens.scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream()));
 }
 
-// Split-KV factor: about two blocks per SM, no split shorter than kMinSplitKeys keys of the
-// cache's capacity (the lengths themselves live on the device).
+// The SM count of `device`, queried once per device and process (an attribute, no sync).
+int sm_count(c10::DeviceIndex device) {
+  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
+  std::atomic<int>& slot = cache.at(device);
+  int sms = slot.load(std::memory_order_relaxed);
+  if (sms == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    slot.store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+// Split-KV factor of the SIMT kernel: about two blocks per SM, no split shorter than
+// kMinSplitKeys keys of the cache's capacity (the lengths themselves live on the device).
 int64_t auto_splits(int64_t blocks, int64_t capacity) {
   constexpr int64_t kBlocksPerSM = 2;
   constexpr int64_t kMinSplitKeys = 512;
-  int sms = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  const int64_t sms = sm_count(c10::cuda::current_device());
   const int64_t want = (kBlocksPerSM * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
   return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
+}
+
+// Split-KV factor of the split-KV kernel, from the blocks B * Hkv * row blocks, the capacity
+// (the lengths live on the device) and the SM count.
+int64_t split_kv_auto_splits(int64_t blocks, int64_t capacity) {
+  // Resident 128-thread blocks per SM the grid should fill: each keeps 2-4 KB of loads in
+  // flight, and an H100 SM needs about 20 KB in flight to stream at its share of bandwidth.
+  constexpr int64_t kBlocksPerSM = 8;
+  // A split reads at least this many keys: shorter ones spend more on the merge than they
+  // gain (the partials are Dv floats per row and split).
+  constexpr int64_t kMinSplitKeys = 256;
+  // Bounds the workspace and the merge kernel's serial loop over a row's splits.
+  constexpr int64_t kMaxSplits = 128;
+  const int64_t sms = sm_count(c10::cuda::current_device());
+  const int64_t want = (kBlocksPerSM * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
+  return std::clamp<int64_t>(want, 1, std::clamp<int64_t>(capacity / kMinSplitKeys, 1, kMaxSplits));
+}
+
+// Why the split-KV kernel cannot serve p (nullptr when it can): it reads 16-byte vectors of
+// D = Dv features in bf16 / fp16 / fp32.
+const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, int64_t elem_bytes) {
+  if (kind == ElemKind::kFloat64) return "float64 inputs";
+  if (p.head_dim != p.head_dim_v ||
+      std::find(std::begin(kSplitKvHeadDims), std::end(kSplitKvHeadDims), p.head_dim) ==
+          std::end(kSplitKvHeadDims))
+    return "head dims other than D = Dv in {64, 128, 256}";
+  const int64_t vec = 16 / elem_bytes;  // elements per 16-byte vector
+  const auto aligned = [&](const void* ptr, int64_t batch, int64_t head, int64_t row) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && batch % vec == 0 && head % vec == 0 &&
+           row % vec == 0;
+  };
+  if (!aligned(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride) ||
+      !aligned(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride))
+    return "k_cache / v_cache rows that are not 16-byte aligned (pointer and strides)";
+  if (p.seqlen_k >= kSplitKvMaxCapacity) return "capacities of 2^30 rows or more";
+  return nullptr;
 }
 
 // window_right, the score modifiers and FlashAttention's with_kvcache arguments run on kernel
@@ -136,35 +193,57 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
                      {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
                       sinks, cache_batch_idx, cache_leftpad, block_table},
                      /*check_values=*/false);
-  check_not_paged(kOp, block_table);
+  const bool paged = paged_call(kOp, block_table);
   DecodeParams& p = in.params;
-  check_verified(kOp, p);
+  const ElemKind kind = elem_kind(kOp, q.scalar_type());
+  // The split-KV kernel (unverified): every paged call, and contiguous ones it can serve
+  // when the opt-in is set; everything else runs the verified SIMT kernel as before.
+  const char* unsupported = split_kv_unsupported(p, kind, q.element_size());
+  TORCH_CHECK_NOT_IMPLEMENTED(!paged || unsupported == nullptr, kOp,
+                              ": block_table on CUDA is not implemented for ", unsupported,
+                              " (the paged kernel reads 16-byte vectors of D = Dv in {64, 128, "
+                              "256} features, bfloat16 / float16 / float32), got D = ",
+                              p.head_dim, ", Dv = ", p.head_dim_v, ", dtype ", q.scalar_type());
+  const bool split_kv = unverified_cuda_enabled() && unsupported == nullptr;
+  if (!split_kv) check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
               " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const int64_t rows = p.group() * p.seqlen_q;
-  const int64_t blocks =
-      p.batch * p.kv_heads * ((rows + kDecodeRowsPerBlock - 1) / kDecodeRowsPerBlock);
-  // The blocks run on the grid's y axis (x holds the splits), which CUDA caps at 65535.
+  const int64_t rows_per_block = split_kv ? split_kv_rows_per_block(p) : kDecodeRowsPerBlock;
+  const int64_t blocks = p.batch * p.kv_heads * ((rows + rows_per_block - 1) / rows_per_block);
+  // SIMT kernel: the blocks on the grid's y axis (x holds the splits); split-KV kernel: the
+  // splits on y. CUDA caps y at 65535 (x at 2^31 - 1).
   constexpr int64_t kMaxGridY = 65535;
-  TORCH_CHECK(blocks <= kMaxGridY, kOp, ": B * Hkv * ceil(H / Hkv * Sq / ", kDecodeRowsPerBlock,
-              ") = ", blocks, " thread blocks exceed CUDA's grid limit of ", kMaxGridY,
-              " on this path; split the batch (got B = ", p.batch, ", Hkv = ", p.kv_heads,
-              ", rows per KV head = ", rows, ")");
-  if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
+  if (split_kv) {
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp,
+                ": B * Hkv * ceil(H / Hkv * Sq / ", rows_per_block, ") = ", blocks,
+                " thread blocks exceed CUDA's grid limit");
+    TORCH_CHECK(p.num_splits <= kMaxGridY, kOp, ": num_splits must be <= ", kMaxGridY,
+                " on CUDA, got ", p.num_splits);
+    if (p.num_splits == 0) p.num_splits = split_kv_auto_splits(blocks, p.seqlen_k);
+  } else {
+    TORCH_CHECK(blocks <= kMaxGridY, kOp, ": B * Hkv * ceil(H / Hkv * Sq / ", kDecodeRowsPerBlock,
+                ") = ", blocks, " thread blocks exceed CUDA's grid limit of ", kMaxGridY,
+                " on this path; split the batch (got B = ", p.batch, ", Hkv = ", p.kv_heads,
+                ", rows per KV head = ", rows, ")");
+    if (p.num_splits == 0) p.num_splits = auto_splits(blocks, p.seqlen_k);
+  }
   DecodeWorkspace ws;
   at::Tensor ws_o, ws_stats;
   if (p.num_splits > 1) {
+    // the accumulation type: fp64 for fp64 (SIMT kernel only), else fp32
     const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const int64_t slots = p.batch * p.kv_heads * rows * p.num_splits;
     ws_o = at::empty({slots * p.head_dim_v}, q.options().dtype(acc));
     ws_stats = at::empty({slots * 2}, q.options().dtype(acc));
     ws = {ws_o.data_ptr(), ws_stats.data_ptr()};
   }
-  C10_CUDA_CHECK(
-      launch_decode(p, elem_kind(kOp, q.scalar_type()), ws, c10::cuda::getCurrentCUDAStream()));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(split_kv ? launch_decode_split_kv(p, kind, ws, stream)
+                          : launch_decode(p, kind, ws, stream));
   return {out, lse};
 }
 

@@ -29,4 +29,21 @@ constexpr int64_t kDecodeMaxHeadDimV = 512;
 cudaError_t launch_decode(const DecodeParams& p, ElemKind kind, DecodeWorkspace ws,
                           cudaStream_t stream);
 
+// The split-KV kernel (decode_split_kv.cu): contiguous and paged caches, bf16 / fp16 / fp32,
+// D = Dv in kSplitKvHeadDims, 16-byte aligned rows; partials in fp32 (DecodeWorkspace).
+constexpr int64_t kSplitKvHeadDims[] = {64, 128, 256};
+// Rows (query heads x new tokens) per block: 4 when a KV head has at most 4 (decode with
+// G <= 4 wastes no lanes), else 8 (more rows per block mean fewer re-reads of the KV head's
+// rows; 8 keeps the per-lane query slices and accumulators in registers at D = 256).
+constexpr int64_t kSplitKvSmallRows = 4;
+constexpr int64_t kSplitKvRowsPerBlock = 8;
+// Key indices are int32 in the kernel: capacities (rows per sequence) below 2^30 leave room for
+// every sum of a key index, a tile and a split.
+constexpr int64_t kSplitKvMaxCapacity = int64_t(1) << 30;
+inline int64_t split_kv_rows_per_block(const DecodeParams& p) {
+  return p.group() * p.seqlen_q <= kSplitKvSmallRows ? kSplitKvSmallRows : kSplitKvRowsPerBlock;
+}
+cudaError_t launch_decode_split_kv(const DecodeParams& p, ElemKind kind, DecodeWorkspace ws,
+                                   cudaStream_t stream);
+
 }  // namespace attn_ext::cuda

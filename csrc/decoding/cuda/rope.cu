@@ -62,30 +62,42 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(RopeParams p) {
             p.heads, p.head_dim, cos_t, sin_t);
 }
 
-// True when every sequence fits: the append is all or nothing.
+// True when every sequence fits and, paged, every table entry its new rows land in names a
+// page of the cache: the append is all or nothing. (The contiguous instantiation compiles to
+// the kernels as they were before paged caches.)
+template <bool kPaged>
 __device__ bool append_fits(const KVAppendParams& p) {
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.lengths[b], add = p.appended[b];
     if (len < 0 || add < 0 || add > p.seqlen_new || len + add > p.capacity) return false;
+    if constexpr (kPaged) {
+      for (int64_t i = len / p.pages.page_size; add > 0 && i <= (len + add - 1) / p.pages.page_size;
+           ++i) {
+        const int64_t page = p.pages.table[b * p.pages.row_stride + i];
+        if (page < 0 || page >= p.pages.num_pages) return false;
+      }
+    }
   }
   return true;
 }
 
-template <typename T>
+template <typename T, bool kPaged>
 __global__ void __launch_bounds__(kThreads) kv_append_kernel(KVAppendParams p) {
   using acc_t = typename Elem<T>::acc_t;
   extern __shared__ unsigned char smem_raw[];
   acc_t* cos_t = reinterpret_cast<acc_t*>(smem_raw);
   acc_t* sin_t = cos_t + p.policy.pairs();
-  if (!append_fits(p)) return;
+  if (!append_fits<kPaged>(p)) return;
   const int64_t b = blockIdx.x / p.seqlen_new, t = blockIdx.x % p.seqlen_new;
   const int64_t first = p.seqlen_new - p.appended[b];  // inputs are left-padded
   if (t < first) return;
   const int64_t row = p.lengths[b] + (t - first);
+  // Where the row goes: row `row` of sequence b, or through the block table.
+  const CacheSlot dst = kPaged ? p.pages.locate(b, row) : CacheSlot{b, row};
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + t * p.k_row_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + t * p.v_row_stride;
-  T* kc = static_cast<T*>(p.k_cache) + b * p.kc_batch_stride + row * p.kc_row_stride;
-  T* vc = static_cast<T*>(p.v_cache) + b * p.vc_batch_stride + row * p.vc_row_stride;
+  T* kc = static_cast<T*>(p.k_cache) + dst.block * p.kc_batch_stride + dst.row * p.kc_row_stride;
+  T* vc = static_cast<T*>(p.v_cache) + dst.block * p.vc_batch_stride + dst.row * p.vc_row_stride;
   if (p.rope) {
     rope_table(p.policy, row, false, cos_t, sin_t);
     rope_rows(p.policy, k, p.k_head_stride, p.k_col_stride, kc, p.kc_head_stride, 1, p.kv_heads,
@@ -103,9 +115,9 @@ __global__ void __launch_bounds__(kThreads) kv_append_kernel(KVAppendParams p) {
 }
 
 // Runs after the append on the same stream: advances every length, or none.
-template <typename I>
+template <typename I, bool kPaged>
 __global__ void advance_lengths_kernel(KVAppendParams p, I* cache_seqlens) {
-  const bool fits = append_fits(p);
+  const bool fits = append_fits<kPaged>(p);
   __syncthreads();  // every thread has read the old lengths before any is written
   for (int64_t b = threadIdx.x; fits && b < p.batch; b += blockDim.x) {
     cache_seqlens[b] = static_cast<I>(p.lengths[b] + p.appended[b]);
@@ -125,16 +137,18 @@ cudaError_t launch_rope(const RopeParams& p, ElemKind kind, cudaStream_t stream)
   });
 }
 
-cudaError_t launch_kv_append(const KVAppendParams& p, ElemKind kind, void* cache_seqlens,
-                             bool seqlens_int64, cudaStream_t stream) {
-  if (p.batch == 0) return cudaSuccess;
+namespace {
+
+template <bool kPaged>
+cudaError_t launch_kv_append_for(const KVAppendParams& p, ElemKind kind, void* cache_seqlens,
+                                 bool seqlens_int64, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   if (p.seqlen_new > 0 && p.kv_heads > 0) {
     err = dispatch_elem(kind, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       using acc_t = typename Elem<T>::acc_t;
       const size_t smem = p.rope ? 2 * p.policy.pairs() * sizeof(acc_t) : 0;
-      kv_append_kernel<T>
+      kv_append_kernel<T, kPaged>
           <<<static_cast<unsigned>(p.batch * p.seqlen_new), kThreads, smem, stream>>>(p);
       return cudaGetLastError();
     });
@@ -143,11 +157,23 @@ cudaError_t launch_kv_append(const KVAppendParams& p, ElemKind kind, void* cache
   // The lengths must not move before the append kernel has read them: launched after it on
   // the same stream. (lengths / appended are int64 copies, so the update cannot race them.)
   if (seqlens_int64) {
-    advance_lengths_kernel<<<1, kThreads, 0, stream>>>(p, static_cast<int64_t*>(cache_seqlens));
+    advance_lengths_kernel<int64_t, kPaged>
+        <<<1, kThreads, 0, stream>>>(p, static_cast<int64_t*>(cache_seqlens));
   } else {
-    advance_lengths_kernel<<<1, kThreads, 0, stream>>>(p, static_cast<int32_t*>(cache_seqlens));
+    advance_lengths_kernel<int32_t, kPaged>
+        <<<1, kThreads, 0, stream>>>(p, static_cast<int32_t*>(cache_seqlens));
   }
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_kv_append(const KVAppendParams& p, ElemKind kind, void* cache_seqlens,
+                             bool seqlens_int64, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  return p.pages.paged()
+             ? launch_kv_append_for<true>(p, kind, cache_seqlens, seqlens_int64, stream)
+             : launch_kv_append_for<false>(p, kind, cache_seqlens, seqlens_int64, stream);
 }
 
 }  // namespace attn_ext::cuda
