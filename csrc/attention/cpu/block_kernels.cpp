@@ -71,7 +71,10 @@ bool cpu_has_amx() {
 // forwards are checked against float64 and torch's bf16 flash kernel (tests/test_amx.py,
 // tests/test_avx512bf16.py); AMX ran 2.0-2.9x the AVX-512 bf16 forward on a Sapphire Rapids VM
 // (docs/performance.md, 2026-11-26), so it comes first where both run; avx512 pins the fp32-P
-// products.
+// products. AVX512-BF16 is auto's choice for the CPUs it is meant for, AMD Zen 4/5 (no AMX;
+// issue 27), where its speed is not measured yet; on that Intel VM vdpbf16ps issued at a quarter
+// of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA against avx512's 0.45x, so a
+// Zen 4 measurement decides whether it keeps its place before avx512.
 const BlockKernels* choose() {
   const char* env = std::getenv("ATTN_EXT_CPU_KERNELS");
   const std::string want = env && *env ? env : "auto";
