@@ -47,7 +47,7 @@ CASES = [
     ("per_tile_packing", 1, 2, 1, 40, 16500, 128, 128, {"causal": True}),
 ]
 
-_SCRIPT = r"""
+RUN_SCRIPT = r"""
 import sys, torch, attn_ext
 cases = torch.load(sys.argv[1])
 results = {"kernels": attn_ext._C.cpu_block_kernels()}
@@ -60,7 +60,17 @@ torch.save(results, sys.argv[2])
 """
 
 
-def _inputs(B, H, Hkv, Sq, Sk, D, Dv, opts, g):
+NAN_SCRIPT = r"""
+import sys, torch, attn_ext
+torch.manual_seed(0)
+q = torch.randn(1, 2, 100, 64).bfloat16()
+k, v = torch.randn(2, 1, 2, 105, 64).bfloat16()
+v[:, :, 70] = float("nan")
+torch.save(attn_ext.attention(q, k, v, causal=True), sys.argv[1])
+"""
+
+
+def make_inputs(B, H, Hkv, Sq, Sk, D, Dv, opts, g):
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
@@ -80,7 +90,7 @@ def _inputs(B, H, Hkv, Sq, Sk, D, Dv, opts, g):
     return (q, k, v, grad), kw
 
 
-def _sdpa_bf16(q, k, v, kw):
+def sdpa_bf16(q, k, v, kw):
     """torch's bf16 flash kernel (SDPA's CPU flash backend, which rounds P to bf16 as the AMX
     path does) on the same problem, masks made explicit and GQA heads expanded (that backend
     takes neither a GQA flag nor a 2-D mask; the math backend it would fall back to computes
@@ -110,41 +120,57 @@ def _sdpa_bf16(q, k, v, kw):
     return out[..., :dv]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case's inputs and the (out, lse, dq, dk, dv) of the amx and avx512 kernel sets."""
-    g = torch.Generator().manual_seed(27)
-    cases = {c[0]: _inputs(*c[1:], g) for c in CASES}
-    work = tmp_path_factory.mktemp("amx")
+def run_kernel_sets(kernel_sets, cases, work):
+    """Runs RUN_SCRIPT on `cases` under each ATTN_EXT_CPU_KERNELS value of `kernel_sets` (a
+    subprocess each: the set is chosen once per process); {set: {case: [out, lse, dq, dk, dv],
+    "kernels": the set it reported}}."""
     torch.save(cases, work / "cases.pt")
     results = {}
-    for kernels in ("amx", "avx512"):
+    for kernels in kernel_sets:
         env = dict(os.environ, ATTN_EXT_CPU_KERNELS=kernels)
         dst = work / f"{kernels}.pt"
         proc = subprocess.run(
-            [sys.executable, "-c", _SCRIPT, str(work / "cases.pt"), str(dst)],
+            [sys.executable, "-c", RUN_SCRIPT, str(work / "cases.pt"), str(dst)],
             env=env,
             capture_output=True,
             text=True,
         )
         assert proc.returncode == 0, proc.stderr
         results[kernels] = torch.load(dst)
-    assert results["amx"]["kernels"] == "amx"
-    return cases, results
+        assert results[kernels]["kernels"] == kernels
+    return results
+
+
+def run_nan_script(kernels, dst, script=NAN_SCRIPT):
+    """NAN_SCRIPT's (or a variant's) output under one kernel set."""
+    env = dict(os.environ, ATTN_EXT_CPU_KERNELS=kernels)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return torch.load(dst)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's inputs and the (out, lse, dq, dk, dv) of the amx and avx512 kernel sets."""
+    g = torch.Generator().manual_seed(27)
+    cases = {c[0]: make_inputs(*c[1:], g) for c in CASES}
+    return cases, run_kernel_sets(("amx", "avx512"), cases, tmp_path_factory.mktemp("amx"))
 
 
 def _err(x, truth):
     return (x.double() - truth).abs()
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_amx_forward_error_matches_torch_bf16(runs, name):
-    cases, results = runs
+def assert_forward_error(cases, results, kernels, name):
+    """The forward error rule of the bf16-operand paths (P rounded to bf16 once): `kernels`'s
+    output against torch's bf16 SDPA, its lse against the avx512 set's (both in `results`)."""
     (q, k, v, _), kw = cases[name]
     truth, lse_truth = ground_truth(attention_reference, q, k, v, return_lse=True, **kw)
-    out, lse = results["amx"][name][:2]
+    out, lse = results[kernels][name][:2]
     err = _err(out, truth)
-    yard = _sdpa_bf16(q, k, v, kw)
+    yard = sdpa_bf16(q, k, v, kw)
     if yard is not None:
         # torch's bf16 flash kernel rounds P to bf16 as this path does, and both round the
         # output to bf16 last; only fp32 summation orders differ. Measured (Sapphire Rapids
@@ -172,20 +198,29 @@ def test_amx_forward_error_matches_torch_bf16(runs, name):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_amx_forward_error_matches_torch_bf16(runs, name):
+    assert_forward_error(*runs, "amx", name)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_backward_from_amx_forward_matches_avx512(runs, name):
     """The backward (fp32 products, P recomputed from the forward's lse) fed from the AMX
     forward's out and lse: gradients as close to the float64 truth as when the AVX-512 forward
     feeds it. Both runs round dq/dk/dv to bf16 last, which dominates; the AMX output enters the
     backward only through delta = rowsum(dO * O), whose extra bf16-level error is of the same
     size, so 1.25x of the AVX-512 run's mean and 1.5x its worst error hold with room."""
-    cases, results = runs
+    assert_backward_error(*runs, "amx", name)
+
+
+def assert_backward_error(cases, results, kernels, name):
+    """The backward fed from `kernels`'s forward against the one fed from avx512's."""
     (q, k, v, grad), kw = cases[name]
     truth = ground_truth_grads(attention_reference, (q, k, v), grad, **kw)
     for i, what in enumerate(("dq", "dk", "dv")):
-        amx, ref = results["amx"][name][2 + i], results["avx512"][name][2 + i]
-        e_amx, e_ref = _err(amx, truth[i]), _err(ref, truth[i])
-        assert e_amx.mean() <= 1.25 * e_ref.mean() + 1e-6, (what, e_amx.mean(), e_ref.mean())
-        assert e_amx.max() <= 1.5 * e_ref.max() + 1e-5, (what, e_amx.max(), e_ref.max())
+        got, ref = results[kernels][name][2 + i], results["avx512"][name][2 + i]
+        e_got, e_ref = _err(got, truth[i]), _err(ref, truth[i])
+        assert e_got.mean() <= 1.25 * e_ref.mean() + 1e-6, (what, e_got.mean(), e_ref.mean())
+        assert e_got.max() <= 1.5 * e_ref.max() + 1e-5, (what, e_got.max(), e_ref.max())
 
 
 def test_short_query_blocks_keep_the_blas_path(runs):
@@ -197,33 +232,13 @@ def test_short_query_blocks_keep_the_blas_path(runs):
             assert torch.equal(a, b), name
 
 
-_NAN_SCRIPT = r"""
-import sys, torch, attn_ext
-torch.manual_seed(0)
-q = torch.randn(1, 2, 100, 64).bfloat16()
-k, v = torch.randn(2, 1, 2, 105, 64).bfloat16()
-v[:, :, 70] = float("nan")
-torch.save(attn_ext.attention(q, k, v, causal=True), sys.argv[1])
-"""
-
-
 def test_unseen_value_rows_past_the_block_do_not_reach_it(tmp_path):
     """Sq 100, Sk 105, causal: the first query block (64 rows under a short band) sees keys
     [0, 69), but the packed chunk of keys 64..95 holds key 70, whose value row is NaN. The
     kernel must reduce over the block's keys only (the zeroed tail copy), as the AVX-512 path
     does: the same NaN rows in both, none among the first block's. (Planted once: without
     the zeroing every row of the block is NaN.)"""
-    outs = {}
-    for kernels in ("amx", "avx512"):
-        env = dict(os.environ, ATTN_EXT_CPU_KERNELS=kernels)
-        proc = subprocess.run(
-            [sys.executable, "-c", _NAN_SCRIPT, str(tmp_path / f"{kernels}.pt")],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode == 0, proc.stderr
-        outs[kernels] = torch.load(tmp_path / f"{kernels}.pt")
+    outs = {k: run_nan_script(k, tmp_path / f"{k}.pt") for k in ("amx", "avx512")}
     assert not outs["amx"][:, :, :64].isnan().any()
     assert torch.equal(outs["amx"].isnan(), outs["avx512"].isnan())
 

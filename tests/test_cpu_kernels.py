@@ -14,8 +14,10 @@ import torch
 from attn_ext.testing import harness
 
 HAS_AVX512 = "avx512f" in set(harness.isa_flags())
-# auto takes the AMX bf16 forward where the CPU has the tiles (tests/test_amx.py checks it).
-HAS_AMX = HAS_AVX512 and {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(harness.isa_flags())
+# auto takes the AMX bf16 forward where the CPU has the tiles (tests/test_amx.py checks it), else
+# the AVX512-BF16 one where the CPU has that (tests/test_avx512bf16.py).
+HAS_AVX512BF16 = HAS_AVX512 and "avx512_bf16" in set(harness.isa_flags())
+HAS_AMX = HAS_AVX512BF16 and {"amx_tile", "amx_bf16"} <= set(harness.isa_flags())
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the block products are x86-64 kernels"
 )
@@ -67,7 +69,10 @@ def test_avx512_products_match_avx2_bitwise(tmp_path):
 def test_unknown_kernel_choice_raises(tmp_path):
     proc = _run("avx1024", str(tmp_path / "x.pt"))
     assert proc.returncode != 0
-    assert "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512 or amx, got 'avx1024'" in proc.stderr
+    assert (
+        "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512, avx512bf16 or amx, got 'avx1024'"
+        in proc.stderr
+    )
 
 
 @pytest.mark.skipif(HAS_AVX512, reason="this CPU has AVX-512F")
@@ -286,6 +291,8 @@ def test_reports_the_kernels_it_runs():
     expected = "avx512" if HAS_AVX512 and wanted != "avx2" else "avx2"
     if wanted in ("auto", "amx") and HAS_AMX:
         expected = "amx"
+    elif wanted in ("auto", "avx512bf16") and HAS_AVX512BF16:
+        expected = "avx512bf16"
     assert attn_ext._C.cpu_block_kernels() == expected
 
 
@@ -297,4 +304,7 @@ def test_report_raises_for_an_unknown_choice():
     env = dict(os.environ, ATTN_EXT_CPU_KERNELS="sse")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512 or amx, got 'sse'" in proc.stdout
+    assert (
+        "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512, avx512bf16 or amx, got 'sse'"
+        in proc.stdout
+    )

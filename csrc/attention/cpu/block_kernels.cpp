@@ -9,19 +9,33 @@
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/avx512_block_products.h"
+#include "attention/cpu/avx512_softmax_rows.h"
 #include "attention/cpu/amx_block_products.h"
+#include "attention/cpu/avx512bf16_block_products.h"
 #endif
 
 namespace attn_ext::cpu {
 #ifdef ATTN_EXT_AVX2
 namespace {
 
-constexpr BlockKernels kAvx2{"avx2", &avx2::scores_tile, &avx2::pv_tile, &avx2::atb_tile, false};
+constexpr BlockKernels kAvx2{
+    "avx2",          &avx2::scores_tile,     &avx2::pv_tile,    &avx2::atb_tile,
+    &row_max<float>, &exp2_shift_sum<float>, Bf16Forward::kFp32};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
-constexpr BlockKernels kAvx512{"avx512", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile,
-                               false};
+// The AVX-512 sets differ only in the bf16 forward.
+constexpr BlockKernels avx512_set(const char* name, Bf16Forward bf16_forward) {
+  return {name,
+          &avx512::scores_tile,
+          &avx512::pv_tile,
+          &avx512::atb_tile,
+          &avx512::row_max,
+          &avx512::exp2_shift_sum,
+          bf16_forward};
+}
+constexpr BlockKernels kAvx512 = avx512_set("avx512", Bf16Forward::kFp32);
 #ifdef ATTN_EXT_AMX_PRODUCTS
-constexpr BlockKernels kAmx{"amx", &avx512::scores_tile, &avx512::pv_tile, &avx512::atb_tile, true};
+constexpr BlockKernels kAmx = avx512_set("amx", Bf16Forward::kAmx);
+constexpr BlockKernels kAvx512Bf16 = avx512_set("avx512bf16", Bf16Forward::kAvx512Bf16);
 #endif
 #endif
 
@@ -29,6 +43,14 @@ constexpr BlockKernels kAmx{"amx", &avx512::scores_tile, &avx512::pv_tile, &avx5
 bool cpu_has_avx512() {
 #ifdef ATTN_EXT_AVX512_PRODUCTS
   return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512bf16() {
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AVX512BF16_PRODUCTS)
+  return cpu_has_avx512() && avx512bf16::available();
 #else
   return false;
 #endif
@@ -42,17 +64,23 @@ bool cpu_has_amx() {
 #endif
 }
 
-// auto takes AMX where the CPU and OS offer it, else AVX-512 where the CPU has it. The AVX-512
-// kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check)
-// and through scalar stand-ins for their intrinsics (tests/test_cpu_kernels.py); avx2 is the
-// fallback to pin. The AMX bf16 forward is checked against float64 and torch's bf16 flash
-// kernel (tests/test_amx.py) and ran 2.0-2.9x the AVX-512 bf16 forward on a Sapphire Rapids
-// VM (docs/performance.md, 2026-11-26); avx512 pins the fp32-P products.
+// auto takes AMX where the CPU and OS offer it, else AVX512-BF16, else AVX-512 where the CPU has
+// it. The AVX-512 kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X
+// (dev/avx512_check) and through scalar stand-ins for their intrinsics
+// (tests/test_cpu_kernels.py); avx2 is the fallback to pin. The AMX and AVX512-BF16 bf16
+// forwards are checked against float64 and torch's bf16 flash kernel (tests/test_amx.py,
+// tests/test_avx512bf16.py); AMX ran 2.0-2.9x the AVX-512 bf16 forward on a Sapphire Rapids VM
+// (docs/performance.md, 2026-11-26), so it comes first where both run; avx512 pins the fp32-P
+// products. AVX512-BF16 is auto's choice for the CPUs it is meant for, AMD Zen 4/5 (no AMX;
+// issue 27), where its speed is not measured yet; on that Intel VM vdpbf16ps issued at a quarter
+// of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA against avx512's 0.45x, so a
+// Zen 4 measurement decides whether it keeps its place before avx512.
 const BlockKernels* choose() {
   const char* env = std::getenv("ATTN_EXT_CPU_KERNELS");
   const std::string want = env && *env ? env : "auto";
-  TORCH_CHECK(want == "auto" || want == "avx2" || want == "avx512" || want == "amx",
-              "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512 or amx, got '", want, "'");
+  TORCH_CHECK(
+      want == "auto" || want == "avx2" || want == "avx512" || want == "avx512bf16" || want == "amx",
+      "ATTN_EXT_CPU_KERNELS: expected auto, avx2, avx512, avx512bf16 or amx, got '", want, "'");
   if (want == "avx2") return &kAvx2;
   if (want == "amx") {
     TORCH_CHECK(cpu_has_amx(),
@@ -62,11 +90,22 @@ const BlockKernels* choose() {
     return &kAmx;
 #endif
   }
+  if (want == "avx512bf16") {
+    TORCH_CHECK(cpu_has_avx512bf16(),
+                "ATTN_EXT_CPU_KERNELS=avx512bf16, but this CPU reports no AVX512-BF16 "
+                "(with AVX-512F and AVX-512BW)");
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AVX512BF16_PRODUCTS)
+    return &kAvx512Bf16;
+#endif
+  }
   const bool avx512 = cpu_has_avx512();
   TORCH_CHECK(want == "auto" || avx512,
               "ATTN_EXT_CPU_KERNELS=avx512, but this CPU reports no AVX-512F");
 #if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AMX_PRODUCTS)
   if (want == "auto" && cpu_has_amx()) return &kAmx;
+#endif
+#if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AVX512BF16_PRODUCTS)
+  if (want == "auto" && cpu_has_avx512bf16()) return &kAvx512Bf16;
 #endif
 #ifdef ATTN_EXT_AVX512_PRODUCTS
   if (avx512) return &kAvx512;

@@ -5,10 +5,15 @@
 // form every output element from the same fused multiply-adds in the same order, so they
 // return identical bits; only the speed differs. The "amx" set runs the bf16 forward's
 // products on AMX tiles instead (amx_block_products.h: P rounded to bf16, so not the same
-// bits) and everything else on the AVX-512 products.
+// bits) and everything else on the AVX-512 products; the "avx512bf16" set does the same with
+// the bf16 forward's products on vdpbf16ps (avx512bf16_block_products.h: same rounding of P).
 #include <cstdint>
 
 namespace attn_ext::cpu {
+
+// How the bf16 forward multiplies: on fp32 panels of converted K / V (the set's products), or on
+// bf16 operands with P rounded to bf16 once, on AMX tiles or with AVX512-BF16's vdpbf16ps.
+enum class Bf16Forward { kFp32, kAmx, kAvx512Bf16 };
 
 struct BlockKernels {
   const char* name;
@@ -22,13 +27,16 @@ struct BlockKernels {
   // C[n x dc] += A[m x n]^T B[m x dc], B as value panels.
   void (*atb)(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
               int64_t panel_stride, int64_t dc, float* c, int64_t ldc);
-  // The bf16 forward runs on AMX tiles (amx_block_products.h) rather than on these products.
-  bool amx_bf16_forward;
+  // The forward's softmax row pass on fp32 score rows: vec_math.h's row_max and exp2_shift_sum,
+  // on 16 lanes in the AVX-512 sets (avx512_softmax_rows.h: the same bits).
+  float (*row_max)(const float* x, int64_t n);
+  float (*exp2_shift_sum)(float* x, int64_t n, float shift);
+  Bf16Forward bf16_forward;
 };
 
 // The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2,
-// avx512 or amx pins the choice (auto or unset: the widest). Read on first use; a value that
-// is unknown or that this CPU cannot run raises then.
+// avx512, avx512bf16 or amx pins the choice (auto or unset: the widest). Read on first use; a value
+// that is unknown or that this CPU cannot run raises then.
 const BlockKernels& block_kernels();
 
 }  // namespace attn_ext::cpu

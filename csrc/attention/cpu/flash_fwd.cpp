@@ -19,6 +19,7 @@
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
 #include "attention/cpu/amx_block_products.h"
+#include "attention/cpu/avx512bf16_block_products.h"
 #endif
 
 namespace attn_ext::cpu {
@@ -161,12 +162,45 @@ struct PackedProducts {
 #endif
 
 #ifdef ATTN_EXT_AMX_PRODUCTS
-// The bf16 forward on AMX tiles (amx_block_products.h; block_kernels().amx_bf16_forward). K and
-// V are packed into tiles once per (batch, kv head) while the packed head fits the fp32 panels'
-// element budget (half their bytes), else tile by tile, as PackedProducts does. The query block,
-// which the worker converted to fp32, is rounded back to bf16 (exactly: it was bf16) once per
-// task, and P once per key tile, just before P V.
-struct AmxProducts {
+// The two ways the bf16 forward multiplies bf16 operands (block_kernels().bf16_forward), on the
+// same packed K / V and rounded Q / P rows.
+// AMX tiles: each worker loads the tile configuration on its thread and keeps a scratch chunk
+// for P V's zeroed tail (amx_block_products.h).
+struct AmxPairs {
+  amx::ThreadTiles tiles;  // this thread's tile configuration, while the worker lives
+  Buffer<uint16_t> v_tail;
+
+  explicit AmxPairs(int64_t dv) : v_tail(amx::value_tile_elems(amx::kPairDepth, dv)) {}
+  void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n, int64_t d,
+              float scale, float* s, int64_t lds) {
+    amx::scores(q, ldq, m, kt, n, d, scale, s, lds);
+  }
+  void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
+          const float* factor, float* o, int64_t ldo) {
+    amx::pv(p, ldp, m, vt, n, dv, factor, o, ldo, v_tail.get());
+  }
+};
+
+// vdpbf16ps on zmm registers (avx512bf16_block_products.h): no per-thread state.
+struct Avx512Bf16Pairs {
+  explicit Avx512Bf16Pairs(int64_t /*dv*/) {}
+  void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n, int64_t d,
+              float scale, float* s, int64_t lds) {
+    avx512bf16::scores(q, ldq, m, kt, n, d, scale, s, lds);
+  }
+  void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
+          const float* factor, float* o, int64_t ldo) {
+    avx512bf16::pv(p, ldp, m, vt, n, dv, factor, o, ldo);
+  }
+};
+
+// The bf16 forward on bf16 operands (AMX tiles or AVX512-BF16, `Pairs`). K and V are packed in
+// the pair-interleaved tile layout (amx::pack_keys / pack_values) once per (batch, kv head)
+// while the packed head fits the fp32 panels' element budget (half their bytes), else tile by
+// tile, as PackedProducts does. The query block, which the worker converted to fp32, is rounded
+// back to bf16 (exactly: it was bf16) once per task, and P once per key tile, just before P V.
+template <typename Pairs>
+struct Bf16Products {
   using Traits = FlashTraits<c10::BFloat16>;
   static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
 
@@ -174,13 +208,13 @@ struct AmxProducts {
   bool whole_head;
   const uint16_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
-  Buffer<uint16_t> k_tiles, v_tiles, v_tail;
+  Buffer<uint16_t> k_tiles, v_tiles;
   std::vector<uint16_t> q_tile, p_tile;  // sized by the largest query block seen
   bool q_ready = false;
   const uint16_t *kt = nullptr, *vt = nullptr;
-  amx::ThreadTiles tiles;  // this thread's tile configuration, while the worker lives
+  Pairs pairs;
 
-  AmxProducts(const AttentionParams& p, int64_t block_n)
+  Bf16Products(const AttentionParams& p, int64_t block_n)
       : d(p.head_dim),
         dv(p.head_dim_v),
         d_pad(amx::round_up(d, amx::kPairDepth)),
@@ -189,7 +223,7 @@ struct AmxProducts {
         whole_head(sk_pad * (d_pad + dv_pad) <= Traits::kMaxPackedHeadElems),
         k_tiles(amx::key_tile_elems(whole_head ? sk_pad : block_n, d)),
         v_tiles(amx::value_tile_elems(whole_head ? sk_pad : block_n, dv)),
-        v_tail(amx::value_tile_elems(amx::kPairDepth, dv)) {}
+        pairs(dv) {}
 
   // Called once per task, before its first scores: also marks the query block as not yet
   // rounded. `keys` bounds the rows read, as in PackedProducts.
@@ -225,7 +259,7 @@ struct AmxProducts {
       amx::round_rows(q, ldq, m, d, q_tile.data(), d_pad);
       q_ready = true;
     }
-    amx::scores(q_tile.data(), d_pad, m, kt, n, d, scale, s, lds);
+    pairs.scores(q_tile.data(), d_pad, m, kt, n, d, scale, s, lds);
   }
 
   void accumulate(const float* pm, int64_t ldp, int64_t m, int64_t n, const float* factor,
@@ -233,12 +267,30 @@ struct AmxProducts {
     const int64_t n_pad = amx::round_up(n, amx::kPairDepth);
     grow(p_tile, amx::round_up(m, amx::kTileRows) * n_pad);
     amx::round_rows(pm, ldp, m, n, p_tile.data(), n_pad);
-    amx::pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv, v_tail.get());
+    pairs.pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv);
   }
 
  private:
   static void grow(std::vector<uint16_t>& buf, int64_t elems) {
     if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
+  }
+};
+#endif
+
+// The forward's softmax row pass: the kernel set's for float rows (16 lanes on the AVX-512 sets,
+// the same bits as AVX2's), vec_math.h's otherwise.
+template <typename acc_t>
+struct RowPass {
+  acc_t max(const acc_t* x, int64_t n) const { return row_max(x, n); }
+  acc_t exp2_sum(acc_t* x, int64_t n, acc_t shift) const { return exp2_shift_sum(x, n, shift); }
+};
+#ifdef ATTN_EXT_AVX2
+template <>
+struct RowPass<float> {
+  const BlockKernels& kernels = block_kernels();
+  float max(const float* x, int64_t n) const { return kernels.row_max(x, n); }
+  float exp2_sum(float* x, int64_t n, float shift) const {
+    return kernels.exp2_shift_sum(x, n, shift);
   }
 };
 #endif
@@ -254,6 +306,7 @@ struct FwdWorker {
   const AttentionParams& p;
   int64_t kM;
   Products prod;
+  RowPass<acc_t> rows;
   Buffer<acc_t> q_buf, s_buf, o_buf, factor;
   Buffer<uint8_t> keep;
   std::vector<SoftmaxState<acc_t>> state;
@@ -315,8 +368,8 @@ struct FwdWorker {
       if (dropout) dropout_tile(p, row0, m, j0, n, keep.get());
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s + r * kN;
-        factor.get()[r] = state[r].rescale_to(row_max(sr, n));
-        state[r].sum += exp2_shift_sum(sr, n, state[r].shift());
+        factor.get()[r] = state[r].rescale_to(rows.max(sr, n));
+        state[r].sum += rows.exp2_sum(sr, n, state[r].shift());
         if (dropout) apply_keep(sr, keep.get() + r * n, n, keep_scale);
       }
       prod.accumulate(s, kN, m, n, factor.get(), o_buf.get());
@@ -381,9 +434,9 @@ void flash_fwd(const AttentionParams& p) {
   });
 }
 
-// The packed products for float accumulation once the query blocks of a head are
-// enough to amortize packing it (for bf16 on AMX tiles where block_kernels() says so); BLAS
-// otherwise (fp64, other ISAs, a few query rows).
+// The packed products for float accumulation once the query blocks of a head are enough to
+// amortize packing it (for bf16 on AMX tiles or AVX512-BF16 where block_kernels() says so);
+// BLAS otherwise (fp64, other ISAs, a few query rows).
 template <typename scalar_t>
 void flash_fwd(const AttentionParams& p) {
 #ifdef ATTN_EXT_AVX2
@@ -391,7 +444,14 @@ void flash_fwd(const AttentionParams& p) {
     if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries) {
 #ifdef ATTN_EXT_AMX_PRODUCTS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (block_kernels().amx_bf16_forward) return flash_fwd<scalar_t, AmxProducts>(p);
+        switch (block_kernels().bf16_forward) {
+          case Bf16Forward::kAmx:
+            return flash_fwd<scalar_t, Bf16Products<AmxPairs>>(p);
+          case Bf16Forward::kAvx512Bf16:
+            return flash_fwd<scalar_t, Bf16Products<Avx512Bf16Pairs>>(p);
+          case Bf16Forward::kFp32:
+            break;
+        }
       }
 #endif
       return flash_fwd<scalar_t, PackedProducts<scalar_t>>(p);

@@ -25,26 +25,30 @@ constexpr int kWidth = 8;
 // the true value, which no sum of probabilities (the largest is 1) can see.
 constexpr float kExp2Floor = -127.f;
 
+// exp2's polynomial in f (below), highest degree first: the Taylor coefficients of 2^f = e^(f ln2),
+// (ln 2)^k / k!. The one definition every vector width evaluates, by Horner with one FMA per
+// coefficient in this order (avx2::exp2 here, the AVX-512 row pass in
+// attention/cpu/avx512_softmax_rows.cpp), so the widths return identical bits
+// (tests/test_cpu_kernels.py compares the kernel sets' outputs bit for bit).
+constexpr float kExp2Poly[] = {0.000154035303933816f,
+                               0.00133335581464284f,
+                               0.00961812910762848f,
+                               0.0555041086648216f,
+                               0.240226506959101f,
+                               0.693147180559945f,
+                               1.f};
+constexpr int kExp2PolyTerms = sizeof(kExp2Poly) / sizeof(kExp2Poly[0]);
+
 // 2^x for x <= 0 (scores minus their row max): x = n + f with f in [-1/2, 1/2],
-// 2^f by its degree-6 Taylor polynomial in f*ln2 (|rel err| < 2.2e-7, measured over
+// 2^f by its degree-6 Taylor polynomial in f*ln2 (kExp2Poly; |rel err| < 2.2e-7, measured over
 // [-30, 0]), 2^n added to the exponent bits. NaN propagates: max(floor, NaN) is NaN.
 inline __m256 exp2(__m256 x) {
-  const __m256 c1 = _mm256_set1_ps(0.693147180559945f);
-  const __m256 c2 = _mm256_set1_ps(0.240226506959101f);
-  const __m256 c3 = _mm256_set1_ps(0.0555041086648216f);
-  const __m256 c4 = _mm256_set1_ps(0.00961812910762848f);
-  const __m256 c5 = _mm256_set1_ps(0.00133335581464284f);
-  const __m256 c6 = _mm256_set1_ps(0.000154035303933816f);
   // _mm256_max_ps returns its second operand when either is NaN.
   const __m256 xc = _mm256_max_ps(_mm256_set1_ps(kExp2Floor), x);
   const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(xc, n);
-  __m256 p = _mm256_fmadd_ps(c6, f, c5);
-  p = _mm256_fmadd_ps(p, f, c4);
-  p = _mm256_fmadd_ps(p, f, c3);
-  p = _mm256_fmadd_ps(p, f, c2);
-  p = _mm256_fmadd_ps(p, f, c1);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2PolyTerms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }

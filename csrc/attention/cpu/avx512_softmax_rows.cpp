@@ -1,0 +1,104 @@
+// The softmax row pass on AVX-512 (contracts in avx512_softmax_rows.h).
+//
+// Same bits as vec_math.h's AVX2 versions: exp2 runs the same operations per element (clamp,
+// round to nearest, Horner over avx2::kExp2Poly with FMAs, exponent add), and the sum keeps
+// AVX2's order. The AVX2 loop adds 16 elements per step into two 8-lane accumulators (lane l of
+// the pair sums the elements j = l mod 16 in order), then at most one 8-element step into the
+// first, then avx2::hsum of their sum, then a scalar tail; one 16-lane accumulator holds exactly
+// that pair, the 8-element step is a masked add into its low half, and its halves are added and
+// reduced by the same avx2::hsum. So the row pass changes no output of the fp32 kernel sets.
+//
+// This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
+// pragma after its includes, as avx512_block_products.cpp does; the AVX2 helpers it calls
+// (avx2::hsum, std::exp2) are defined before the pragma, so they keep the build's flags.
+#include "attention/cpu/avx512_softmax_rows.h"
+
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <immintrin.h>
+
+#include "common/cpu/vec_math.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+// GCC 12's AVX-512 intrinsics pass a self-initialized _mm512_undefined_ps() as the unused merge
+// operand, which -Wuninitialized reports once inlined here: a false positive of those headers
+// (the instructions write every lane; the block products' intrinsics do not trigger it).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace attn_ext::cpu::avx512 {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr __mmask16 kLowHalf = 0x00FF;  // the lanes of the AVX2 loop's first accumulator
+
+// avx2::exp2 on 16 lanes, operation for operation.
+inline __m512 exp2(__m512 x) {
+  // _mm512_max_ps, like _mm256_max_ps, returns its second operand when either is NaN.
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(avx2::kExp2Floor), x);
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(avx2::kExp2Poly[0]);
+  for (int i = 1; i < avx2::kExp2PolyTerms; ++i)
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(avx2::kExp2Poly[i]));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+}  // namespace
+
+float row_max(const float* x, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + j));
+  // The tail as masked lanes (the others keep -inf): the max is the same in any order.
+  if (j < n) {
+    const __mmask16 lanes = __mmask16((1u << (n - j)) - 1u);
+    mv = _mm512_mask_max_ps(mv, lanes, mv, _mm512_maskz_loadu_ps(lanes, x + j));
+  }
+  return _mm512_reduce_max_ps(mv);
+}
+
+float exp2_shift_sum(float* x, int64_t n, float shift) {
+  const __m512 sv = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m512 e = exp2(_mm512_sub_ps(_mm512_loadu_ps(x + j), sv));
+    _mm512_storeu_ps(x + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j + avx2::kWidth <= n) {
+    const __m512 e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(kLowHalf, x + j), sv));
+    _mm512_mask_storeu_ps(x + j, kLowHalf, e);
+    acc = _mm512_mask_add_ps(acc, kLowHalf, acc, e);
+    j += avx2::kWidth;
+  }
+  float s =
+      avx2::hsum(_mm256_add_ps(_mm512_castps512_ps256(acc),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+  for (; j < n; ++j) {
+    x[j] = std::exp2(x[j] - shift);
+    s += x[j];
+  }
+  return s;
+}
+
+}  // namespace attn_ext::cpu::avx512
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+#endif  // ATTN_EXT_AVX512_PRODUCTS

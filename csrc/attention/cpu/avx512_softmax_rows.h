@@ -1,0 +1,20 @@
+#pragma once
+// The forward's softmax row pass on AVX-512 (16 lanes): vec_math.h's row_max and
+// exp2_shift_sum for float rows, returning the same bits as its AVX2 versions (same exp2
+// polynomial, avx2::kExp2Poly, and the same summation order; see the .cpp). Compiled into every
+// x86-64 build, called only on CPUs with AVX-512F (block_kernels()).
+#include <cstdint>
+
+#include "attention/cpu/avx512_block_products.h"
+
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+namespace attn_ext::cpu::avx512 {
+
+// max over x[0..n); -inf for n == 0.
+float row_max(const float* x, int64_t n);
+
+// x[j] = exp2(x[j] - shift); returns the sum of the new values.
+float exp2_shift_sum(float* x, int64_t n, float shift);
+
+}  // namespace attn_ext::cpu::avx512
+#endif
