@@ -146,9 +146,10 @@ def test_avx512bf16_choice_is_reported():
     assert _report("avx512bf16") == "avx512bf16"
 
 
-@pytest.mark.skipif(not HAS_AVX512BF16 or HAS_AMX, reason="auto picks avx512bf16 without AMX")
-def test_auto_picks_avx512bf16_without_amx():
-    assert _report("auto") == "avx512bf16"
+@pytest.mark.skipif(not HAS_AVX512BF16 or HAS_AMX, reason="needs AVX512-BF16 without AMX")
+def test_auto_keeps_avx512_until_avx512bf16_is_measured_faster():
+    # avx512bf16 ran the bf16 forward slower than avx512 on the one CPU measured (block_kernels.cpp)
+    assert _report("auto") == "avx512"
 
 
 @pytest.mark.skipif(HAS_AVX512BF16, reason="this CPU has AVX512-BF16")
