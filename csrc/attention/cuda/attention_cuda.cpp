@@ -52,6 +52,17 @@ bool cute_forward_enabled() {
   return false;
 }
 
+// The Hopper forward (flash/flash_fwd_hopper.cuh: TMA, wgmma, warp specialization) compiles
+// for sm_90a but has not yet run on a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1, and only on
+// compute capability 9.x (its kernels are empty for every other architecture).
+bool hopper_forward_enabled() {
+  if (!unverified_cuda_enabled()) return false;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                        c10::cuda::current_device()));
+  return major == 9;
+}
+
 // The CuTe backward (flash/flash_bwd_cute.cuh) compiles but has not yet run on a GPU: off
 // unless ATTN_EXT_UNVERIFIED_CUDA=1. Its dQ sums are ordered by atomics, so under
 // torch.use_deterministic_algorithms the generic (deterministic) kernel runs instead.
@@ -66,8 +77,8 @@ std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   auto [out, lse] = allocate_outputs(p, in.q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   check_supported(op, p, kind, /*backward=*/false);
-  C10_CUDA_CHECK(
-      launch_attention_fwd(p, kind, cute_forward_enabled(), c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_attention_fwd(p, kind, cute_forward_enabled(), hopper_forward_enabled(),
+                                      c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 
