@@ -20,7 +20,9 @@ Environment switches:
                             installs it where nvcc is found). Without them the CuTe forward
                             (flash_fwd_cute.cuh) is left out of a CUDA build
   TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs'; with
-                            none visible "8.0+PTX;9.0a")
+                            none visible "8.0+PTX;9.0a"). The Hopper forward
+                            (flash_fwd_hopper.cuh: wgmma, setmaxnreg) is compiled only when the
+                            list names 9.0a (plain 9.0 has neither instruction)
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
 
@@ -78,7 +80,7 @@ def _cuda_enabled():
 
 # Attention instantiations (tools/gen_cuda_instantiations.py writes them).
 _INSTANTIATION = re.compile(
-    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
+    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|hopper|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
 )
 
 
@@ -127,6 +129,7 @@ def _cuda_attention_selection():
     head_dims = _env_list("ATTN_EXT_CUDA_HEAD_DIMS", all_head_dims, int)
     backward = os.environ.get("ATTN_EXT_CUDA_BACKWARD", "1") != "0"
     cute = cutlass_include() is not None
+    hopper = cute and _builds_sm90a()
     keep = []
     for src in _sources(os.path.join(INSTANTIATIONS, "*.cu")):
         m = _INSTANTIATION.match(os.path.basename(src))
@@ -136,7 +139,7 @@ def _cuda_attention_selection():
             )
         if m["dtype"] not in dtypes or (m["pass"] == "bwd" and not backward):
             continue
-        if m["kernel"] == "cute" and not cute:
+        if (m["kernel"] == "cute" and not cute) or (m["kernel"] == "hopper" and not hopper):
             continue
         if m["hd"] is not None and int(m["hd"]) not in head_dims:
             continue
@@ -148,6 +151,7 @@ def _cuda_attention_selection():
         f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={hd_mask}",
         f"-DATTN_EXT_CUDA_BACKWARD={int(backward)}",
         f"-DATTN_EXT_CUDA_CUTE={int(cute)}",
+        f"-DATTN_EXT_CUDA_HOPPER={int(hopper)}",
     ]
     return keep, defines
 
@@ -169,6 +173,13 @@ def _cuda_arch_list():
         return None
     os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0+PTX;9.0a"
     return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
+def _builds_sm90a():
+    """Whether the architectures include sm_90a (TORCH_CUDA_ARCH_LIST's "9.0a", with or without
+    +PTX): unset with a GPU visible, torch picks plain 9.0 for an H100, which has no wgmma."""
+    arch = _cuda_arch_list()
+    return arch is not None and re.search(r"(^|[;\s])9\.0a(\+PTX)?($|[;\s])", arch) is not None
 
 
 def _runtime_link_args():

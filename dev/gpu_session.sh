@@ -10,6 +10,11 @@
 #           the nvidia-cutlass wheel carried in .whl/ (the machine has no network) first
 # cute:     dev/cute_fwd_check.py (CuTe forward vs the older kernel: errors, bits, timing), then
 #           the CUDA attention and varlen tests with ATTN_EXT_UNVERIFIED_CUDA=1
+# hopper:   the sm_90a forward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green; after build):
+#           dev/hopper_fwd_check.py (kernel, errors vs the CuTe kernel's, bits, timing vs CuTe and
+#           SDPA), the CUDA attention tests with the gate, compute-sanitizer on its small cases,
+#           bench_attention_cuda forward at D 64/128, S 4k-16k, HGMMA in the SASS and ncu's
+#           tensor-pipe / register / local-memory (spill) counters
 # test:     python -m attn_ext, then the whole suite (xdist) with the CUDA cases
 # sanitize: compute-sanitizer memcheck / racecheck / synccheck over tools/sanitize_cuda.py
 # bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
@@ -68,6 +73,26 @@ for phase in "$@"; do
       ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_tests 150 $PY -m pytest \
         tests/test_attention_cuda.py tests/test_varlen_cuda.py -q -n 14 -p no:cacheprovider -rfE
       grep -E "passed|failed" "$OUT/cute_tests.log" | tail -1 >> "$SUMMARY" ;;
+    hopper)  # after build; in priority order, so that what the deadline cuts is the least needed
+      step hopper_check 150 $PY dev/hopper_fwd_check.py
+      grep -E "FAIL|NOT HOPPER|HOPPER CHECK" "$OUT/hopper_check.log" | head -20 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 ATTN_EXT_CUDA_FWD_KERNEL=hopper OMP_NUM_THREADS=1 step hopper_tests 120 $PY -m pytest \
+        tests/test_attention_cuda.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/hopper_tests.log" | tail -1 >> "$SUMMARY"
+      for tool in memcheck racecheck synccheck; do
+        step "hsan_$tool" 50 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY dev/hopper_fwd_check.py --small
+        grep -E "SUMMARY|HOPPER CHECK" "$OUT/hsan_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      cat "$OUT"/hsan_*.log > "$OUT/hopper_sanitize.log"; rm -f "$OUT"/hsan_*.log
+      so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
+      [ -n "$so" ] && echo "HGMMA in flash_fwd_hopper SASS: $(cuobjdump -sass "$so" | awk '/Function :/{f=/flash_fwd_hopper/} f&&/HGMMA/' | wc -l)" >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 ATTN_EXT_CUDA_FWD_KERNEL=hopper step hopper_ncu 60 ncu --kernel-name regex:flash_fwd_hopper --launch-count 1 --metrics \
+        launch__registers_per_thread,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \
+        $PY dev/hopper_fwd_check.py --profile 128 8192
+      grep -E "registers|gmma|local" "$OUT/hopper_ncu.log" | head -8 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 ATTN_EXT_CUDA_FWD_KERNEL=hopper step hopper_bench 120 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 \
+        --seqlens 4096 8192 16384 --passes fwd --candidates attn_ext sdpa --out "$OUT/hopper_results"
+      [ -d "$OUT/hopper_results" ] && tar czf "$OUT/hopper_results.tgz" -C "$OUT" hopper_results && rm -rf "$OUT/hopper_results" ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py
@@ -116,5 +141,5 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log 2>/dev/null | cut -c1-220 | head -60
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

@@ -17,11 +17,18 @@
 // Q/dO, K/V and P/dS layouts bijective and their transposed views reading the same bytes; the
 // global copies covering the Q and K/V tiles once; the three MMAs' accumulators (S and dP,
 // dK and dV, dQ) and the P/dS staging copy covering their tiles once.
+// The Hopper forward's traits (FwdHopperTraits, flash_fwd_hopper.cuh), per instantiation: the
+// budget (sm_90's 227 KB); the GMMA-swizzled Q and K/V rings bijective and V^T reading V's
+// bytes in every stage; the two warpgroups' wgmma accumulators covering the score and output
+// tiles once, with the quad property of 4 (hopper_fwd::rowcol); the score accumulator read as
+// the P V wgmma's register A operand (hopper_fwd::acc_as_a) element for element; the output
+// staging copy and one warpgroup's 16-byte global stores covering their tiles once.
 // Prints one line per instantiation; exit status 1 on the first failure.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 #include "attention/cuda/flash/cute_traits.cuh"
+#include "attention/cuda/flash/hopper_traits.cuh"
 
 namespace {
 
@@ -218,6 +225,83 @@ void check_bwd(const char* name) {
               N, kThreads, Tr::kSmemBytes);
 }
 
+template <typename T, int kHeadDim>
+void check_hopper(const char* name) {
+  namespace hf = attn_ext::cuda::hopper_fwd;
+  using Tr = attn_ext::cuda::FwdHopperTraits<T, kHeadDim>;
+  constexpr int M = Tr::kBlockM, N = Tr::kBlockN, D = Tr::kHeadDim;
+  constexpr int kThreads = Tr::kConsumerThreads;
+  CHECK(Tr::kSmemBytes <= 227 * 1024, "%s: %zu bytes of shared memory", name, Tr::kSmemBytes);
+  CHECK(bijective(typename Tr::SmemLayoutQ{}), "%s: Q layout not a bijection", name);
+  CHECK(bijective(typename Tr::SmemLayoutKV{}), "%s: K/V ring not a bijection", name);
+  {
+    typename Tr::SmemLayoutKV kv;
+    typename Tr::SmemLayoutVt vt;
+    for (int s = 0; s < Tr::kStages; ++s)
+      for (int n = 0; n < N; ++n)
+        for (int d = 0; d < D; ++d)
+          CHECK(vt(d, n, s) == kv(n, d, s), "%s: V^T(%d, %d, %d) != V", name, d, n, s);
+  }
+  typename Tr::TiledMmaS mma_s;
+  typename Tr::TiledMmaO mma_o;
+  CHECK(size(mma_s) == kThreads && size(mma_o) == kThreads, "%s: MMA threads", name);
+  const auto cS = make_identity_tensor(Shape<Int<M>, Int<N>>{});
+  const auto cO = make_identity_tensor(Shape<Int<M>, Int<D>>{});
+  CHECK(covers_once(kThreads, M, N,
+                    [&](int tid) { return mma_s.get_thread_slice(tid).partition_C(cS); }),
+        "%s: score accumulator partition", name);
+  CHECK(covers_once(kThreads, M, D,
+                    [&](int tid) { return mma_o.get_thread_slice(tid).partition_C(cO); }),
+        "%s: output accumulator partition", name);
+  for (int tid = 0; tid < kThreads; ++tid) {
+    auto c = mma_s.get_thread_slice(tid).partition_C(cS);
+    auto rc = make_tensor(c.data(), hf::rowcol(c.layout()));
+    for (int r = 0; r < size<0>(rc); ++r) {
+      const int row = get<0>(rc(r, 0));
+      CHECK(row / 64 == tid / 128, "%s: thread %d holds row %d of the other warpgroup", name, tid,
+            row);
+      std::vector<int> cols_of_row(N, 0);
+      for (int q = 0; q < 4; ++q) {  // the four lanes of tid's quad
+        const int other = (tid & ~3) + q;
+        auto oc = mma_s.get_thread_slice(other).partition_C(cS);
+        auto orc = make_tensor(oc.data(), hf::rowcol(oc.layout()));
+        for (int j = 0; j < size<1>(orc); ++j) {
+          CHECK(get<0>(orc(r, j)) == row, "%s: thread %d row %d mixes rows", name, other, r);
+          ++cols_of_row[get<1>(orc(r, j))];
+        }
+      }
+      for (int j = 0; j < N; ++j)
+        CHECK(cols_of_row[j] == 1, "%s: row %d key %d held %d times by its quad", name, row, j,
+              cols_of_row[j]);
+    }
+    auto oc = mma_o.get_thread_slice(tid).partition_C(cO);
+    auto orc = make_tensor(oc.data(), hf::rowcol(oc.layout()));
+    for (int r = 0; r < size<0>(orc); ++r)
+      CHECK(get<0>(orc(r, 0)) == get<0>(rc(r, 0)), "%s: thread %d: O row %d is not S row %d", name,
+            tid, r, r);
+    auto as_a = make_tensor(c.data(), hf::acc_as_a(c.layout()));
+    auto a = mma_o.get_thread_slice(tid).partition_A(cS);  // P's (row, key) as wgmma's A
+    CHECK(size(as_a) == size(a), "%s: %d vs %d A values", name, int(size(as_a)), int(size(a)));
+    for (int i = 0; i < size(a); ++i)
+      CHECK(get<0>(as_a(i)) == get<0>(a(i)) && get<1>(as_a(i)) == get<1>(a(i)),
+            "%s: thread %d value %d of P is (%d, %d), the wgmma reads (%d, %d)", name, tid, i,
+            int(get<0>(as_a(i))), int(get<1>(as_a(i))), int(get<0>(a(i))), int(get<1>(a(i))));
+  }
+  auto ocopy = make_tiled_copy_C(typename Tr::SmemCopyAtomO{}, mma_o);
+  CHECK(covers_once(kThreads, M, D,
+                    [&](int tid) { return ocopy.get_thread_slice(tid).partition_D(cO); }),
+        "%s: output staging copy", name);
+  typename Tr::GmemCopyO gcopy;
+  CHECK(covers_once(128, Tr::kRowsPerWarpgroup, D,
+                    [&](int tid) {
+                      return gcopy.get_thread_slice(tid).partition_D(
+                          make_identity_tensor(Shape<Int<Tr::kRowsPerWarpgroup>, Int<D>>{}));
+                    }),
+        "%s: a warpgroup's output stores", name);
+  std::printf("ok   %s hopper: %d x %d tiles, %d consumer threads, %zu bytes of shared memory\n",
+              name, M, N, kThreads, Tr::kSmemBytes);
+}
+
 }  // namespace
 
 int main() {
@@ -230,6 +314,10 @@ int main() {
   check_bwd<__nv_bfloat16, 64>("bf16 d64");
   check_bwd<__nv_bfloat16, 128>("bf16 d128");
   check_bwd<__half, 128>("f16 d128");
+  check_hopper<__nv_bfloat16, 64>("bf16 d64");
+  check_hopper<__nv_bfloat16, 128>("bf16 d128");
+  check_hopper<__nv_bfloat16, 256>("bf16 d256");
+  check_hopper<__half, 128>("f16 d128");
   std::printf("%s\n", failures ? "CUTE LAYOUT CHECK FAIL" : "CUTE LAYOUT CHECK PASS");
   return failures ? 1 : 0;
 }

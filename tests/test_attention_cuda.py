@@ -355,6 +355,70 @@ def test_cute_backward(dtype, case, monkeypatch):
     check_grads(q, k, v, **kw)
 
 
+# (B, H, Hkv, Sq, Sk, D, options): the Hopper forward's inputs (D == Dv in 64 / 128 / 256) at
+# block edges (128 query rows; 128 keys, 64 at D = 256), odd lengths, one row or one key, GQA /
+# MQA, causal with Sq != Sk both ways (bottom-right), windows
+HOPPER_FWD_CASES = [
+    (2, 4, 4, 128, 128, 64, {}),
+    (1, 4, 2, 129, 257, 128, {}),
+    (1, 8, 1, 1, 300, 64, {}),
+    (1, 2, 2, 300, 1, 128, {}),
+    (1, 2, 2, 200, 333, 256, {}),
+    (2, 4, 4, 200, 200, 128, dict(causal=True)),
+    (1, 4, 2, 65, 300, 64, dict(causal=True)),
+    (1, 4, 4, 300, 65, 128, dict(causal=True)),
+    (1, 2, 1, 257, 257, 256, dict(causal=True)),
+    (1, 2, 2, 333, 333, 64, dict(window_size=(31, 17))),
+    (1, 2, 2, 256, 400, 128, dict(window_size=(-1, 40))),
+]
+
+
+def on_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not on_hopper(), reason="the Hopper forward runs on compute capability 9.x")
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("layout", ["contiguous", "bshd"])
+@pytest.mark.parametrize("case", HOPPER_FWD_CASES, ids=str)
+def test_hopper_forward(dtype, layout, case, monkeypatch):
+    """The sm_90a forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper, with ATTN_EXT_UNVERIFIED_CUDA=1
+    until it has run green here) by the suite's error rule, out and lse, on contiguous
+    (B, H, S, D) inputs and (B, S, H, D) views (the TMA descriptors from other strides)."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
+    B, H, Hkv, Sq, Sk, D, kw = case
+    q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV, layout=layout)
+    check_vs_truth(q, k, v, **kw)
+
+
+@pytest.mark.skipif(not on_hopper(), reason="the Hopper forward runs on compute capability 9.x")
+def test_hopper_forward_falls_back_on_expanded_batch(monkeypatch):
+    """Stride-0 (expanded) batches are not TMA-legal: the sm_80 kernel serves them."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
+    q, k, v = make_qkv(2, 4, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV, layout="expand_b")
+    check_vs_truth(q, k, v, causal=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hopper_forward_needs_its_opt_in(monkeypatch):
+    """ATTN_EXT_CUDA_FWD_KERNEL=hopper without ATTN_EXT_UNVERIFIED_CUDA=1 (or off compute
+    capability 9.x) is a clear error, never a silent change of kernel."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
+    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
+    with pytest.raises(RuntimeError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
+        attn_ext.attention(q, k, v)
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    if not on_hopper():
+        with pytest.raises(RuntimeError, match="needs a device of compute capability 9.x"):
+            attn_ext.attention(q, k, v)
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "wgmma")
+    with pytest.raises(RuntimeError, match="expected 'cute' \\(default\\), 'mma' or 'hopper'"):
+        attn_ext.attention(q, k, v)
+
+
 def test_runs_on_the_current_stream():
     q, k, v = make_qkv(2, 4, 4, 256, 256, 64, dtype=torch.bfloat16, device=DEV)
     expected = attn_ext.attention(q, k, v)

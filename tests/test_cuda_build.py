@@ -62,6 +62,7 @@ def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
 
     for switch in ("ATTN_EXT_CUDA_DTYPES", "ATTN_EXT_CUDA_HEAD_DIMS", "ATTN_EXT_CUDA_BACKWARD"):
         monkeypatch.delenv(switch, raising=False)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0+PTX;9.0a")  # setup.py's default off a GPU
     keep, defines = setup_py._cuda_attention_selection()  # no switches: every file, every bit
     generated = sorted((ROOT / "csrc" / "attention" / "cuda" / "instantiations").glob("*.cu"))
     assert sorted(ROOT / k for k in keep) == generated
@@ -73,15 +74,22 @@ def test_cuda_kernel_set_has_one_source(monkeypatch, setup_py):
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(hd))
     monkeypatch.setenv("ATTN_EXT_CUDA_BACKWARD", "0")
     keep, defines = setup_py._cuda_attention_selection()
-    # the CuTe forward's instantiation comes with its head dim where the CUTLASS headers are
+    # the CuTe and Hopper forwards' instantiations come with their head dim where the CUTLASS
+    # headers are (the Hopper one where the architectures include sm_90a)
     cute = setup_py.cutlass_include() is not None
     assert sorted(Path(k).name for k in keep) == sorted(
         [f"fwd_generic_{dtype}.cu", f"fwd_mma_{dtype}_hd{hd}.cu"]
-        + ([f"fwd_cute_{dtype}_hd{hd}.cu"] if cute else [])
+        + ([f"fwd_cute_{dtype}_hd{hd}.cu", f"fwd_hopper_{dtype}_hd{hd}.cu"] if cute else [])
     )
     assert f"-DATTN_EXT_CUDA_CUTE={int(cute)}" in defines
+    assert f"-DATTN_EXT_CUDA_HOPPER={int(cute)}" in defines
     assert f"-DATTN_EXT_CUDA_DTYPE_MASK={1 << dtypes.index(dtype)}" in defines
     assert f"-DATTN_EXT_CUDA_HEAD_DIM_MASK={1 << head_dims.index(hd)}" in defines
+    for arch in ("8.0", "8.0;9.0"):  # no sm_90a: no wgmma, no Hopper forward
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch)
+        keep, defines = setup_py._cuda_attention_selection()
+        assert not any("hopper" in Path(k).name for k in keep)
+        assert "-DATTN_EXT_CUDA_HOPPER=0" in defines
     monkeypatch.setenv("ATTN_EXT_CUDA_HEAD_DIMS", str(head_dims[0] + 1))
     with pytest.raises(RuntimeError, match="unknown value"):
         setup_py._cuda_attention_selection()

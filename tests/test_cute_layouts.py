@@ -1,4 +1,4 @@
-"""The CuTe forward's layouts and partitions, checked on the host (no GPU): tests/
+"""The CuTe and Hopper kernels' layouts and partitions, checked on the host (no GPU): tests/
 cute_layout_check.cpp compiled with the host compiler against the CUTLASS headers the build
 uses (setup.py's cutlass_include) and the CUDA toolkit's headers, then run. What it checks:
 the file's header. Skipped only where the CUTLASS or CUDA headers are missing (tools/

@@ -36,6 +36,7 @@ NVCC_FLAGS = [
     "-O3",
     "-DATTN_EXT_WITH_CUDA",
     "-DATTN_EXT_CUDA_CUTE=1",
+    "-DATTN_EXT_CUDA_HOPPER=1",
 ]
 # The host sources in the dialect the CUDA build compiles them in (setup.py's nvcc flags, and
 # torch 2.11's C++ flags on the GPU machine): C++17. Newer torch headers use a few C++20

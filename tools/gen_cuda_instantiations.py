@@ -24,7 +24,7 @@ KERNEL_SET = ROOT / "csrc" / "attention" / "cuda" / "instantiations.json"
 OUT_DIR = KERNEL_SET.parent / "instantiations"
 HEADER_NAME = "kernel_set.h"
 NAME_RE = re.compile(
-    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
+    r"^(?P<pass>fwd|bwd)_(?P<kernel>mma|cute|hopper|generic)_(?P<dtype>[a-z0-9]+)(?:_hd(?P<hd>\d+))?\.cu$"
 )
 
 GENERATED = (
@@ -64,6 +64,13 @@ def cute_fwd(t: str, hd: int) -> str:
     return _instantiation(
         "flash_fwd_cute.cuh",
         [f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
+    )
+
+
+def hopper_fwd(t: str, hd: int) -> str:
+    return _instantiation(
+        "flash_fwd_hopper.cuh",
+        [f"template cudaError_t run_fwd_hopper<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
     )
 
 
@@ -134,6 +141,7 @@ def files() -> dict:
         for hd in ks["mma_head_dims"]:
             out[f"fwd_mma_{dtype}_hd{hd}.cu"] = mma_fwd(ks["dtypes"][dtype], hd)
             out[f"fwd_cute_{dtype}_hd{hd}.cu"] = cute_fwd(ks["dtypes"][dtype], hd)
+            out[f"fwd_hopper_{dtype}_hd{hd}.cu"] = hopper_fwd(ks["dtypes"][dtype], hd)
         for hd in ks["cute_bwd_head_dims"]:
             out[f"bwd_cute_{dtype}_hd{hd}.cu"] = cute_bwd(ks["dtypes"][dtype], hd)
     for dtype, t in ks["dtypes"].items():

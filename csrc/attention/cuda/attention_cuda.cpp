@@ -41,15 +41,34 @@ void check_verified(const char* op, const AttentionParams& p) {
   if (has_score_mods(p)) require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
 }
 
-// The CuTe forward (flash/flash_fwd_cute.cuh) serves what it can (ran green on an H100,
-// 2026-11-26: dev/gpu_notes.md); ATTN_EXT_CUDA_FWD_KERNEL=mma selects the older tensor-core
-// kernel instead, for comparisons (dev/cute_fwd_check.py). Read at each call.
-bool cute_forward_enabled() {
+// The forward kernel ATTN_EXT_CUDA_FWD_KERNEL asks for, read at each call:
+//   cute (default)  the CuTe forward (flash/flash_fwd_cute.cuh) where it serves the inputs (ran
+//                   green on an H100, 2026-11-26: dev/gpu_notes.md);
+//   mma             the older tensor-core kernel instead, for comparisons (dev/cute_fwd_check.py);
+//   hopper          the sm_90a forward (flash/flash_fwd_hopper.cuh: TMA, wgmma, warp
+//                   specialization) where it serves the inputs, else the CuTe forward. Compiled
+//                   but never run on a GPU: it needs ATTN_EXT_UNVERIFIED_CUDA=1 too and a device
+//                   of compute capability 9.x, and a build for 9.0a (TORCH_CUDA_ARCH_LIST),
+//                   without which its kernels are not built and the CuTe forward runs. Its own
+//                   switch, so the other gated kernels (the CuTe backward) are verified apart.
+enum class FwdKernel { kCute, kMma, kHopper };
+
+FwdKernel requested_fwd_kernel(const char* op) {
   const char* v = std::getenv("ATTN_EXT_CUDA_FWD_KERNEL");
-  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "cute") == 0) return true;
-  TORCH_CHECK(std::strcmp(v, "mma") == 0,
-              "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default) or 'mma', got '", v, "'");
-  return false;
+  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "cute") == 0)
+    return FwdKernel::kCute;
+  if (std::strcmp(v, "mma") == 0) return FwdKernel::kMma;
+  TORCH_CHECK(std::strcmp(v, "hopper") == 0,
+              "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default), 'mma' or 'hopper', got '", v,
+              "'");
+  require_verified_or_opt_in(op, "the Hopper forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper)");
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TORCH_CHECK(major == 9, op,
+              ": ATTN_EXT_CUDA_FWD_KERNEL=hopper needs a device of compute capability 9.x, got ",
+              major, ".x");
+  return FwdKernel::kHopper;
 }
 
 // The CuTe backward (flash/flash_bwd_cute.cuh) compiles but has not yet run on a GPU: off
@@ -66,8 +85,10 @@ std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   auto [out, lse] = allocate_outputs(p, in.q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   check_supported(op, p, kind, /*backward=*/false);
-  C10_CUDA_CHECK(
-      launch_attention_fwd(p, kind, cute_forward_enabled(), c10::cuda::getCurrentCUDAStream()));
+  const FwdKernel fwd_kernel = requested_fwd_kernel(op);
+  C10_CUDA_CHECK(launch_attention_fwd(p, kind, fwd_kernel != FwdKernel::kMma,
+                                      fwd_kernel == FwdKernel::kHopper,
+                                      c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 

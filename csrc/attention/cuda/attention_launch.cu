@@ -28,6 +28,11 @@
 #ifndef ATTN_EXT_CUDA_CUTE
 #define ATTN_EXT_CUDA_CUTE 0
 #endif
+// The Hopper forward's instantiations are compiled only where the architectures include
+// sm_90a (setup.py's _builds_sm90a); elsewhere nothing routes there.
+#ifndef ATTN_EXT_CUDA_HOPPER
+#define ATTN_EXT_CUDA_HOPPER 0
+#endif
 
 namespace attn_ext::cuda {
 namespace {
@@ -46,6 +51,7 @@ constexpr bool mma_built(int idx) {
 }
 constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
 constexpr bool kCuteBuilt = ATTN_EXT_CUDA_CUTE != 0;
+constexpr bool kHopperBuilt = kCuteBuilt && ATTN_EXT_CUDA_HOPPER != 0;
 
 // Position of a head dim in kMmaHeadDims (-1 if absent), at compile time.
 constexpr int mma_head_dim_index(int head_dim) {
@@ -81,6 +87,52 @@ int cute_index(const AttentionParams& p) {
   for (int idx = 0; idx < kNumMmaHeadDims; ++idx)
     if (mma_built<T>(idx) && p.head_dim == kMmaHeadDims[idx]) return idx;
   return -1;
+}
+
+// A (rows, D, heads, batch) tensor the copy engine can address (cuTensorMapEncodeTiled's rules,
+// which CuTe's make_tma_copy asserts instead of reporting): 32-bit extents (the coordinates
+// are signed 32-bit), positive strides that are multiples of 16 bytes (cute_index checked the
+// 16-byte part and the base's alignment) and below 2^40 bytes. Expanded (stride-0) heads or
+// batches fail here and run on the sm_80 kernel.
+bool tma_legal(int64_t rows, int64_t heads, int64_t batch, std::initializer_list<int64_t> strides) {
+  constexpr int64_t kMaxExtent = (int64_t(1) << 31) - 1;
+  constexpr int64_t kMaxStrideBytes = int64_t(1) << 40;
+  constexpr int64_t kElemBytes = 2;  // bf16 / fp16
+  if (rows < 1 || rows > kMaxExtent || heads > kMaxExtent || batch > kMaxExtent) return false;
+  for (const int64_t s : strides)
+    if (s <= 0 || s * kElemBytes >= kMaxStrideBytes) return false;
+  return true;
+}
+
+// The index into kMmaHeadDims of the Hopper forward serving these inputs, or -1: the CuTe
+// forward's conditions (cute_index) with TMA-legal Q, K and V (the output is written by
+// 16-byte stores, which cute_index's alignment covers).
+template <typename T>
+int hopper_index(const AttentionParams& p) {
+  if (!kHopperBuilt) return -1;
+  const int idx = cute_index<T>(p);
+  if (idx < 0 ||
+      !tma_legal(p.seqlen_q, p.heads, p.batch,
+                 {p.q_row_stride, p.q_head_stride, p.q_batch_stride}) ||
+      !tma_legal(p.seqlen_k, p.kv_heads, p.batch,
+                 {p.k_row_stride, p.k_head_stride, p.k_batch_stride}) ||
+      !tma_legal(p.seqlen_k, p.kv_heads, p.batch,
+                 {p.v_row_stride, p.v_head_stride, p.v_batch_stride})) {
+    return -1;
+  }
+  return idx;
+}
+
+template <typename T, int kIdx = 0>
+cudaError_t fwd_hopper(int idx, const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kIdx == kNumMmaHeadDims || !kHopperBuilt) {
+    return cudaErrorInvalidValue;
+  } else {
+    if constexpr (mma_built<T>(kIdx)) {
+      if (idx == kIdx) return run_fwd_hopper<T, kMmaHeadDims[kIdx]>(p, stream);
+    }
+    return fwd_hopper<T, kIdx + 1>(idx, p, stream);
+  }
 }
 
 // The index into kMmaHeadDims of the head dim whose CuTe backward serves these inputs, or -1:
@@ -152,7 +204,10 @@ cudaError_t fwd_mma(int idx, const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t fwd(const AttentionParams& p, bool cute, cudaStream_t stream) {
+cudaError_t fwd(const AttentionParams& p, bool cute, bool hopper, cudaStream_t stream) {
+  if (cute && hopper) {
+    if (const int idx = hopper_index<T>(p); idx >= 0) return fwd_hopper<T>(idx, p, stream);
+  }
   if (cute) {
     if (const int idx = cute_index<T>(p); idx >= 0) return fwd_cute<T>(idx, p, stream);
   }
@@ -206,11 +261,11 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
   return why;
 }
 
-cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute,
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
                                  cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return fwd<T>(p, cute, stream);
+    return fwd<T>(p, cute, hopper, stream);
   });
 }
 

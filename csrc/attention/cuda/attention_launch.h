@@ -32,11 +32,13 @@ inline bool varlen_or_mods(const AttentionParams& p) {
 // `max_smem` is the device's opt-in shared memory per block.
 const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
                                        size_t max_smem);
-// The forward: out, lse. With `cute`, the CuTe tensor-core kernel where it serves the inputs
-// (attention_launch.cu's cute_index); else the older tensor-core kernel for bf16 / fp16 with
+// The forward: out, lse. With `cute` and `hopper` (the caller's device is compute capability
+// 9.x), the Hopper kernel where this build has it and it serves the inputs (attention_launch.cu's
+// hopper_index); else with `cute`, the CuTe tensor-core kernel where it serves the inputs
+// (cute_index); else the older tensor-core kernel for bf16 / fp16 with
 // max(D, Dv) up to the largest instantiated head dim (when compiled) and no varlen_or_mods(),
 // the generic kernel otherwise.
-cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute,
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
                                  cudaStream_t stream);
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
 // (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row). With

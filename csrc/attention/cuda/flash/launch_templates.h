@@ -21,6 +21,11 @@ cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream);
 
+// Hopper forward (bf16 / fp16, sm_90a: TMA, wgmma, warp specialization): the CuTe forward's
+// inputs with TMA-legal strides (flash_fwd_hopper.cuh). An empty kernel on other architectures.
+template <typename T, int kHeadDim>
+cudaError_t run_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
+
 // CuTe tensor-core backward (bf16 / fp16): the CuTe forward's inputs at the head dims of
 // kernel_set::kCuteBwdHeadDims; dQ's sums ordered by atomics (flash_bwd_cute.cuh).
 template <typename T, int kHeadDim>
