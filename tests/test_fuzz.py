@@ -33,7 +33,12 @@ from attn_ext.testing.attention import (  # noqa: E402
     attention_varlen_reference,
     attention_weights_reference,
 )
-from attn_ext.testing.decoding import decode_reference, rope_reference  # noqa: E402
+from attn_ext.testing.decoding import (  # noqa: E402
+    decode_reference,
+    gather_pages,
+    page_out,
+    rope_reference,
+)
 from attn_ext.testing.documents import doc000, doc001, doc003, doc004  # noqa: E402
 from attn_ext.testing.linear import (  # noqa: E402
     final_state,
@@ -289,9 +294,13 @@ def test_fuzz_decode_attention(data):
     lens = data.draw(st.lists(st.integers(0, L), min_size=B, max_size=B), label="lengths")
     rows = B
     kw = {}
+    page_size = None  # paged: the cache moved into shuffled pages behind a block table
     if data.draw(st.booleans(), label="cache_batch_idx"):
         rows = B + data.draw(st.integers(0, 3), label="extra cache rows")
         kw["cache_batch_idx"] = torch.randperm(rows)[:B].int()
+    elif data.draw(st.booleans(), label="paged"):
+        # a divisor of L, so the table's capacity is the reference's (L)
+        page_size = data.draw(st.sampled_from(_divisors(L)), label="page size")
     if data.draw(st.booleans(), label="cache_leftpad"):
         kw["cache_leftpad"] = torch.tensor([data.draw(st.integers(0, n)) for n in lens]).int()
     causal = data.draw(st.booleans(), label="causal")
@@ -305,8 +314,24 @@ def test_fuzz_decode_attention(data):
     q = rand((B, H, sq, D), dtype, "cpu", "bshd")
     cache_seqlens = torch.tensor(lens, dtype=torch.int32)
     splits = data.draw(st.sampled_from([0, 1, 2, 5]), label="num_splits")
+    k_in, v_in, paged_kw = k_cache, v_cache, {}
+    if page_size is not None:
+        k_in, v_in, table = page_out(
+            k_cache, v_cache, page_size, seed=data.draw(st.integers(0, 99))
+        )
+        if layout == "bshd":  # FlashAttention's (num_pages, page_size, Hkv, D), transposed
+            k_in, v_in = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_in, v_in))
+        paged_kw["block_table"] = table
     out, lse = attn_ext.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, sinks=sinks, num_splits=splits, return_lse=True, **kw
+        q,
+        k_in,
+        v_in,
+        cache_seqlens,
+        sinks=sinks,
+        num_splits=splits,
+        return_lse=True,
+        **kw,
+        **paged_kw,
     )
     ref, ref_lse = decode_reference(q, k_cache, v_cache, cache_seqlens, sinks=sinks, **kw)
     tru, tru_lse = ground_truth(
@@ -345,6 +370,33 @@ def test_fuzz_rope(data):
     assert out.stride() == torch.empty_like(x).stride()  # x's strides where x is dense
     assert_error_rule(out, ref, tru, name="rope")
     _count("rope")
+
+
+def _check_paged_append(op, pages, table, page_size, lens, dense, dense_lens, overflow):
+    """Runs the paged append ``op`` after the same append on the contiguous caches ``dense``
+    (checked by _check_append): the table then reads back the contiguous caches, every row
+    (the capacity is L), the lengths match, and the pages outside the table keep their bits; if
+    the contiguous append overflowed, the paged one must raise and write nothing."""
+    before = [p.clone() for p in pages]
+    lens_before = lens.clone()
+    if overflow:
+        with pytest.raises(RuntimeError, match="overflow"):
+            op()
+        assert torch.equal(lens, lens_before)
+        for a, b in zip(before, pages):
+            assert torch.equal(a, b), "an overflowing paged append wrote"
+        return
+    op()
+    assert torch.equal(lens, dense_lens)
+    outside = torch.ones(pages[0].size(0), dtype=torch.bool)
+    outside[table.flatten().long()] = False
+    for p, b, d in zip(pages, before, dense):
+        assert torch.equal(gather_pages(p, table, page_size), d), "paged rows differ"
+        assert torch.equal(p[outside], b[outside]), "a page outside the table changed"
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # --------------------------------------------------------------------------- attention_weights
@@ -486,20 +538,39 @@ def test_fuzz_kv_cache_append(data):
             dtype=torch.int64,
         )
     rope_kw = _rope_kw(data, D) if D >= 2 and data.draw(st.booleans(), label="rope") else None
+    paged = None  # the same append through a block table, on pages holding the same rows
+    if B > 0 and L > 0 and cache_layout != "v_view" and data.draw(st.booleans(), label="paged"):
+        page_size = data.draw(st.sampled_from(_divisors(L)), label="page size")
+        pages = page_out(k_cache.clone(), v_cache.clone(), page_size)
+        n = [S] * B if new_lengths is None else new_lengths.tolist()
+        overflow = any(a + b > L for a, b in zip(lengths.tolist(), n))
+        paged = (page_size, *pages, lengths.clone(), overflow)
 
-    def op():
+    def op(caches=(k_cache, v_cache), lens=lengths, **table):
         torch.ops.attn_ext.kv_cache_append(
-            k_cache,
-            v_cache,
-            lengths,
+            *caches,
+            lens,
             k,
             v,
             new_lengths,
             rope=rope_kw is not None,
             **(rope_kw or {}),
+            **table,
         )
 
     _check_append(op, [k_cache, v_cache], lengths, [k, v], rope_kw, new_lengths)
+    if paged is not None:
+        page_size, k_pages, v_pages, table, lens, overflow = paged
+        _check_paged_append(
+            lambda: op((k_pages, v_pages), lens, block_table=table),
+            [k_pages, v_pages],
+            table,
+            page_size,
+            lens,
+            [k_cache, v_cache],
+            lengths,
+            overflow,
+        )
     _count("kv_cache_append")
 
 

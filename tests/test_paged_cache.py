@@ -10,7 +10,7 @@ import torch
 import torch._dynamo.testing
 
 import attn_ext
-from attn_ext.testing.decoding import decode_reference
+from attn_ext.testing.decoding import decode_reference, gather_pages, page_out
 from attn_ext.testing.numerics import assert_error_rule, assert_lse_close, ground_truth, rand
 
 ops = torch.ops.attn_ext
@@ -28,41 +28,6 @@ def _lengths(page_size):
     return [0, 1, max(page_size - 1, 0), page_size, page_size + 1, 3 * page_size + 5]
 
 
-def _page_out(k, v, lengths, page_size, *, shared_prefix_pages=0, seed=0, spare_pages=3):
-    """The rows of a contiguous cache k (B, Hkv, L, D), v (B, Hkv, L, Dv) copied into pages of
-    a paged cache in shuffled order, with `spare_pages` unused pages of garbage. With
-    shared_prefix_pages, sequence 1's first pages are sequence 0's own (its rows there are
-    made equal to sequence 0's, in k and v, first). Returns (k_pages, v_pages, block_table)."""
-    B, Hkv, L, D = k.shape
-    max_pages = -(-L // page_size)
-    g = torch.Generator().manual_seed(seed)
-    if shared_prefix_pages:
-        rows = shared_prefix_pages * page_size
-        k[1, :, :rows] = k[0, :, :rows]
-        v[1, :, :rows] = v[0, :, :rows]
-    num_pages = B * max_pages + spare_pages
-    perm = torch.randperm(num_pages, generator=g)
-    table = perm[: B * max_pages].view(B, max_pages).to(torch.int32)
-    table[1, :shared_prefix_pages] = table[0, :shared_prefix_pages]
-    k_pages = torch.randn(num_pages, Hkv, page_size, D, generator=g).to(k.dtype)
-    v_pages = torch.randn(num_pages, Hkv, page_size, v.size(3), generator=g).to(v.dtype)
-    for b in range(B):
-        for i in range(max_pages):
-            r0, r1 = i * page_size, min(L, (i + 1) * page_size)
-            if b == 1 and i < shared_prefix_pages:
-                continue
-            k_pages[table[b, i], :, : r1 - r0] = k[b, :, r0:r1]
-            v_pages[table[b, i], :, : r1 - r0] = v[b, :, r0:r1]
-    return k_pages, v_pages, table
-
-
-def _dense(k_pages, table, page_size):
-    """The contiguous cache (B, Hkv, max_pages * page_size, D) a block table describes."""
-    B, max_pages = table.shape
-    pages = k_pages[table.long().clamp(min=0)]  # (B, max_pages, Hkv, page_size, D)
-    return pages.transpose(1, 2).reshape(B, k_pages.size(1), max_pages * page_size, -1)
-
-
 # ----------------------------------------------------------------------------- decode attention
 
 
@@ -77,7 +42,7 @@ def test_paged_decode_matches_contiguous(dtype, page_size, sq, num_splits):
     L = -(-max(lengths) // page_size) * page_size
     k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
     # sequences 0 and 1 share their first page(s) (sequence 1 is the shorter: one row)
-    k_pages, v_pages, table = _page_out(k, v, lengths, page_size, shared_prefix_pages=1)
+    k_pages, v_pages, table = page_out(k, v, page_size, shared_prefix_pages=1)
     lens = torch.tensor(lengths, dtype=torch.int32)
     q = rand((B, H, sq, D), dtype, "cpu", layout="bshd")
     out, lse = attn_ext.decode_attention(
@@ -106,7 +71,7 @@ def test_paged_decode_with_band_and_modifiers(page_size, extra):
     B, H, Hkv, D = len(lengths), 8, 2, 16
     L = -(-max(lengths) // page_size) * page_size
     k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
-    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    k_pages, v_pages, table = page_out(k, v, page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
     if "cache_leftpad" in extra:  # a sequence's keys start within its rows
         extra = dict(cache_leftpad=torch.minimum(extra["cache_leftpad"], lens))
@@ -136,7 +101,7 @@ def test_paged_decode_bitwise_where_tiles_coincide(page_size, window_left, num_s
     B, H, Hkv, D = len(lengths), 8, 2, 64
     L = -(-max(lengths) // page_size) * page_size
     k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
-    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    k_pages, v_pages, table = page_out(k, v, page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
     q = rand((B, H, 1, D), torch.float32, "cpu")
     kw = dict(num_splits=num_splits, return_lse=True, window_left=window_left)
@@ -152,7 +117,7 @@ def test_paged_decode_reads_flash_attn_pages_in_place():
     B, H, Hkv, D = 2, 4, 2, 16
     L = 48
     k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
-    k_pages, v_pages, table = _page_out(k, v, lengths, page_size)
+    k_pages, v_pages, table = page_out(k, v, page_size)
     k_fa = k_pages.transpose(1, 2).contiguous()  # (num_pages, page_size, Hkv, D)
     v_fa = v_pages.transpose(1, 2).contiguous()
     lens = torch.tensor(lengths, dtype=torch.int32)
@@ -187,7 +152,7 @@ def test_paged_append_matches_contiguous(dtype, page_size, rope):
     B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
     L = -(-(max(lengths) + S) // page_size) * page_size
     k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
-    k_pages, v_pages, table = _page_out(k0, v0, lengths, page_size)
+    k_pages, v_pages, table = page_out(k0, v0, page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
     k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
     v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
@@ -199,7 +164,10 @@ def test_paged_append_matches_contiguous(dtype, page_size, rope):
         k_pages, v_pages, lens_paged, k_new, v_new, new_lengths, block_table=table, **kw
     )
     assert torch.equal(lens_paged, lens_dense)
-    k_dense, v_dense = _dense(k_pages, table, page_size), _dense(v_pages, table, page_size)
+    k_dense, v_dense = (
+        gather_pages(k_pages, table, page_size),
+        gather_pages(v_pages, table, page_size),
+    )
     for b, n in enumerate(lens_dense.tolist()):
         assert torch.equal(k_dense[b, :, :n], k0[b, :, :n]), b
         assert torch.equal(v_dense[b, :, :n], v0[b, :, :n]), b
@@ -436,10 +404,10 @@ def test_paged_cache_fork_shares_full_pages():
     c.append(k, v)  # different continuations of the shared prompt
     q = torch.randn(2, 2, 1, 8)
     out = c.attend(q)
-    dense = _dense(c.k, c.block_table, 4)
+    dense = gather_pages(c.k, c.block_table, 4)
     assert torch.equal(dense[0, :, :6], dense[1, :, :6])
     assert torch.equal(dense[0, :, 6:9], k[0]) and torch.equal(dense[1, :, 6:9], k[1])
-    ref = decode_reference(q, dense, _dense(c.v, c.block_table, 4), c.lengths)[0]
+    ref = decode_reference(q, dense, gather_pages(c.v, c.block_table, 4), c.lengths)[0]
     torch.testing.assert_close(out, ref)
     shared = c.pages(0)[0]
     c.release(0)
@@ -473,7 +441,7 @@ def test_paged_latent_append_matches_contiguous(dtype, page_size):
     B, dc, dr, S = len(lengths), 12, 8, 5
     L = -(-(max(lengths) + S) // page_size) * page_size
     kv0 = rand((B, 1, L, dc + dr), dtype, "cpu")
-    pages, _, table = _page_out(kv0, kv0[..., :1], lengths, page_size)
+    pages, _, table = page_out(kv0, kv0[..., :1], page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
     c_kv, k_rope = rand((B, 1, S, dc), dtype, "cpu"), rand((B, 1, S, dr), dtype, "cpu", "bshd")
     new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
@@ -482,7 +450,7 @@ def test_paged_latent_append_matches_contiguous(dtype, page_size):
     ops.latent_cache_append(kv0, lens_dense, c_kv, k_rope, new_lengths, **kw)
     ops.latent_cache_append(pages, lens_paged, c_kv, k_rope, new_lengths, block_table=table, **kw)
     assert torch.equal(lens_paged, lens_dense)
-    dense = _dense(pages, table, page_size)
+    dense = gather_pages(pages, table, page_size)
     for b, n in enumerate(lens_dense.tolist()):
         assert torch.equal(dense[b, :, :n], kv0[b, :, :n]), b
 
@@ -599,7 +567,7 @@ def _cuda_case(dtype, page_size, head_dim, groups, extra=None, seed=0):
     B, D = len(lengths), head_dim
     L = -(-max(lengths) // page_size) * page_size
     k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, D), dtype, "cpu")
-    k_pages, v_pages, table = _page_out(k, v, lengths, page_size, shared_prefix_pages=1)
+    k_pages, v_pages, table = page_out(k, v, page_size, shared_prefix_pages=1)
     lens = torch.tensor(lengths, dtype=torch.int32)
     q = rand((B, H, sq, D), dtype, "cpu", layout="bshd")
     return [t.cuda() for t in (q, k, v, k_pages, v_pages, table, lens)]
@@ -698,7 +666,7 @@ def test_cuda_paged_append_matches_cpu(unverified, dtype, page_size, rope):
     B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
     L = -(-(max(lengths) + S) // page_size) * page_size
     k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
-    k_pages, v_pages, table = _page_out(k0, v0, lengths, page_size)
+    k_pages, v_pages, table = page_out(k0, v0, page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
     k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
     v_new = rand((B, Hkv, S, Dv), dtype, "cpu")

@@ -9,7 +9,9 @@ written for the tests (the documents' own code comes from attn_ext.testing.docum
 * document 000 ``KVCacheAttention``: the cache grows by ``torch.cat`` along the sequence, and
   a prefill of ``S_new > 1`` tokens adds ``triu(-inf, diagonal=S_total - S_new + 1)``;
 * document 003 ``decode_step``: positions of new tokens continue at the cache length, and the
-  grouped KV heads are expanded with ``repeat_kv`` before plain attention.
+  grouped KV heads are expanded with ``repeat_kv`` before plain attention;
+* paged caches: ``page_out`` copies a contiguous cache into shuffled pages behind a block table,
+  ``gather_pages`` reads a block table back into a contiguous cache.
 """
 
 from __future__ import annotations
@@ -142,3 +144,42 @@ def decode_reference(
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def page_out(k, v, page_size, *, shared_prefix_pages=0, seed=0, spare_pages=3):
+    """The rows of a contiguous cache k (B, Hkv, L, D), v (B, Hkv, L, Dv) copied into pages of
+    a paged cache (num_pages, Hkv, page_size, *) in shuffled order, with ``spare_pages`` unused
+    pages of garbage (as are the rows of a last page past L). With ``shared_prefix_pages``,
+    sequence 1's first pages are sequence 0's own (its rows there are made equal to sequence
+    0's, in k and v, first). Returns (k_pages, v_pages, block_table (B, ceil(L / page_size))
+    int32)."""
+    B, Hkv, L, D = k.shape
+    max_pages = -(-L // page_size)
+    g = torch.Generator().manual_seed(seed)
+    if shared_prefix_pages:
+        rows = shared_prefix_pages * page_size
+        k[1, :, :rows] = k[0, :, :rows]
+        v[1, :, :rows] = v[0, :, :rows]
+    num_pages = B * max_pages + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    table = perm[: B * max_pages].view(B, max_pages).to(torch.int32)
+    if shared_prefix_pages:
+        table[1, :shared_prefix_pages] = table[0, :shared_prefix_pages]
+    k_pages = torch.randn(num_pages, Hkv, page_size, D, generator=g).to(k.dtype)
+    v_pages = torch.randn(num_pages, Hkv, page_size, v.size(3), generator=g).to(v.dtype)
+    for b in range(B):
+        for i in range(max_pages):
+            r0, r1 = i * page_size, min(L, (i + 1) * page_size)
+            if b == 1 and i < shared_prefix_pages:
+                continue
+            k_pages[table[b, i], :, : r1 - r0] = k[b, :, r0:r1]
+            v_pages[table[b, i], :, : r1 - r0] = v[b, :, r0:r1]
+    return k_pages, v_pages, table
+
+
+def gather_pages(pages, table, page_size):
+    """The contiguous cache (B, Hkv, max_pages * page_size, *) a block table (B, max_pages)
+    describes over ``pages`` (num_pages, Hkv, page_size, *); entries < 0 read page 0."""
+    B, max_pages = table.shape
+    got = pages[table.long().clamp(min=0)]  # (B, max_pages, Hkv, page_size, *)
+    return got.transpose(1, 2).reshape(B, pages.size(1), max_pages * page_size, -1)
