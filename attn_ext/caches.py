@@ -29,6 +29,17 @@ __all__ = [
 # A block_table entry past a sequence's pages: never read (the ops read only the entries that
 # cover a sequence's rows), and out of range, so a bug that did read it would be caught.
 _NO_PAGE = -1
+# The sizes of a paged cache that must be at least 1 (the others at least 0).
+_PAGE_POOL_SIZES = ("num_pages", "page_size")
+
+
+def _check_sizes(owner: str, positive: Tuple[str, ...] = (), **sizes) -> None:
+    """Raises ValueError naming the first size below its least value: 1 for the names in
+    ``positive`` (a page pool needs a page, a page a row), 0 for the others."""
+    for name, value in sizes.items():
+        least = 1 if name in positive else 0
+        if int(value) < least:
+            raise ValueError(f"attn_ext.{owner}: {name} must be >= {least}, got {value}")
 
 
 def _room_after(
@@ -82,14 +93,13 @@ class KVCache:
         dtype: Optional[torch.dtype] = None,
         device=None,
     ):
-        for name, value in (
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("max_len", max_len),
-            ("head_dim", head_dim),
-        ):
-            if int(value) < 0:
-                raise ValueError(f"attn_ext.KVCache: {name} must be >= 0, got {value}")
+        _check_sizes(
+            "KVCache",
+            batch_size=batch_size,
+            num_kv_heads=num_kv_heads,
+            max_len=max_len,
+            head_dim=head_dim,
+        )
         dv = head_dim if head_dim_v is None else head_dim_v
         self.k = torch.zeros(
             batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
@@ -233,16 +243,16 @@ class PagedKVCache:
         dtype: Optional[torch.dtype] = None,
         device=None,
     ):
-        for name, value, least in (
-            ("num_pages", num_pages, 1),
-            ("page_size", page_size, 1),
-            ("num_kv_heads", num_kv_heads, 0),
-            ("head_dim", head_dim, 0),
-            ("max_batch", max_batch, 0),
-            ("max_pages_per_seq", max_pages_per_seq, 0),
-        ):
-            if int(value) < least:
-                raise ValueError(f"attn_ext.PagedKVCache: {name} must be >= {least}, got {value}")
+        _check_sizes(
+            "PagedKVCache",
+            _PAGE_POOL_SIZES,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_batch=max_batch,
+            max_pages_per_seq=max_pages_per_seq,
+        )
         dv = head_dim if head_dim_v is None else head_dim_v
         kw = dict(dtype=dtype, device=device)
         self.k = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, **kw)
@@ -462,7 +472,38 @@ class PagedKVCache:
         )
 
 
-class LatentKVCache(KVCache):
+class _LatentBuffer:
+    """What MLA's two latent caches share: one buffer ``kv`` (rows or pages on its first axis,
+    1 head, rows, ``kv_lora_rank + rope_dim``) of rows ``[c_kv, k_rope]``, read as the single
+    key head (``k``) whose first ``kv_lora_rank`` columns are the values (``v``), and whether
+    anything was appended since construction or :meth:`reset`."""
+
+    kv: torch.Tensor
+    kv_lora_rank: int
+
+    @property
+    def empty(self) -> bool:
+        """True until the first :meth:`append` after construction or :meth:`reset`."""
+        return self._empty
+
+    def reset(self) -> None:
+        super().reset()
+        self._empty = True
+
+    # The views are taken on access, not stored: a view kept across an in-place append would
+    # have to be replayed by torch.compile's functionalization, which fails for these strides.
+    @property
+    def k(self) -> torch.Tensor:
+        """The key head [c_kv, k_rope]: the buffer."""
+        return self.kv
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values: the ``c_kv`` columns of the buffer, a view."""
+        return self.kv[..., : self.kv_lora_rank]
+
+
+class LatentKVCache(_LatentBuffer, KVCache):
     """The compressed cache of Multi-head Latent Attention (DeepSeek-V2 §2.1): per token only
     the latent ``c_kv`` (``kv_lora_rank`` values) and the RoPE-rotated shared key ``k_rope``
     (``rope_dim`` values), in one buffer ``kv`` (B, 1, max_len, kv_lora_rank + rope_dim) laid
@@ -485,14 +526,13 @@ class LatentKVCache(KVCache):
         dtype: Optional[torch.dtype] = None,
         device=None,
     ):
-        for name, value in (
-            ("batch_size", batch_size),
-            ("max_len", max_len),
-            ("kv_lora_rank", kv_lora_rank),
-            ("rope_dim", rope_dim),
-        ):
-            if int(value) < 0:
-                raise ValueError(f"attn_ext.LatentKVCache: {name} must be >= 0, got {value}")
+        _check_sizes(
+            "LatentKVCache",
+            batch_size=batch_size,
+            max_len=max_len,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+        )
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         self.kv = torch.zeros(
             batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
@@ -502,27 +542,6 @@ class LatentKVCache(KVCache):
         # Host-side: no append since construction or reset (a prompt can then skip the cache;
         # kept off the device so that checking it neither synchronizes nor breaks a graph).
         self._empty = True
-
-    @property
-    def empty(self) -> bool:
-        """True until the first :meth:`append` after construction or :meth:`reset`."""
-        return self._empty
-
-    def reset(self) -> None:
-        super().reset()
-        self._empty = True
-
-    # The views are taken on access, not stored: a view kept across an in-place append would
-    # have to be replayed by torch.compile's functionalization, which fails for these strides.
-    @property
-    def k(self) -> torch.Tensor:
-        """The key head [c_kv, k_rope] (B, 1, max_len, kv_lora_rank + rope_dim): the buffer."""
-        return self.kv
-
-    @property
-    def v(self) -> torch.Tensor:
-        """The values: the ``c_kv`` columns (B, 1, max_len, kv_lora_rank), a view."""
-        return self.kv[..., : self.kv_lora_rank]
 
     @property
     def latent(self) -> torch.Tensor:
@@ -578,7 +597,7 @@ class LatentKVCache(KVCache):
         )
 
 
-class PagedLatentKVCache(PagedKVCache):
+class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
     """MLA's latent cache (:class:`LatentKVCache`) in pages: one buffer ``kv`` (num_pages, 1,
     page_size, kv_lora_rank + rope_dim) of rows ``[c_kv, k_rope]``, handed out page by page
     through ``block_table`` as :class:`PagedKVCache` does (free list, :meth:`release`,
@@ -600,42 +619,21 @@ class PagedLatentKVCache(PagedKVCache):
         dtype: Optional[torch.dtype] = None,
         device=None,
     ):
-        for name, value, least in (
-            ("num_pages", num_pages, 1),
-            ("page_size", page_size, 1),
-            ("kv_lora_rank", kv_lora_rank, 0),
-            ("rope_dim", rope_dim, 0),
-            ("max_batch", max_batch, 0),
-            ("max_pages_per_seq", max_pages_per_seq, 0),
-        ):
-            if int(value) < least:
-                raise ValueError(
-                    f"attn_ext.PagedLatentKVCache: {name} must be >= {least}, got {value}"
-                )
+        _check_sizes(
+            "PagedLatentKVCache",
+            _PAGE_POOL_SIZES,
+            num_pages=num_pages,
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            max_batch=max_batch,
+            max_pages_per_seq=max_pages_per_seq,
+        )
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         self.kv = torch.zeros(
             num_pages, 1, page_size, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
         self._init_table(max_batch, max_pages_per_seq, self.kv.device)
-
-    @property
-    def k(self) -> torch.Tensor:
-        """The key head [c_kv, k_rope] of every page: the buffer."""
-        return self.kv
-
-    @property
-    def v(self) -> torch.Tensor:
-        """The values: the ``c_kv`` columns of every page, a view."""
-        return self.kv[..., : self.kv_lora_rank]
-
-    @property
-    def empty(self) -> bool:
-        """True until the first :meth:`append` after construction or :meth:`reset`."""
-        return self._empty
-
-    def reset(self) -> None:
-        super().reset()
-        self._empty = True
 
     def _copy_page(self, src: int, dst: int) -> None:
         self.kv[dst].copy_(self.kv[src])
