@@ -82,6 +82,9 @@ class KVCache:
     values as one stream; per-sequence lengths let a batch hold prompts of different lengths.
     """
 
+    # The rows are found by position, not through a page table (PagedKVCache has one).
+    block_table: Optional[torch.Tensor] = None
+
     def __init__(
         self,
         batch_size: int,
@@ -183,7 +186,8 @@ class KVCache:
         num_splits: int = 0,
         return_lse: bool = False,
     ):
-        """:func:`decode_attention` of q (B, H, Sq, D) against this cache."""
+        """:func:`decode_attention` of q (B, H, Sq, D) against this cache (through its block
+        table if it has one)."""
         return decode_attention(
             q,
             self.k,
@@ -194,6 +198,7 @@ class KVCache:
             window_left=window_left,
             num_splits=num_splits,
             return_lse=return_lse,
+            block_table=self.block_table,
         )
 
     def __repr__(self) -> str:
@@ -344,9 +349,7 @@ class PagedKVCache:
         self.k[dst].copy_(self.k[src])
         self.v[dst].copy_(self.v[src])
 
-    def positions(self, seqlen: int, new_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, seqlen) int64 positions of the next tokens, as :meth:`KVCache.positions`."""
-        return KVCache.positions(self, seqlen, new_lengths)
+    positions = KVCache.positions
 
     def append(
         self,
@@ -395,29 +398,7 @@ class PagedKVCache:
             raise RuntimeError(refusal)
         self._host_lengths = after
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        *,
-        scale: Optional[float] = None,
-        causal: bool = True,
-        window_left: int = -1,
-        num_splits: int = 0,
-        return_lse: bool = False,
-    ):
-        """:func:`decode_attention` of q (B, H, Sq, D) against this cache, through its table."""
-        return decode_attention(
-            q,
-            self.k,
-            self.v,
-            self.lengths,
-            scale=scale,
-            causal=causal,
-            window_left=window_left,
-            num_splits=num_splits,
-            return_lse=return_lse,
-            block_table=self.block_table,
-        )
+    attend = KVCache.attend  # through self.block_table
 
     def _take(self) -> int:
         page = self._free.pop()

@@ -142,21 +142,31 @@ def test_paged_decode_reads_flash_attn_pages_in_place():
 # ------------------------------------------------------------------------------------- append
 
 
+def _append_case(dtype, page_size):
+    """A contiguous cache, the same rows in shuffled pages, lengths around page bounds, and a
+    left-padded append (new rows crossing page boundaries): (k0, v0, k_pages, v_pages, table,
+    lengths, k_new, v_new, new_lengths)."""
+    lengths = _lengths(page_size)
+    B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
+    L = -(-(max(lengths) + S) // page_size) * page_size
+    k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    k_pages, v_pages, table = page_out(k0, v0, page_size)
+    k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
+    v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
+    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return k0, v0, k_pages, v_pages, table, lens, k_new, v_new, new_lengths
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("rope", [False, True])
 def test_paged_append_matches_contiguous(dtype, page_size, rope):
     """The same appends into a contiguous and a paged cache leave the same rows, bit for bit
     (left-padded inputs; new rows crossing page boundaries)."""
-    lengths = _lengths(page_size)
-    B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
-    L = -(-(max(lengths) + S) // page_size) * page_size
-    k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
-    k_pages, v_pages, table = page_out(k0, v0, page_size)
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
-    v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
-    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    k0, v0, k_pages, v_pages, table, lens, k_new, v_new, new_lengths = _append_case(
+        dtype, page_size
+    )
     kw = dict(rope=rope, rope_interleaved=True)
     lens_dense, lens_paged = lens.clone(), lens.clone()
     ops.kv_cache_append(k0, v0, lens_dense, k_new, v_new, new_lengths, **kw)
@@ -481,6 +491,34 @@ def test_opcheck_paged_latent_append():
     )
 
 
+def test_compile_paged_latent_decode_step():
+    """MLA's paged step (latent append + absorbed decode through the table, the values a column
+    view of the pages) compiles with no graph break, once, and matches eager bit for bit."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    dc, dr = 6, 4
+
+    def step(q, c_kv, k_rope, pages, lengths, table):
+        ops.latent_cache_append(pages, lengths, c_kv, k_rope, block_table=table)
+        return ops.decode_attention(q, pages, pages[..., :dc], lengths, block_table=table)[0]
+
+    cstep = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    table = torch.tensor([[3, 0, 5, 1], [2, 4, 6, 7]], dtype=torch.int32)
+    pages = [torch.zeros(8, 1, 4, dc + dr) for _ in range(2)]
+    lens = [torch.zeros(2, dtype=torch.int32) for _ in range(2)]
+    for _ in range(10):
+        q, c_kv, k_rope = (
+            torch.randn(2, 3, 1, dc + dr),
+            torch.randn(2, 1, 1, dc),
+            torch.randn(2, 1, 1, dr),
+        )
+        out = cstep(q, c_kv, k_rope, pages[0], lens[0], table)
+        ref = step(q, c_kv, k_rope, pages[1], lens[1], table)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    assert torch.equal(pages[0], pages[1]) and lens[0].tolist() == [10, 10]
+
+
 def _mla(dtype, **dims):
     from attn_ext.nn import MultiHeadLatentAttention
 
@@ -662,15 +700,9 @@ def test_cuda_split_kv_never_reads_past_lengths(unverified):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("rope", [False, True])
 def test_cuda_paged_append_matches_cpu(unverified, dtype, page_size, rope):
-    lengths = _lengths(page_size)
-    B, Hkv, D, Dv, S = len(lengths), 2, 16, 8, 5
-    L = -(-(max(lengths) + S) // page_size) * page_size
-    k0, v0 = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
-    k_pages, v_pages, table = page_out(k0, v0, page_size)
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    k_new = rand((B, Hkv, S, D), dtype, "cpu", layout="bshd")
-    v_new = rand((B, Hkv, S, Dv), dtype, "cpu")
-    new_lengths = torch.tensor([5, 0, 3, 5, 1, 2])
+    k0, v0, k_pages, v_pages, table, lens, k_new, v_new, new_lengths = _append_case(
+        dtype, page_size
+    )
     kw = dict(rope=rope, rope_interleaved=True)
     gpu = [t.cuda() for t in (k_pages, v_pages, lens, k_new, v_new, new_lengths, table)]
     ops.kv_cache_append(k_pages, v_pages, lens, k_new, v_new, new_lengths, block_table=table, **kw)

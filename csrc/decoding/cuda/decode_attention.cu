@@ -22,6 +22,7 @@
 #include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "decoding/cuda/decoding_launch.h"
+#include "decoding/cuda/split_merge.cuh"
 
 namespace attn_ext::cuda {
 namespace {
@@ -236,40 +237,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p, Decode
   }
 }
 
-// One block per row: folds the splits with the shared online-softmax merge.
+// One block per row: its threads stride over the output features (merge_split_row).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     merge_kernel(DecodeParams p, DecodeWorkspace ws, int64_t splits) {
-  using acc_t = typename Elem<T>::acc_t;
-  const acc_t* ws_o = static_cast<const acc_t*>(ws.o);
-  const acc_t* ws_stats = static_cast<const acc_t*>(ws.stats);
-  const int64_t G = p.group(), Sq = p.seqlen_q, Dv = p.head_dim_v, rows = G * Sq;
-  const int64_t row = blockIdx.x;  // over (b, hk, r)
-  const int64_t bk = row / rows, r = row % rows;
-  const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads, i = r / G, h = hk * G + r % G;
-  SoftmaxState<acc_t> total;
-  acc_t acc[kMaxDvPerThread] = {};
-  for (int64_t sp = 0; sp < splits; ++sp) {
-    const int64_t slot = row * splits + sp;
-    SoftmaxState<acc_t> part;
-    part.max = ws_stats[2 * slot];
-    part.sum = ws_stats[2 * slot + 1];
-    acc_t self_factor, other_factor;
-    total.merge(part, &self_factor, &other_factor);
-#pragma unroll
-    for (int c = 0; c < kMaxDvPerThread; ++c) {
-      const int64_t f = threadIdx.x + c * kThreads;
-      if (f < Dv) acc[c] = acc[c] * self_factor + ws_o[slot * Dv + f] * other_factor;
-    }
-  }
-  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-  const acc_t inv = total.inv_sum();
-#pragma unroll
-  for (int c = 0; c < kMaxDvPerThread; ++c) {
-    const int64_t f = threadIdx.x + c * kThreads;
-    if (f < Dv) out[f] = Elem<T>::store(acc[c] * inv);
-  }
-  if (threadIdx.x == 0) p.lse[(b * p.heads + h) * Sq + i] = total.lse();
+  merge_split_row<T, typename Elem<T>::acc_t, kMaxDvPerThread>(
+      p, ws, blockIdx.x, splits, p.head_dim_v, threadIdx.x, kThreads, threadIdx.x == 0);
 }
 
 // The instantiation with the with_kvcache arguments and the score modifiers.

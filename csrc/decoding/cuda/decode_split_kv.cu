@@ -22,6 +22,7 @@
 #include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "decoding/cuda/decoding_launch.h"
+#include "decoding/cuda/split_merge.cuh"
 
 namespace attn_ext::cuda {
 namespace {
@@ -300,44 +301,17 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   }
 }
 
-// One warp per row: folds the splits' partials with SoftmaxState::merge (the LSE merge).
+// One warp per row: its lanes stride over the output features (merge_split_row).
 constexpr int kMergeThreads = 128;
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_kernel(DecodeParams p, DecodeWorkspace ws, int64_t splits) {
-  constexpr int kPerLane = (kHeadDim + kWarp - 1) / kWarp;
-  const int64_t G = p.group(), Sq = p.seqlen_q, rows = G * Sq;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kMergeThreads / kWarp) +
                       threadIdx.x / kWarp;  // over (b, hk, r)
-  if (row >= p.batch * p.kv_heads * rows) return;
+  if (row >= p.batch * p.kv_heads * p.group() * p.seqlen_q) return;
   const int lane = threadIdx.x % kWarp;
-  const int64_t bk = row / rows, r = row % rows;
-  const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads, i = r / G, h = hk * G + r % G;
-  const float* ws_o = static_cast<const float*>(ws.o);
-  const float* ws_stats = static_cast<const float*>(ws.stats);
-  SoftmaxState<float> total;
-  float acc[kPerLane] = {};
-  for (int64_t sp = 0; sp < splits; ++sp) {
-    const int64_t slot = row * splits + sp;
-    SoftmaxState<float> part;
-    part.max = ws_stats[2 * slot];
-    part.sum = ws_stats[2 * slot + 1];
-    float self_f, other_f;
-    total.merge(part, &self_f, &other_f);
-#pragma unroll
-    for (int c = 0; c < kPerLane; ++c) {
-      const int f = lane + c * kWarp;
-      if (f < kHeadDim) acc[c] = acc[c] * self_f + ws_o[slot * kHeadDim + f] * other_f;
-    }
-  }
-  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-  const float inv = total.inv_sum();
-#pragma unroll
-  for (int c = 0; c < kPerLane; ++c) {
-    const int f = lane + c * kWarp;
-    if (f < kHeadDim) out[f] = Elem<T>::store(acc[c] * inv);
-  }
-  if (lane == 0) p.lse[(b * p.heads + h) * Sq + i] = total.lse();
+  merge_split_row<T, float, (kHeadDim + kWarp - 1) / kWarp>(p, ws, row, splits, kHeadDim, lane,
+                                                            kWarp, lane == 0);
 }
 
 using Launch = cudaError_t (*)(const DecodeParams&, DecodeWorkspace, cudaStream_t);

@@ -114,6 +114,25 @@ __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
   }
 }
 
+// The epilogue's row pass: each row's sum over its quad, the output rows divided by it, and
+// the row's lse written by the quad's first lane (rows past seqlen_q write nothing).
+template <class O, class C, int kRows>
+__device__ __forceinline__ void finish_rows(O& o, C const& coords, SoftmaxState<float> (&st)[kRows],
+                                            const AttentionParams& p, int64_t b, int64_t h,
+                                            int64_t m0) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    st[r].sum = quad_sum(st[r].sum);
+    const float inv = st[r].inv_sum();
+#pragma unroll
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
+    const int64_t i = m0 + get<0>(coords(r, 0));
+    if (get<1>(coords(r, 0)) == 0 && i < p.seqlen_q) {
+      p.lse[(b * p.heads + h) * p.seqlen_q + i] = st[r].lse();
+    }
+  }
+}
+
 }  // namespace cute_fwd
 
 template <typename Tr>
@@ -246,17 +265,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) flash_fwd_cute_kernel(Attenti
   }
 
   // ---- epilogue: the quad's partial sums, O / sum, lse
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    st[r].sum = quad_sum(st[r].sum);
-    const float inv = st[r].inv_sum();
-#pragma unroll
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
-    const int64_t i = bi.m0 + get<0>(co_rc(r, 0));
-    if (get<1>(co_rc(r, 0)) == 0 && i < p.seqlen_q) {
-      p.lse[(bi.b * p.heads + bi.h) * p.seqlen_q + i] = st[r].lse();
-    }
-  }
+  finish_rows(o_rc, co_rc, st, p, bi.b, bi.h, bi.m0);
   // O through shared memory (Q's tile) to 16-byte global stores; with no key block the
   // prologue's Q copy may still be in flight, hence the wait.
   constexpr int kO = decltype(size(acc_o))::value;

@@ -207,17 +207,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   // ---- epilogue: the quad's partial sums, O / sum, lse
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    st[r].sum = cute_fwd::quad_sum(st[r].sum);
-    const float inv = st[r].inv_sum();
-#pragma unroll
-    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
-    const int64_t i = bi.m0 + get<0>(co_rc(r, 0));
-    if (get<1>(co_rc(r, 0)) == 0 && i < p.seqlen_q) {
-      p.lse[(bi.b * p.heads + bi.h) * p.seqlen_q + i] = st[r].lse();
-    }
-  }
+  cute_fwd::finish_rows(o_rc, co_rc, st, p, bi.b, bi.h, bi.m0);
   // O to 16 bits, into this warpgroup's 64 rows of Q's tile (its last wgmma reading them has
   // completed), then 16-byte stores of those rows once the warpgroup's writes are visible.
   constexpr int kO = decltype(size(acc_o))::value;
