@@ -1,11 +1,12 @@
-"""The bf16 forward on AMX tiles (ATTN_EXT_CPU_KERNELS=amx or auto on an AMX CPU; see
+"""The bf16 forward and backward on AMX tiles (ATTN_EXT_CPU_KERNELS=amx or auto on an AMX CPU; see
 csrc/attention/cpu/amx_block_products.h).
 
 It differs from the fp32 block products in one rounding: P is rounded to bf16 before P V, as
 torch's and FlashAttention's bf16 kernels do. So its outputs are checked against the float64
 truth with torch's own bf16 SDPA on the same inputs as the yardstick, and its lse (unrounded fp32
-P) and the backward fed from it against the AVX-512 path's. The kernel set is chosen once per
-process, so each set runs the same cases in a subprocess; skipped where the CPU lacks AMX."""
+P) against the AVX-512 path's, and the backward (P and dS rounded to bf16 before their products)
+against torch's bf16 backward. The kernel set is chosen once per process, so each set runs the
+same cases in a subprocess; skipped where the CPU lacks AMX."""
 
 import os
 import subprocess
@@ -67,6 +68,21 @@ q = torch.randn(1, 2, 100, 64).bfloat16()
 k, v = torch.randn(2, 1, 2, 105, 64).bfloat16()
 v[:, :, 70] = float("nan")
 torch.save(attn_ext.attention(q, k, v, causal=True), sys.argv[1])
+"""
+
+
+# A NaN query row past a sliding band: rows [0, 136) see key block 0 (keys 0-127) under a left
+# window of 8, so its second query tile holds 8 rows and the tile products that reduce over
+# query rows (dK, dV) end mid 32-row chunk, next to row 150. 16 heads make one task per head
+# (flash_bwd_chunks), whose transposed Q / dO hold every row.
+NAN_Q_SCRIPT = r"""
+import sys, torch, attn_ext
+torch.manual_seed(0)
+q, k, v, g = torch.randn(4, 1, 16, 300, 64).bfloat16()
+q[:, :, 150] = float("nan")
+leaves = [x.requires_grad_(True) for x in (q, k, v)]
+attn_ext.attention(*leaves, window_size=(8, 0)).backward(g)
+torch.save([x.grad for x in leaves], sys.argv[1])
 """
 
 
@@ -203,32 +219,57 @@ def test_amx_forward_error_matches_torch_bf16(runs, name):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_backward_from_amx_forward_matches_avx512(runs, name):
-    """The backward (fp32 products, P recomputed from the forward's lse) fed from the AMX
-    forward's out and lse: gradients as close to the float64 truth as when the AVX-512 forward
-    feeds it. Both runs round dq/dk/dv to bf16 last, which dominates; the AMX output enters the
-    backward only through delta = rowsum(dO * O), whose extra bf16-level error is of the same
-    size, so 1.25x of the AVX-512 run's mean and 1.5x its worst error hold with room."""
+def test_amx_backward_error_matches_torch_bf16(runs, name):
     assert_backward_error(*runs, "amx", name)
 
 
+def sdpa_bf16_grads(q, k, v, grad, kw):
+    """dq, dk, dv of torch's bf16 flash backward (sdpa_bf16's forward), None where it cannot
+    express the case."""
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = sdpa_bf16(*leaves, kw)
+    if out is None:
+        return None
+    out.backward(grad)
+    return [x.grad for x in leaves]
+
+
 def assert_backward_error(cases, results, kernels, name):
-    """The backward fed from `kernels`'s forward against the one fed from avx512's."""
+    """The bf16-operand backward of `kernels` (P rounded to bf16 for dV, dS for dQ and dK, as
+    FlashAttention's and torch's bf16 backward round them) against the float64 truth, with
+    torch's own bf16 flash backward on the same inputs as the yardstick. Measured (Sapphire
+    Rapids VM, 2026-11-26, amx): mean error 0.62-1.02x torch's on every case and gradient but
+    dq at Sk = 1 (1.19x: there the exact dq is 0 and both errors are those of delta), worst
+    error <= 1.28x; 1.25x / 1.5x leave room for summation order. Against the fp32-product
+    backward (which rounds nothing before the products) this path's errors are ~1.5x, as the
+    two extra roundings predict. Score modifiers, which SDPA cannot express: the plain reference
+    at bf16 at 1x, as the forward."""
     (q, k, v, grad), kw = cases[name]
     truth = ground_truth_grads(attention_reference, (q, k, v), grad, **kw)
+    yard = sdpa_bf16_grads(q, k, v, grad, kw)
+    if yard is None:
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        attention_reference(*leaves, **kw).backward(grad)
+        yard, mean_factor, max_factor = [x.grad for x in leaves], 1.0, 1.0
+    else:
+        mean_factor, max_factor = 1.25, 1.5
     for i, what in enumerate(("dq", "dk", "dv")):
-        got, ref = results[kernels][name][2 + i], results["avx512"][name][2 + i]
-        e_got, e_ref = _err(got, truth[i]), _err(ref, truth[i])
-        assert e_got.mean() <= 1.25 * e_ref.mean() + 1e-6, (what, e_got.mean(), e_ref.mean())
-        assert e_got.max() <= 1.5 * e_ref.max() + 1e-5, (what, e_got.max(), e_ref.max())
+        e_got, e_yard = _err(results[kernels][name][2 + i], truth[i]), _err(yard[i], truth[i])
+        assert e_got.mean() <= mean_factor * e_yard.mean() + 1e-6, (
+            what,
+            e_got.mean(),
+            e_yard.mean(),
+        )
+        assert e_got.max() <= max_factor * e_yard.max() + 1e-5, (what, e_got.max(), e_yard.max())
 
 
 def test_short_query_blocks_keep_the_blas_path(runs):
-    """Sq < 16 runs the BLAS path under amx as under avx512 (identical bits): packing a head's
-    tiles does not pay for so few rows."""
+    """Sq < 16 runs the forward's BLAS path under amx as under avx512 (identical out and lse):
+    packing a head's tiles does not pay for so few rows. (The backward takes the bf16 products at
+    any length: it packs per key block, whatever the rows.)"""
     _, results = runs
     for name in ("sq1", "sq15_sk33"):
-        for a, b in zip(results["amx"][name], results["avx512"][name]):
+        for a, b in zip(results["amx"][name][:2], results["avx512"][name][:2]):
             assert torch.equal(a, b), name
 
 
@@ -241,6 +282,19 @@ def test_unseen_value_rows_past_the_block_do_not_reach_it(tmp_path):
     outs = {k: run_nan_script(k, tmp_path / f"{k}.pt") for k in ("amx", "avx512")}
     assert not outs["amx"][:, :, :64].isnan().any()
     assert torch.equal(outs["amx"].isnan(), outs["avx512"].isnan())
+
+
+def test_query_rows_past_the_tile_do_not_reach_its_key_gradients(tmp_path):
+    """NAN_Q_SCRIPT: the chunk of Q^T / dO^T columns that holds the tile's last 8 rows also holds
+    row 150 (NaN), which never sees key block 0; the kernel must reduce over the tile's rows only
+    (its zeroed copy of that chunk), as the AVX-512 path does: dK and dV of keys 0-127 finite,
+    and the same NaN entries in every gradient on both paths. (Planted once, 2026-11-26: reading
+    the chunk in place makes dK and dV of every key of block 0 NaN.)"""
+    grads = {k: run_nan_script(k, tmp_path / f"{k}.pt", NAN_Q_SCRIPT) for k in ("amx", "avx512")}
+    for got in grads["amx"][1:]:
+        assert not got[:, :, :128].isnan().any()
+    for got, ref in zip(grads["amx"], grads["avx512"]):
+        assert torch.equal(got.isnan(), ref.isnan())
 
 
 def test_amx_choice_is_reported(tmp_path):

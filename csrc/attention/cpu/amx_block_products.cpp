@@ -258,6 +258,55 @@ void round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* ds
     std::memset(dst + r * ldd, 0, n_pad * sizeof(uint16_t));
 }
 
+void pack_row_pairs(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst) {
+  // cvtne2ps_pbh(odd, even) holds even row's 16 columns, then odd row's; this permutation
+  // interleaves them into the tile row's (even, odd) pairs, column by column.
+  alignas(64) static constexpr uint16_t kInterleave[2 * kLanes] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const int64_t blocks = round_up(n, kAccCols) / kAccCols;
+  for (int64_t r0 = 0; r0 < round_up(m, kPairDepth); r0 += kPairDepth) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint16_t* tile = dst + (r0 / kPairDepth * blocks + b) * kTileElems;
+      const int64_t c0 = b * kAccCols;
+      const __mmask16 cols = lane_mask(n - c0);
+      for (int64_t t = 0; t < kTileRows; ++t) {
+        const int64_t even = r0 + 2 * t, odd = even + 1;
+        const __m512 e =
+            even < m ? _mm512_maskz_loadu_ps(cols, src + even * ld + c0) : _mm512_setzero_ps();
+        const __m512 o =
+            odd < m ? _mm512_maskz_loadu_ps(cols, src + odd * ld + c0) : _mm512_setzero_ps();
+        const __m512i pairs =
+            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(o, e));
+        _mm512_storeu_si512(tile + t * kPairDepth, pairs);
+      }
+    }
+  }
+}
+
+void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst, int64_t ldd,
+              int64_t rows) {
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(dst + r * ldd, src + r * ld, n * sizeof(uint16_t));
+    std::memset(dst + r * ldd + n, 0, (ldd - n) * sizeof(uint16_t));
+  }
+  if (rows > m) std::memset(dst + m * ldd, 0, (rows - m) * ldd * sizeof(uint16_t));
+}
+
+void transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
+                    int64_t ldd, int64_t rows) {
+  // Blocks of kTileRows source rows keep the reads of a block's columns in L1.
+  for (int64_t c = 0; c < rows; ++c)
+    std::memset(dst + c * ldd + m, 0, (ldd - m) * sizeof(uint16_t));
+  for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+    const int64_t r_end = std::min(m, r0 + kTileRows);
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t r = r0; r < r_end; ++r) dst[c * ldd + r] = src[r * ld + c];
+  }
+  for (int64_t c = n; c < rows; ++c) std::memset(dst + c * ldd, 0, m * sizeof(uint16_t));
+}
+
 void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles, int64_t n,
             int64_t d, float scale, float* s, int64_t lds) {
   if (m <= 0 || n <= 0) return;

@@ -68,6 +68,23 @@ void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t*
 // [n, round_up(n, 32)) and for rows [m, round_up(m, 16)). dst holds that many rows of ldd.
 void round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst, int64_t ldd);
 
+// The pack_values layout of bf16(src) for src[m x n] fp32 rows (ld), rounded to nearest even:
+// the rows are the reduction (paired) and the columns the output features, so a P or dS tile
+// becomes the B operand of a product that reduces over its query rows (the backward's
+// dV^T += dO^T P and dK^T += Q^T dS). Zero past m (to round_up(m, 32)) and past n (to
+// round_up(n, 16)).
+void pack_row_pairs(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst);
+
+// dst[r][c] = src[r][c] for r < m, c < n (bf16 bits, ld / ldd), zero for c in [n, ldd) and for
+// rows [m, rows): the A operand of scores from bf16 input rows, padded as the tiles read it.
+void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst, int64_t ldd,
+              int64_t rows);
+
+// dst[c][r] = src[r][c] for r < m, c < n, zero for r in [m, ldd) and for rows [n, rows): the
+// transposed A operand (features x rows) of a product that reduces over rows.
+void transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
+                    int64_t ldd, int64_t rows);
+
 // S[m x n] = scale * Q K^T: q as round_rows wrote it (d padded to 32, ldq), key_tiles as
 // pack_keys wrote them for these n keys. Columns past n are left alone.
 void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles, int64_t n,

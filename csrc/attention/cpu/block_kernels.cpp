@@ -19,23 +19,23 @@ namespace attn_ext::cpu {
 namespace {
 
 constexpr BlockKernels kAvx2{
-    "avx2",          &avx2::scores_tile,     &avx2::pv_tile,    &avx2::atb_tile,
-    &row_max<float>, &exp2_shift_sum<float>, Bf16Forward::kFp32};
+    "avx2",          &avx2::scores_tile,     &avx2::pv_tile,     &avx2::atb_tile,
+    &row_max<float>, &exp2_shift_sum<float>, Bf16Operands::kFp32};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
 // The AVX-512 sets differ only in the bf16 forward.
-constexpr BlockKernels avx512_set(const char* name, Bf16Forward bf16_forward) {
+constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) {
   return {name,
           &avx512::scores_tile,
           &avx512::pv_tile,
           &avx512::atb_tile,
           &avx512::row_max,
           &avx512::exp2_shift_sum,
-          bf16_forward};
+          bf16_operands};
 }
-constexpr BlockKernels kAvx512 = avx512_set("avx512", Bf16Forward::kFp32);
+constexpr BlockKernels kAvx512 = avx512_set("avx512", Bf16Operands::kFp32);
 #ifdef ATTN_EXT_AMX_PRODUCTS
-constexpr BlockKernels kAmx = avx512_set("amx", Bf16Forward::kAmx);
-constexpr BlockKernels kAvx512Bf16 = avx512_set("avx512bf16", Bf16Forward::kAvx512Bf16);
+constexpr BlockKernels kAmx = avx512_set("amx", Bf16Operands::kAmx);
+constexpr BlockKernels kAvx512Bf16 = avx512_set("avx512bf16", Bf16Operands::kAvx512Bf16);
 #endif
 #endif
 

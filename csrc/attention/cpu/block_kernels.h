@@ -13,7 +13,7 @@ namespace attn_ext::cpu {
 
 // How the bf16 forward multiplies: on fp32 panels of converted K / V (the set's products), or on
 // bf16 operands with P rounded to bf16 once, on AMX tiles or with AVX512-BF16's vdpbf16ps.
-enum class Bf16Forward { kFp32, kAmx, kAvx512Bf16 };
+enum class Bf16Operands { kFp32, kAmx, kAvx512Bf16 };
 
 struct BlockKernels {
   const char* name;
@@ -31,7 +31,7 @@ struct BlockKernels {
   // on 16 lanes in the AVX-512 sets (avx512_softmax_rows.h: the same bits).
   float (*row_max)(const float* x, int64_t n);
   float (*exp2_shift_sum)(float* x, int64_t n, float shift);
-  Bf16Forward bf16_forward;
+  Bf16Operands bf16_operands;
 };
 
 // The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2,

@@ -18,6 +18,7 @@
 #include "attention/score_mod.h"
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
+#include "attention/cpu/bf16_pairs.h"
 #include "attention/cpu/block_kernels.h"
 #endif
 
@@ -86,6 +87,9 @@ int64_t flash_bwd_chunks(const AttentionParams& p) {
 // The backward's five block products, one policy per backend, for a key block (K_j, V_j)
 // and a query tile (Q_i, dO_i): S = scale * Q_i K_j^T, dP = dO_i V_j^T, dV_j += P^T dO_i,
 // dQ_i += dS K_j, dK_j += dS^T Q_i (dS arrives already multiplied by the softmax scale).
+// begin_rows(q, dO, lo, hi) opens a task whose query tiles lie in rows [lo, hi);
+// load_queries(i0, ...) names the tile's first row; finish_keys(n, dK_j, dV_j) closes a key
+// block. The fp32 policies accumulate into dK_j / dV_j directly and need neither.
 
 // BLAS on the inputs as they are, or on fp32 copies of reduced-precision tiles.
 template <typename scalar_t>
@@ -108,11 +112,13 @@ struct BlasBwdProducts {
     kt = load_tile(k, k_ld, n, d, k_buf.get(), &ldk);
     vt = load_tile(v, v_ld, n, dv, v_buf.get(), &ldv);
   }
-  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
-                    int64_t m) {
+  void begin_rows(const scalar_t*, int64_t, const scalar_t*, int64_t, int64_t, int64_t) {}
+  void load_queries(int64_t /*i0*/, const scalar_t* q, int64_t q_ld, const scalar_t* dout,
+                    int64_t do_ld, int64_t m) {
     qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
     dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
   }
+  void finish_keys(int64_t, acc_t*, int64_t, acc_t*, int64_t) {}
   void scores(int64_t m, int64_t n, acc_t scale, acc_t* s, int64_t lds) const {
     gemm(false, true, m, n, d, acc_t(1), qt, ldq, kt, ldk, acc_t(0), s, lds);
     for (int64_t r = 0; r < m; ++r) scale_row(s + r * lds, n, scale);
@@ -164,8 +170,9 @@ struct PackedBwdProducts {
     avx2::pack_key_panels(v, v_ld, n, dv, v_key.get());
     avx2::pack_value_panels(k, k_ld, n, d, k_val.get(), bn * avx2::kCols);
   }
-  void load_queries(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld,
-                    int64_t m) {
+  void begin_rows(const scalar_t*, int64_t, const scalar_t*, int64_t, int64_t, int64_t) {}
+  void load_queries(int64_t /*i0*/, const scalar_t* q, int64_t q_ld, const scalar_t* dout,
+                    int64_t do_ld, int64_t m) {
     qt = load_tile(q, q_ld, m, d, q_buf.get(), &ldq);
     dot = load_tile(dout, do_ld, m, dv, do_buf.get(), &ldo);
     avx2::pack_value_panels(qt, ldq, m, d, q_val.get(), bm * avx2::kCols);
@@ -188,6 +195,145 @@ struct PackedBwdProducts {
   void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float* dk_rows,
               int64_t ld) const {
     kernels.atb(ds, lds, m, n, q_val.get(), bm * avx2::kCols, d, dk_rows, ld);
+  }
+  void finish_keys(int64_t, float*, int64_t, float*, int64_t) {}
+};
+#endif
+
+#ifdef ATTN_EXT_AMX_PRODUCTS
+// The bf16 backward on bf16 operands (AMX tiles or AVX512-BF16, `Pairs`; bf16_pairs.h), as
+// FlashAttention's bf16 backward multiplies: Q, K, V and dO are exact bf16, P is rounded to bf16
+// once for dV and dS once for dQ and dK; every product accumulates in fp32, and P, dP and dS
+// themselves are formed in fp32 from fp32 scores, as on the fp32 path.
+//
+// Tile products reduce over pairs along a row of their A operand and take B pair-packed, so the
+// five products are arranged so that only operands built once per task or key block are
+// transposed, never the per-tile P and dS:
+//   S = Q K^T,  dP = dO V^T       A: Q / dO rows (per task)      B: pack_keys(K / V) (per block)
+//   dQ += dS K                    A: dS rows (round_rows)        B: pack_values(K)   (per block)
+//   dK^T += Q^T dS, dV^T += dO^T P  A: Q^T / dO^T (per task)     B: pack_row_pairs(dS / P)
+// dK^T and dV^T of the key block accumulate in fp32 scratch and are added, transposed, to the
+// block's dK / dV rows once its query tiles are done (finish_keys).
+template <typename Pairs>
+struct Bf16BwdProducts {
+  using Traits = FlashTraits<c10::BFloat16>;
+  // The per-task bf16 rows (Q and dO, as rows and transposed): at most the forward's per-thread
+  // packing budget in bytes (kMaxPackedHeadElems fp32); longer query ranges take the fp32
+  // products (flash_bwd's dispatch, via fits()).
+  static constexpr int64_t kMaxRowElems = 2 * Traits::kMaxPackedHeadElems;
+
+  int64_t d, dv, d_pad, dv_pad, bn;
+  Buffer<uint16_t> k_key, v_key, k_val, ds_rows, p_pairs, ds_pairs, a_tail;
+  Buffer<float> dk_t, dv_t;
+  std::vector<uint16_t> q_rows, do_rows, q_t, do_t;  // sized by the longest row range seen
+  int64_t lo = 0, ld_t = 0, i0 = 0;
+  Pairs pairs;
+
+  static int64_t row_elems(int64_t rows, int64_t d, int64_t dv) {
+    return 2 * (rows + amx::kPairDepth) *
+           (amx::round_up(d, amx::kPairDepth) + amx::round_up(dv, amx::kPairDepth));
+  }
+  static bool fits(const AttentionBwdParams& p) {
+    return row_elems(p.seqlen_q, p.head_dim, p.head_dim_v) <= kMaxRowElems;
+  }
+
+  Bf16BwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
+      : d(p.head_dim),
+        dv(p.head_dim_v),
+        d_pad(amx::round_up(d, amx::kPairDepth)),
+        dv_pad(amx::round_up(dv, amx::kPairDepth)),
+        bn(block_n),
+        k_key(amx::key_tile_elems(block_n, d)),
+        v_key(amx::key_tile_elems(block_n, dv)),
+        k_val(amx::value_tile_elems(block_n, d)),
+        ds_rows(amx::round_up(block_m, amx::kTileRows) * amx::round_up(block_n, amx::kPairDepth)),
+        p_pairs(amx::value_tile_elems(block_m, block_n)),
+        ds_pairs(amx::value_tile_elems(block_m, block_n)),
+        a_tail(amx::round_up(std::max(d, dv), amx::kTileRows) * amx::kPairDepth),
+        dk_t(d * block_n),
+        dv_t(dv * block_n),
+        pairs(std::max({d, dv, block_n})) {}
+
+  void begin_rows(const c10::BFloat16* q, int64_t q_ld, const c10::BFloat16* dout, int64_t do_ld,
+                  int64_t row_lo, int64_t row_hi) {
+    lo = row_lo, ld_t = row_hi - row_lo;
+    const int64_t rows = ld_t, rows_pad = rows + amx::kTileRows;  // tiles read 16 rows at once
+    grow(q_rows, rows_pad * d_pad), grow(do_rows, rows_pad * dv_pad);
+    grow(q_t, amx::round_up(d, amx::kTileRows) * rows);
+    grow(do_t, amx::round_up(dv, amx::kTileRows) * rows);
+    const auto* qb = reinterpret_cast<const uint16_t*>(q) + lo * q_ld;
+    const auto* ob = reinterpret_cast<const uint16_t*>(dout) + lo * do_ld;
+    amx::pad_rows(qb, q_ld, rows, d, q_rows.data(), d_pad, rows_pad);
+    amx::pad_rows(ob, do_ld, rows, dv, do_rows.data(), dv_pad, rows_pad);
+    amx::transpose_rows(qb, q_ld, rows, d, q_t.data(), rows, amx::round_up(d, amx::kTileRows));
+    amx::transpose_rows(ob, do_ld, rows, dv, do_t.data(), rows, amx::round_up(dv, amx::kTileRows));
+  }
+  void load_keys(const c10::BFloat16* k, int64_t k_ld, const c10::BFloat16* v, int64_t v_ld,
+                 int64_t n) {
+    const auto* kb = reinterpret_cast<const uint16_t*>(k);
+    amx::pack_keys(kb, k_ld, n, d, k_key.get());
+    amx::pack_keys(reinterpret_cast<const uint16_t*>(v), v_ld, n, dv, v_key.get());
+    amx::pack_values(kb, k_ld, n, d, k_val.get());
+    std::fill(dk_t.data.begin(), dk_t.data.end(), 0.f);
+    std::fill(dv_t.data.begin(), dv_t.data.end(), 0.f);
+  }
+  void load_queries(int64_t first_row, const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                    int64_t) {
+    i0 = first_row - lo;
+  }
+  void scores(int64_t m, int64_t n, float scale, float* s, int64_t lds) {
+    pairs.scores(q_rows.data() + i0 * d_pad, d_pad, m, k_key.get(), n, d, scale, s, lds);
+  }
+  void dprobs(int64_t m, int64_t n, float* dp, int64_t lds) {
+    pairs.scores(do_rows.data() + i0 * dv_pad, dv_pad, m, v_key.get(), n, dv, 1.f, dp, lds);
+  }
+  void add_dv(const float* pm, int64_t lds, int64_t m, int64_t n, float*, int64_t) {
+    amx::pack_row_pairs(pm, lds, m, n, p_pairs.get());
+    reduce_over_rows(do_t.data() + i0, dv, p_pairs.get(), m, n, dv_t.get());
+  }
+  void add_dq(const float* ds, int64_t lds, int64_t m, int64_t n, float* dq_rows, int64_t ld) {
+    const int64_t n_pad = amx::round_up(n, amx::kPairDepth);
+    amx::round_rows(ds, lds, m, n, ds_rows.get(), n_pad);
+    pairs.pv(ds_rows.get(), n_pad, m, k_val.get(), n, d, nullptr, dq_rows, ld);
+  }
+  void add_dk(const float* ds, int64_t lds, int64_t m, int64_t n, float*, int64_t) {
+    amx::pack_row_pairs(ds, lds, m, n, ds_pairs.get());
+    reduce_over_rows(q_t.data() + i0, d, ds_pairs.get(), m, n, dk_t.get());
+  }
+  void finish_keys(int64_t n, float* dk_rows, int64_t ldk, float* dv_rows, int64_t ldv) const {
+    add_transposed(dk_t.get(), d, n, dk_rows, ldk);
+    add_transposed(dv_t.get(), dv, n, dv_rows, ldv);
+  }
+
+ private:
+  static void grow(std::vector<uint16_t>& buf, int64_t elems) {
+    if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
+  }
+  // C[rows x n] += A B over the tile's m query rows: A = rows of a transposed per-task operand
+  // from this tile's column (ld_t), B = pack_row_pairs of P or dS. A tile that ends mid pair
+  // chunk would read A's columns of the rows after it (the next tile's, or rows past the band
+  // that may hold NaN); that chunk's A is copied with those columns zeroed instead.
+  void reduce_over_rows(const uint16_t* a, int64_t rows, const uint16_t* b_pairs, int64_t m,
+                        int64_t n, float* c) {
+    const int64_t full = m / amx::kPairDepth * amx::kPairDepth;
+    if (full > 0) pairs.pv(a, ld_t, rows, b_pairs, full, n, nullptr, c, bn);
+    if (full == m) return;
+    const int64_t keep = m - full, rows_pad = amx::round_up(rows, amx::kTileRows);
+    uint16_t* t = a_tail.get();
+    for (int64_t r = 0; r < rows_pad; ++r) {
+      uint16_t* dst = t + r * amx::kPairDepth;
+      if (r < rows) std::copy(a + r * ld_t + full, a + r * ld_t + m, dst);
+      std::fill(dst + (r < rows ? keep : 0), dst + amx::kPairDepth, uint16_t(0));
+    }
+    const int64_t chunk_elems = amx::value_tile_elems(amx::kPairDepth, n);
+    pairs.pv(t, amx::kPairDepth, rows, b_pairs + full / amx::kPairDepth * chunk_elems, keep, n,
+             nullptr, c, bn);
+  }
+  // rows_out[c][f] += t[f][c] for f < features, c < n (t: features x bn).
+  void add_transposed(const float* t, int64_t features, int64_t n, float* rows_out,
+                      int64_t ld) const {
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t f = 0; f < features; ++f) rows_out[c * ld + f] += t[f * bn + c];
   }
 };
 #endif
@@ -292,8 +438,14 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
     const int64_t key_blocks = (Sk + kN - 1) / kN;
     const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
+    const int64_t j_begin = chunk * blocks_per_chunk * kN;
     const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
-    for (int64_t j0 = chunk * blocks_per_chunk * kN; j0 < j_end; j0 += kN) {
+    if (j_begin >= j_end) return;
+    // The band's rows are monotone in the keys: the chunk's tiles lie in these rows.
+    const int64_t rows_lo = band.row_begin(j_begin, Sq), rows_hi = band.row_end(j_end, Sq);
+    if (rows_lo >= rows_hi) return;
+    prod.begin_rows(q, p.q_row_stride, dout, p.do_row_stride, rows_lo, rows_hi);
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
       const int64_t n = std::min(kN, Sk - j0);
       const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
       if (r_begin >= r_end) continue;
@@ -302,7 +454,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
       for (int64_t i0 = r_begin; i0 < r_end; i0 += kM) {
         const int64_t m = std::min(kM, r_end - i0);
-        prod.load_queries(q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
+        prod.load_queries(i0, q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
                           p.do_row_stride, m);
         acc_t* pt = p_buf.get();
         acc_t* dpt = dp_buf.get();
@@ -351,6 +503,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         prod.add_dq(dpt, kN, m, n, dq + i0 * step * D, step * D);
         prod.add_dk(dpt, kN, m, n, dk + j0 * step * D, step * D);
       }
+      prod.finish_keys(n, dk + j0 * step * D, step * D, dv + j0 * step * Dv, step * Dv);
     }
   };
 
@@ -393,11 +546,27 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   });
 }
 
-// The packed products for float accumulation; BLAS for fp64 and other ISAs.
+// The packed products for float accumulation (for bf16 on AMX tiles or AVX512-BF16 where
+// block_kernels() says so and the query rows fit the per-thread budget); BLAS for fp64 and
+// other ISAs.
 template <typename scalar_t>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
+#ifdef ATTN_EXT_AMX_PRODUCTS
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (Bf16BwdProducts<AmxPairs>::fits(p)) {
+        switch (block_kernels().bf16_operands) {
+          case Bf16Operands::kAmx:
+            return flash_bwd<scalar_t, Bf16BwdProducts<AmxPairs>>(p, chunks);
+          case Bf16Operands::kAvx512Bf16:
+            return flash_bwd<scalar_t, Bf16BwdProducts<Avx512Bf16Pairs>>(p, chunks);
+          case Bf16Operands::kFp32:
+            break;
+        }
+      }
+    }
+#endif
     return flash_bwd<scalar_t, PackedBwdProducts<scalar_t>>(p, chunks);
   }
 #endif

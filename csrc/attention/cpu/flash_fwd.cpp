@@ -18,8 +18,7 @@
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
-#include "attention/cpu/amx_block_products.h"
-#include "attention/cpu/avx512bf16_block_products.h"
+#include "attention/cpu/bf16_pairs.h"
 #endif
 
 namespace attn_ext::cpu {
@@ -162,38 +161,6 @@ struct PackedProducts {
 #endif
 
 #ifdef ATTN_EXT_AMX_PRODUCTS
-// The two ways the bf16 forward multiplies bf16 operands (block_kernels().bf16_forward), on the
-// same packed K / V and rounded Q / P rows.
-// AMX tiles: each worker loads the tile configuration on its thread and keeps a scratch chunk
-// for P V's zeroed tail (amx_block_products.h).
-struct AmxPairs {
-  amx::ThreadTiles tiles;  // this thread's tile configuration, while the worker lives
-  Buffer<uint16_t> v_tail;
-
-  explicit AmxPairs(int64_t dv) : v_tail(amx::value_tile_elems(amx::kPairDepth, dv)) {}
-  void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n, int64_t d,
-              float scale, float* s, int64_t lds) {
-    amx::scores(q, ldq, m, kt, n, d, scale, s, lds);
-  }
-  void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
-          const float* factor, float* o, int64_t ldo) {
-    amx::pv(p, ldp, m, vt, n, dv, factor, o, ldo, v_tail.get());
-  }
-};
-
-// vdpbf16ps on zmm registers (avx512bf16_block_products.h): no per-thread state.
-struct Avx512Bf16Pairs {
-  explicit Avx512Bf16Pairs(int64_t /*dv*/) {}
-  void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n, int64_t d,
-              float scale, float* s, int64_t lds) {
-    avx512bf16::scores(q, ldq, m, kt, n, d, scale, s, lds);
-  }
-  void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
-          const float* factor, float* o, int64_t ldo) {
-    avx512bf16::pv(p, ldp, m, vt, n, dv, factor, o, ldo);
-  }
-};
-
 // The bf16 forward on bf16 operands (AMX tiles or AVX512-BF16, `Pairs`). K and V are packed in
 // the pair-interleaved tile layout (amx::pack_keys / pack_values) once per (batch, kv head)
 // while the packed head fits the fp32 panels' element budget (half their bytes), else tile by
@@ -444,12 +411,12 @@ void flash_fwd(const AttentionParams& p) {
     if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries) {
 #ifdef ATTN_EXT_AMX_PRODUCTS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        switch (block_kernels().bf16_forward) {
-          case Bf16Forward::kAmx:
+        switch (block_kernels().bf16_operands) {
+          case Bf16Operands::kAmx:
             return flash_fwd<scalar_t, Bf16Products<AmxPairs>>(p);
-          case Bf16Forward::kAvx512Bf16:
+          case Bf16Operands::kAvx512Bf16:
             return flash_fwd<scalar_t, Bf16Products<Avx512Bf16Pairs>>(p);
-          case Bf16Forward::kFp32:
+          case Bf16Operands::kFp32:
             break;
         }
       }
