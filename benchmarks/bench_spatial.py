@@ -20,7 +20,9 @@ the verified ones: run the spatial part with and without it to compare them.
 
 Temporal: document 004's ``TemporalAttention(768, 64, 32)`` against the drop-in
 ``attn_ext.compat.attention_zoo.TemporalAttention`` with the weights (as the document returns)
-and without them (``need_weights=False``), B=4, S in {256, 1024, 4096}, float32, fwd and fwd+bwd.
+and without them (``need_weights=False``), B=4, S in {256, 1024, 4096}, float32 (the document's;
+``--temporal-dtypes float32,bfloat16`` adds bfloat16 cells, where attn_ext's CUDA attention runs on
+tensor cores), fwd and fwd+bwd.
 Peak memory (CPU: growth of ``VmHWM`` above the baseline after building the module and inputs;
 CUDA: ``max_memory_allocated`` growth; one fresh process per candidate and S, one fwd+bwd)
 shows the no-weights path is linear in S.
@@ -134,9 +136,9 @@ def spatial_sweep(bench, args) -> List[list]:
 # ------------------------------------------------------------------------------ temporal
 
 
-def temporal_candidates(device):
-    doc = doc004.TemporalAttention(*TEMPORAL_ARGS).to(device)
-    ours = attention_zoo.TemporalAttention(*TEMPORAL_ARGS).to(device)
+def temporal_candidates(device, dtype=torch.float32):
+    doc = doc004.TemporalAttention(*TEMPORAL_ARGS).to(device=device, dtype=dtype)
+    ours = attention_zoo.TemporalAttention(*TEMPORAL_ARGS).to(device=device, dtype=dtype)
     ours.load_state_dict(doc.state_dict(), strict=True)
     return {
         "doc": lambda x, t: doc(x, t)[0],
@@ -145,11 +147,11 @@ def temporal_candidates(device):
     }
 
 
-def temporal_inputs(s, device):
+def temporal_inputs(s, device, dtype=torch.float32):
     torch.manual_seed(0)
-    x = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[0], device=device)
-    tp = torch.randn(TEMPORAL_BATCH, 1, TEMPORAL_ARGS[2], device=device)
-    grad = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[1], device=device)
+    x = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[0], device=device, dtype=dtype)
+    tp = torch.randn(TEMPORAL_BATCH, 1, TEMPORAL_ARGS[2], device=device, dtype=dtype)
+    grad = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[1], device=device, dtype=dtype)
     return x, tp, grad
 
 
@@ -160,26 +162,27 @@ def temporal_step(fn, mode, x, tp, grad):
 
 def temporal_sweep(bench, args) -> List[list]:
     seqlens = QUICK_TEMPORAL_SEQLENS if args.quick else TEMPORAL_SEQLENS
-    cells = [(s, m) for s in seqlens for m in MODES]
+    cells = [(dt, s, m) for dt in args.temporal_dtypes for s in seqlens for m in MODES]
     rows = []
     bar = harness.progress(len(cells), "temporal")
-    for s, mode in cells:
-        x, tp, grad = temporal_inputs(s, bench.device)
+    for dtname, s, mode in cells:
+        x, tp, grad = temporal_inputs(s, bench.device, DTYPES[dtname])
         timing = bench.time(
             {
                 n: temporal_step(fn, mode, x, tp, grad)
-                for n, fn in temporal_candidates(bench.device).items()
+                for n, fn in temporal_candidates(bench.device, DTYPES[dtname]).items()
             }
         )
         timing.results.clear()
         mb = {}
-        if mode == "fwd+bwd" and not args.no_memory:
+        # peak memory: the document's float32 cells (the child processes build float32 inputs)
+        if mode == "fwd+bwd" and not args.no_memory and dtname == "float32":
             mb = {n: memory_in_child(n, s, args) for n in TEMPORAL_CANDIDATES}
         bench.record_timing(
             timing,
             {"doc": "ours"},
             {n: {"peak_mb": v} for n, v in mb.items()},
-            dtype="float32",
+            dtype=dtname,
             B=TEMPORAL_BATCH,
             S=s,
             mode=mode,
@@ -190,13 +193,13 @@ def temporal_sweep(bench, args) -> List[list]:
             timing.ms("doc"),
             ratio_to="ours_no_weights",
             ratio=timing.ratio("doc", "ours_no_weights"),
-            dtype="float32",
+            dtype=dtname,
             B=TEMPORAL_BATCH,
             S=s,
             mode=mode,
         )
         rows.append(
-            [f"B={TEMPORAL_BATCH} S={s}", mode]
+            [f"B={TEMPORAL_BATCH} S={s}" + ("" if dtname == "float32" else f" {dtname}"), mode]
             + [harness.fmt(timing.ms(n)) for n in TEMPORAL_CANDIDATES]
             + [harness.fmt_ratio(timing.ratio("doc", n)) for n in ("ours", "ours_no_weights")]
             + (
@@ -249,6 +252,11 @@ def main(argv=None) -> int:
     )
     harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=2.0)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--temporal-dtypes",
+        default="float32",
+        help="comma list: float32 (the document's), bfloat16",
+    )
     ap.add_argument("--skip", default="", help="comma list of parts to skip: spatial,temporal")
     ap.add_argument(
         "--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses"
@@ -256,6 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-child", nargs=2, metavar=("CANDIDATE", "S"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.temporal_dtypes = [d for d in args.temporal_dtypes.split(",") if d]
     if args.memory_child:
         return harness.child_main(
             args, lambda: memory_child(args.memory_child[0], int(args.memory_child[1]), args.device)

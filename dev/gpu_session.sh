@@ -28,7 +28,8 @@
 #           never run; after build): tests/test_spatial.py as it is (its vectorized tests opt in)
 #           and again with ATTN_EXT_UNVERIFIED_CUDA=1 (every CUDA case on the new kernels),
 #           compute-sanitizer memcheck / racecheck / synccheck on tools/sanitize_cuda.py
-#           --spatial, bench_spatial (GB/s and % of copy bandwidth) with the opt-in off and on
+#           --spatial, bench_spatial (GB/s and % of copy bandwidth; temporal in float32 and
+#           bfloat16) with the opt-in off and on
 # cpu:      the host CPU's AVX-512 block products (run after build): the bit-for-bit check
 #           against AVX2, then the CPU attention grid at 1 and 16 threads with each set
 set -uo pipefail
@@ -136,13 +137,15 @@ for phase in "$@"; do
         tests/test_spatial.py -q -n 14 -p no:cacheprovider -rfE
       grep -E "passed|failed" "$OUT/spatial_tests_vec.log" | tail -1 >> "$SUMMARY"
       for tool in memcheck racecheck synccheck; do
-        step "ssan_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --spatial
+        step "ssan_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --spatial
         grep -E "SUMMARY|NON-FINITE" "$OUT/ssan_$tool.log" | head -3 >> "$SUMMARY"
       done
       cat "$OUT"/ssan_*.log > "$OUT/spatial_sanitize.log"; rm -f "$OUT"/ssan_*.log
-      bench="$PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3"
-      step spatial_bench_verified 90 $bench --out "$OUT/spatial_verified"
-      ATTN_EXT_UNVERIFIED_CUDA=1 step spatial_bench_vectorized 90 $bench --out "$OUT/spatial_vectorized"
+      # bfloat16 temporal cells too: attn_ext's attention on tensor cores (the opt-in adds the
+      # CuTe backward), float32 (the document's) on the SIMT kernels
+      bench="$PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --temporal-dtypes float32,bfloat16"
+      step spatial_bench_verified 110 $bench --out "$OUT/spatial_verified"
+      ATTN_EXT_UNVERIFIED_CUDA=1 step spatial_bench_vectorized 110 $bench --out "$OUT/spatial_vectorized"
       for d in spatial_verified spatial_vectorized; do
         grep -hE "^- |^\|" "$OUT/$d/spatial_cuda.md" "$OUT/$d/temporal_cuda.md" 2>/dev/null | sed "s/^/$d /" >> "$SUMMARY"
       done
