@@ -13,11 +13,16 @@ and (8, 64, 224, 224), NCHW and channels-last, float32 and bfloat16, ``fwd`` and
 
 The ratio is ``doc / ours`` (> 1: attn_ext is faster). ``GB/s`` is ours' achieved bandwidth over
 the bytes a fused implementation must move (fwd: read x twice, write out = 3|x|; fwd+bwd adds
-read grad, read x, write grad_x = 6|x|).
+read grad, read x, write grad_x = 6|x|); on CUDA ``% copy`` is that against the device's
+measured copy bandwidth (issue 28's target: >= 70% in every cell, fwd and fwd+bwd).
+``ATTN_EXT_UNVERIFIED_CUDA=1`` selects the vectorized CUDA kernels (not yet verified) instead of
+the verified ones: run the spatial part with and without it to compare them.
 
 Temporal: document 004's ``TemporalAttention(768, 64, 32)`` against the drop-in
 ``attn_ext.compat.attention_zoo.TemporalAttention`` with the weights (as the document returns)
-and without them (``need_weights=False``), B=4, S in {256, 1024, 4096}, float32, fwd and fwd+bwd.
+and without them (``need_weights=False``), B=4, S in {256, 1024, 4096}, float32 (the document's;
+``--temporal-dtypes float32,bfloat16`` adds bfloat16 cells, where attn_ext's CUDA attention runs on
+tensor cores), fwd and fwd+bwd.
 Peak memory (CPU: growth of ``VmHWM`` above the baseline after building the module and inputs;
 CUDA: ``max_memory_allocated`` growth; one fresh process per candidate and S, one fwd+bwd)
 shows the no-weights path is linear in S.
@@ -60,6 +65,8 @@ TEMPORAL_CANDIDATES = ("doc", "ours", "ours_no_weights")
 SPATIAL_TRAFFIC = {"fwd": 3, "fwd+bwd": 6}
 # Criteria of issue 8 (CPU).
 SPATIAL_FWD_BWD_TARGET = 2.0
+# Issue 28 (CUDA): achieved GB/s over the measured copy bandwidth, every spatial cell.
+SPATIAL_COPY_FRACTION_TARGET = 0.70
 
 
 # ------------------------------------------------------------------------------- spatial
@@ -80,6 +87,7 @@ def spatial_sweep(bench, args) -> List[list]:
         (s, lay, dt, m) for s in shapes for lay in LAYOUTS for dt in args.dtypes for m in MODES
     ]
     rows = []
+    copy_gbps = harness.copy_bandwidth_gbs(bench.device) if bench.device.type == "cuda" else None
     bar = harness.progress(len(cells), "spatial")
     for shape, layout, dtname, mode in cells:
         torch.manual_seed(0)
@@ -96,6 +104,7 @@ def spatial_sweep(bench, args) -> List[list]:
         timing.results.clear()
         gbytes = SPATIAL_TRAFFIC[mode] * x.numel() * x.element_size() / 1e9
         gbps = gbytes / timing.median_s("ours") if timing.median_s("ours") else None
+        of_copy = gbps / copy_gbps if gbps is not None and copy_gbps else None
         label = f"{'x'.join(map(str, shape))} {layout} {dtname}"
         bench.record_timing(
             timing,
@@ -114,6 +123,7 @@ def spatial_sweep(bench, args) -> List[list]:
                 harness.fmt(timing.ms("doc")),
                 harness.fmt_ratio(timing.ratio("doc", "ours")),
                 harness.fmt(gbps, ".1f"),
+                harness.fmt(None if of_copy is None else 100 * of_copy, ".0f"),
             ]
         )
         bar.write("  ".join(rows[-1]))
@@ -126,9 +136,9 @@ def spatial_sweep(bench, args) -> List[list]:
 # ------------------------------------------------------------------------------ temporal
 
 
-def temporal_candidates(device):
-    doc = doc004.TemporalAttention(*TEMPORAL_ARGS).to(device)
-    ours = attention_zoo.TemporalAttention(*TEMPORAL_ARGS).to(device)
+def temporal_candidates(device, dtype=torch.float32):
+    doc = doc004.TemporalAttention(*TEMPORAL_ARGS).to(device=device, dtype=dtype)
+    ours = attention_zoo.TemporalAttention(*TEMPORAL_ARGS).to(device=device, dtype=dtype)
     ours.load_state_dict(doc.state_dict(), strict=True)
     return {
         "doc": lambda x, t: doc(x, t)[0],
@@ -137,11 +147,11 @@ def temporal_candidates(device):
     }
 
 
-def temporal_inputs(s, device):
+def temporal_inputs(s, device, dtype=torch.float32):
     torch.manual_seed(0)
-    x = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[0], device=device)
-    tp = torch.randn(TEMPORAL_BATCH, 1, TEMPORAL_ARGS[2], device=device)
-    grad = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[1], device=device)
+    x = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[0], device=device, dtype=dtype)
+    tp = torch.randn(TEMPORAL_BATCH, 1, TEMPORAL_ARGS[2], device=device, dtype=dtype)
+    grad = torch.randn(TEMPORAL_BATCH, s, TEMPORAL_ARGS[1], device=device, dtype=dtype)
     return x, tp, grad
 
 
@@ -152,26 +162,27 @@ def temporal_step(fn, mode, x, tp, grad):
 
 def temporal_sweep(bench, args) -> List[list]:
     seqlens = QUICK_TEMPORAL_SEQLENS if args.quick else TEMPORAL_SEQLENS
-    cells = [(s, m) for s in seqlens for m in MODES]
+    cells = [(dt, s, m) for dt in args.temporal_dtypes for s in seqlens for m in MODES]
     rows = []
     bar = harness.progress(len(cells), "temporal")
-    for s, mode in cells:
-        x, tp, grad = temporal_inputs(s, bench.device)
+    for dtname, s, mode in cells:
+        x, tp, grad = temporal_inputs(s, bench.device, DTYPES[dtname])
         timing = bench.time(
             {
                 n: temporal_step(fn, mode, x, tp, grad)
-                for n, fn in temporal_candidates(bench.device).items()
+                for n, fn in temporal_candidates(bench.device, DTYPES[dtname]).items()
             }
         )
         timing.results.clear()
         mb = {}
-        if mode == "fwd+bwd" and not args.no_memory:
+        # peak memory: the document's float32 cells (the child processes build float32 inputs)
+        if mode == "fwd+bwd" and not args.no_memory and dtname == "float32":
             mb = {n: memory_in_child(n, s, args) for n in TEMPORAL_CANDIDATES}
         bench.record_timing(
             timing,
             {"doc": "ours"},
             {n: {"peak_mb": v} for n, v in mb.items()},
-            dtype="float32",
+            dtype=dtname,
             B=TEMPORAL_BATCH,
             S=s,
             mode=mode,
@@ -182,13 +193,13 @@ def temporal_sweep(bench, args) -> List[list]:
             timing.ms("doc"),
             ratio_to="ours_no_weights",
             ratio=timing.ratio("doc", "ours_no_weights"),
-            dtype="float32",
+            dtype=dtname,
             B=TEMPORAL_BATCH,
             S=s,
             mode=mode,
         )
         rows.append(
-            [f"B={TEMPORAL_BATCH} S={s}", mode]
+            [f"B={TEMPORAL_BATCH} S={s}" + ("" if dtname == "float32" else f" {dtname}"), mode]
             + [harness.fmt(timing.ms(n)) for n in TEMPORAL_CANDIDATES]
             + [harness.fmt_ratio(timing.ratio("doc", n)) for n in ("ours", "ours_no_weights")]
             + (
@@ -241,6 +252,11 @@ def main(argv=None) -> int:
     )
     harness.add_common_args(ap, min_repeats=3, max_repeats=20, target_time=2.0)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--temporal-dtypes",
+        default="float32",
+        help="comma list: float32 (the document's), bfloat16",
+    )
     ap.add_argument("--skip", default="", help="comma list of parts to skip: spatial,temporal")
     ap.add_argument(
         "--no-memory", action="store_true", help="skip the temporal peak-memory subprocesses"
@@ -248,6 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-child", nargs=2, metavar=("CANDIDATE", "S"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.temporal_dtypes = [d for d in args.temporal_dtypes.split(",") if d]
     if args.memory_child:
         return harness.child_main(
             args, lambda: memory_child(args.memory_child[0], int(args.memory_child[1]), args.device)
@@ -257,6 +274,14 @@ def main(argv=None) -> int:
         bench = harness.Bench("spatial", args, __file__)
         rows = spatial_sweep(bench, args)
         fb = ratio_column(rows, 4, "fwd+bwd")
+        of_copy = [float(r[6]) / 100 for r in rows if r[6] != "-"]
+        verdicts = []
+        if of_copy:
+            verdicts.append(
+                f"spatial gate GB/s over copy bandwidth: min {100 * min(of_copy):.0f}% -> "
+                f"{'PASS' if min(of_copy) >= SPATIAL_COPY_FRACTION_TARGET else 'FAIL'} "
+                f"(target >= {100 * SPATIAL_COPY_FRACTION_TARGET:.0f}% in every cell)"
+            )
         verdict = (
             (
                 f"spatial gate fwd+bwd doc/ours: min {min(fb):.2f}x, max {max(fb):.2f}x -> "
@@ -271,11 +296,12 @@ def main(argv=None) -> int:
             [
                 "Ratios = doc time / ours time (> 1: attn_ext faster); GB/s = ours over the "
                 "bytes a fused gate "
-                "must move (3|x| forward, 6|x| forward+backward).",
+                "must move (3|x| forward, 6|x| forward+backward); % copy = GB/s over the "
+                "device's measured copy bandwidth (CUDA).",
                 harness.markdown_table(
-                    ["case", "mode", "ours ms", "doc ms", "doc/ours", "GB/s"], rows
+                    ["case", "mode", "ours ms", "doc ms", "doc/ours", "GB/s", "% copy"], rows
                 ),
-                f"- {verdict}",
+                "\n".join(f"- {v}" for v in [verdict, *verdicts]),
             ],
         )
     if "temporal" not in skip:

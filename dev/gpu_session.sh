@@ -24,6 +24,12 @@
 #           first): their tests with ATTN_EXT_UNVERIFIED_CUDA=1, compute-sanitizer memcheck and
 #           racecheck on the paged cases (tools/sanitize_cuda.py --paged), bench_decode GB/s
 #           of the SIMT kernel (opt-in off) against the split-KV kernel contiguous and paged
+# spatial:  issue 28's vectorized spatial kernels (csrc/spatial/cuda/spatial_vec.cu; compiled,
+#           never run; after build): tests/test_spatial.py as it is (its vectorized tests opt in)
+#           and again with ATTN_EXT_UNVERIFIED_CUDA=1 (every CUDA case on the new kernels),
+#           compute-sanitizer memcheck / racecheck / synccheck on tools/sanitize_cuda.py
+#           --spatial, bench_spatial (GB/s and % of copy bandwidth; temporal in float32 and
+#           bfloat16) with the opt-in off and on
 # cpu:      the host CPU's AVX-512 block products (run after build): the bit-for-bit check
 #           against AVX2, then the CPU attention grid at 1 and 16 threads with each set
 set -uo pipefail
@@ -123,6 +129,28 @@ for phase in "$@"; do
       grep -hE "GB/s|^\|" "$OUT"/decode_simt/decode_cuda.md "$OUT"/decode_split_kv/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
       cat "$OUT"/decode_*.log > "$OUT/decode.log"; rm -f "$OUT"/decode_*.log
       tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_simt decode_split_kv && rm -rf "$OUT"/decode_simt "$OUT"/decode_split_kv ;;
+    spatial)  # in priority order: what the deadline cuts is the least needed
+      OMP_NUM_THREADS=1 step spatial_tests 120 $PY -m pytest tests/test_spatial.py tests/test_temporal.py \
+        -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/spatial_tests.log" | tail -1 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step spatial_tests_vec 120 $PY -m pytest \
+        tests/test_spatial.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/spatial_tests_vec.log" | tail -1 >> "$SUMMARY"
+      for tool in memcheck racecheck synccheck; do
+        step "ssan_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --spatial
+        grep -E "SUMMARY|NON-FINITE" "$OUT/ssan_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      cat "$OUT"/ssan_*.log > "$OUT/spatial_sanitize.log"; rm -f "$OUT"/ssan_*.log
+      # bfloat16 temporal cells too: attn_ext's attention on tensor cores (the opt-in adds the
+      # CuTe backward), float32 (the document's) on the SIMT kernels
+      bench="$PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --temporal-dtypes float32,bfloat16"
+      step spatial_bench_verified 110 $bench --out "$OUT/spatial_verified"
+      ATTN_EXT_UNVERIFIED_CUDA=1 step spatial_bench_vectorized 110 $bench --out "$OUT/spatial_vectorized"
+      for d in spatial_verified spatial_vectorized; do
+        grep -hE "^- |^\|" "$OUT/$d/spatial_cuda.md" "$OUT/$d/temporal_cuda.md" 2>/dev/null | sed "s/^/$d /" >> "$SUMMARY"
+      done
+      tar czf "$OUT/spatial_results.tgz" -C "$OUT" spatial_verified spatial_vectorized 2>/dev/null &&
+        rm -rf "$OUT"/spatial_verified "$OUT"/spatial_vectorized ;;
     cpu)
       grep -o -E "avx512f|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' >> "$SUMMARY"; echo >> "$SUMMARY"
       step cpu_kernels 120 $PY -m pytest tests/test_cpu_kernels.py -q -p no:cacheprovider -rfE
@@ -141,5 +169,6 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log 2>/dev/null | cut -c1-220 | head -60
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log \
+  "$OUT"/spatial_tests.log "$OUT"/spatial_tests_vec.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

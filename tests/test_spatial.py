@@ -423,3 +423,157 @@ def test_bad_module_input(device):
         zoo.SpatialAttention().to(device)(torch.randn(8, 5, 5, device=device))
     with pytest.raises(ValueError, match="kernel_size must be odd"):
         attn_ext.nn.SpatialAttention(4)
+
+
+# ------------------------------------------------------------- vectorized CUDA kernels
+
+# spatial_vec.cu: compiled, not yet run on a GPU, so its tests opt in (ATTN_EXT_UNVERIFIED_CUDA=1)
+# and run on CUDA only (on the CPU the variable changes nothing). The shapes take both paths of
+# every kernel: 16-byte vectors (H * W, for NCHW, or C, for channels-last, a multiple of
+# 16 bytes / element size) and the scalar path (sizes that are not, or a storage offset of one
+# element); the large ones make the grids stride.
+VEC_DEVICE = "cuda"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+VEC_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+VEC_SHAPES = [
+    (2, 37, 8, 8),  # NCHW vectors (P = 64); channels-last scalar (C = 37)
+    (2, 24, 23, 29),  # NCHW scalar (P = 667); channels-last vectors (C = 24)
+    (3, 256, 7, 8),  # both vectors, many channels per warp / lane group
+    (2, 12, 5, 6),  # fp32: channels-last vectors only; bf16 / fp16: scalar; fp64: both
+    (1, 3, 1, 1),  # fewer channels than warps in an NCHW block
+    (32, 8, 128, 128),  # grid-stride in both layouts
+]
+
+
+@pytest.fixture
+def vectorized(monkeypatch):
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+
+
+def make_vec_x(shape, dtype, layout, offset, generator=torch.randn):
+    """x on VEC_DEVICE, dense in `layout`, its data `offset` elements into its storage (an
+    offset of 1 misaligns every 16-byte vector: the kernels must take the scalar path)."""
+    n, c, h, w = shape
+    dims = (n, h, w, c) if layout == "channels_last" else shape
+    flat = generator(n * c * h * w + offset, dtype=torch.float64, device=VEC_DEVICE).to(dtype)
+    x = flat[offset:].view(dims)
+    return x.permute(0, 3, 1, 2) if layout == "channels_last" else x
+
+
+vec_params = [
+    pytest.mark.parametrize("offset", [0, 1]),
+    pytest.mark.parametrize("layout", LAYOUTS),
+    pytest.mark.parametrize("dtype", VEC_DTYPES, ids=str),
+    pytest.mark.parametrize("shape", VEC_SHAPES, ids=lambda s: "x".join(map(str, s))),
+]
+
+
+def with_vec_params(fn):
+    for mark in vec_params:
+        fn = mark(fn)
+    return requires_cuda(fn)
+
+
+def assert_vec_close(ours, ref_lo, truth, dtype, what):
+    if dtype == torch.float64:
+        torch.testing.assert_close(ours, truth, rtol=1e-12, atol=1e-12, msg=what)
+    else:
+        assert_numerics(ours, ref_lo, truth, dtype, what)
+
+
+@with_vec_params
+def test_vectorized_channel_pool(vectorized, shape, dtype, layout, offset):
+    x = make_vec_x(shape, dtype, layout, offset)
+    pooled, argmax = attn_ext.channel_pool(x, return_argmax=True)
+    assert pooled.dtype == dtype and pooled.is_contiguous(memory_format=torch.channels_last)
+    assert_vec_close(pooled, ref.channel_pool(x), ref.channel_pool(x.double()), dtype, "pooled")
+    assert torch.equal(argmax.long(), torch.max(x, dim=1, keepdim=True).indices)
+    assert torch.equal(pooled[:, 1], torch.max(x, dim=1).values)
+
+
+@with_vec_params
+def test_vectorized_channel_pool_ties_and_nan(vectorized, shape, dtype, layout, offset):
+    """Few distinct values (ties everywhere), -inf and NaN: the argmax is torch.max's."""
+
+    def values(numel, dtype, device):
+        v = torch.randint(-2, 3, (numel,), device=device).to(dtype)
+        v[torch.rand(numel, device=device) < 0.02] = float("nan")
+        v[torch.rand(numel, device=device) < 0.05] = float("-inf")
+        return v
+
+    x = make_vec_x(shape, dtype, layout, offset, generator=values)
+    pooled, argmax = attn_ext.channel_pool(x, return_argmax=True)
+    assert torch.equal(argmax.long(), torch.max(x, dim=1, keepdim=True).indices)
+    torch.testing.assert_close(pooled[:, 1], torch.max(x, dim=1).values, equal_nan=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", VEC_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vectorized_channel_pool_fixed_ties(vectorized, layout, dtype):
+    test_channel_pool_ties_and_nan(VEC_DEVICE, layout, dtype)
+
+
+@with_vec_params
+@pytest.mark.parametrize("gate_dtype", ["x", "float32"])
+def test_vectorized_spatial_gate(vectorized, shape, dtype, layout, offset, gate_dtype):
+    if gate_dtype == "float32" and dtype not in (torch.bfloat16, torch.float16):
+        pytest.skip("a float32 gate is for bfloat16 / float16 x")
+    x = make_vec_x(shape, dtype, layout, offset).requires_grad_(True)
+    gdt = torch.float32 if gate_dtype == "float32" else dtype
+    a = torch.randn(shape[0], 1, *shape[2:], device=VEC_DEVICE).to(gdt).requires_grad_(True)
+    g = make_vec_x(shape, dtype, layout, offset)
+    out = attn_ext.spatial_gate(x, a)
+    gx, ga = torch.autograd.grad(out, (x, a), g)
+    assert out.dtype == gx.dtype == dtype and ga.dtype == gdt
+    assert is_layout(out, layout) and is_layout(gx, layout)
+    ref_out = ref.spatial_gate(x, a)
+    rgx, rga = torch.autograd.grad(ref_out, (x, a), g)
+    xd, ad = x.detach().double().requires_grad_(True), a.detach().double().requires_grad_(True)
+    truth = ref.spatial_gate(xd, ad)
+    tgx, tga = torch.autograd.grad(truth, (xd, ad), g.double())
+    assert_vec_close(out, ref_out, truth, dtype, "out")
+    assert_vec_close(gx, rgx, tgx, dtype, "grad_x")
+    assert_vec_close(ga, rga.to(gdt), tga, gdt if gdt == torch.float32 else dtype, "grad_gate")
+
+
+@with_vec_params
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_vectorized_channel_pool_backward(vectorized, shape, dtype, layout, offset, accumulate):
+    x = make_vec_x(shape, dtype, layout, offset)
+    _, argmax = attn_ext.channel_pool(x, return_argmax=True)
+    gp = torch.randn(shape[0], 2, *shape[2:], device=VEC_DEVICE).to(dtype)
+    # the pooling's gradient in float64: g_avg / C everywhere, g_max at the argmax channel
+    expect = (gp[:, :1].double() / shape[1]).expand(shape).clone()
+    expect.scatter_add_(1, argmax.long(), gp[:, 1:].double())
+    channels_last = layout == "channels_last" and shape[1] > 1 and shape[2] * shape[3] > 1
+    if accumulate:
+        grad_x = make_vec_x(shape, dtype, layout, offset)
+        expect += grad_x.double()
+        ops.channel_pool_backward_accumulate_(grad_x, gp, argmax)
+    else:
+        grad_x = ops.channel_pool_backward(gp, argmax, shape[1], channels_last=channels_last)
+        assert is_layout(grad_x, layout, shape)
+    # each element is one or two roundings of float64-exact terms
+    tol = 1e-13 if dtype == torch.float64 else 2 * eps_of(dtype)
+    torch.testing.assert_close(grad_x.double(), expect, rtol=tol, atol=tol)
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_vectorized_module_matches_verified(monkeypatch, layout, dtype):
+    """The CBAM spatial gate, forward and backward, with the vectorized kernels against the
+    verified ones on the same inputs (same formulas; sums in another order)."""
+    sa = attn_ext.nn.SpatialAttention().to(device=VEC_DEVICE, dtype=dtype)
+    x = make_vec_x((4, 64, 28, 28), dtype, layout, 0).requires_grad_(True)
+    g = torch.randn_like(x)
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", flag)
+        out = sa(x)
+        results[flag] = (out, *torch.autograd.grad(out, (x, sa.conv.weight), g))
+    for name, a, b in zip(("out", "grad_x", "grad_w"), results["1"], results["0"]):
+        scale = b.abs().max().item()
+        tol = 8 * eps_of(dtype) * scale if name != "grad_w" else 1e-3 * scale
+        torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=name)

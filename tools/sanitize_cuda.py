@@ -18,10 +18,15 @@ The paged cache on CUDA (issue 21, unverified): PagedKVCache appends across page
 decode through the block table with the split-KV kernel (every dtype and head dim it serves,
 one and several splits, several queries, a window), a table entry out of range (clamped by
 decode, refused by append). ``--paged`` runs these cases only.
+The vectorized spatial kernels (issue 28, unverified: csrc/spatial/cuda/spatial_vec.cu) through
+the CBAM spatial gate's forward and backward and the pooling's own backward: every dtype, both
+layouts, sizes on the 16-byte path and off it, a misaligned storage offset, grids that stride:
+``--spatial`` runs these cases (only there: its large maps would slow the full run).
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
     compute-sanitizer --tool synccheck python tools/sanitize_cuda.py
+    compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py --spatial
 
 Exits 0 after every case ran (printing one line per case), 0 with a note without a GPU.
 """
@@ -300,6 +305,40 @@ def spatial_cases():
     return ok
 
 
+def spatial_vec_cases():
+    """The vectorized spatial kernels (spatial/cuda/spatial_vec.cu), opted in."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    sa = attn_ext.nn.SpatialAttention(3).to(dev)
+    # (N, C, H, W): vectors in both layouts; NCHW scalar (P = 35) / channels-last vectors
+    # (C = 24); channels-last scalar (C = 13); fewer channels than an NCHW block's warps; a map
+    # whose NCHW and channels-last grids stride (more tiles / rows than the grid's cap)
+    shapes = [(2, 16, 8, 8), (2, 24, 5, 7), (1, 13, 6, 4), (2, 3, 4, 4), (32, 8, 128, 128)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        sa = sa.to(dtype)
+        for shape in shapes:
+            for fmt in ("nchw", "channels_last"):
+                for offset in (0, 1):  # 1: every 16-byte vector misaligned, the scalar path
+                    n, c, h, w = shape
+                    dims = (n, h, w, c) if fmt == "channels_last" else shape
+                    flat = torch.randn(n * c * h * w + offset, device=dev, dtype=dtype)
+                    x = flat[offset:].view(dims)
+                    x = x.permute(0, 3, 1, 2) if fmt == "channels_last" else x
+                    x.requires_grad_(True)
+                    y = sa(x)  # channel_pool, spatial_gate and, below, their fused backward
+                    y.float().square().sum().backward()
+                    pooled = attn_ext.channel_pool(x)  # its backward: channel_pool_backward
+                    (gx,) = torch.autograd.grad(pooled.float().sum(), x)
+                    ok.append(
+                        _report(
+                            f"vectorized spatial {dtype} {'x'.join(map(str, shape))} {fmt} "
+                            f"offset {offset}",
+                            [y, x.grad, gx, pooled],
+                        )
+                    )
+    return ok
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("sanitize_cuda: no CUDA device visible; nothing to check")
@@ -307,6 +346,8 @@ def main() -> int:
     torch.manual_seed(0)
     if "--paged" in sys.argv[1:]:
         return 0 if all(paged_cases()) else 1
+    if "--spatial" in sys.argv[1:]:
+        return 0 if all(spatial_vec_cases()) else 1
     results = (
         [run_case(*c) for c in CASES]
         + modifier_and_varlen_cases()

@@ -2,8 +2,6 @@
 // current stream, a checked launch. Nothing here reads device memory on the host, so no op
 // synchronizes: per-sequence lengths are checked and clamped by the kernels instead.
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -11,7 +9,6 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAMacros.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -20,6 +17,7 @@
 #include "decoding/decode_inputs.h"
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
+#include "common/cuda/sm_count.h"
 #include "decoding/cuda/decoding_launch.h"
 
 namespace attn_ext::cuda {
@@ -106,18 +104,6 @@ void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, cons
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
       cache_seqlens.scalar_type() == at::kLong, c10::cuda::getCurrentCUDAStream()));
-}
-
-// The SM count of `device`, queried once per device and process (an attribute, no sync).
-int sm_count(c10::DeviceIndex device) {
-  static std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> cache{};
-  std::atomic<int>& slot = cache.at(device);
-  int sms = slot.load(std::memory_order_relaxed);
-  if (sms == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    slot.store(sms, std::memory_order_relaxed);
-  }
-  return sms;
 }
 
 // Split-KV factor of the SIMT kernel: about two blocks per SM, no split shorter than
