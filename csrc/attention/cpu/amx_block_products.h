@@ -1,15 +1,17 @@
 #pragma once
-// The bf16 forward's two block products on AMX tiles (Intel Sapphire Rapids and later):
+// The bf16 kernels' block products on AMX tiles (Intel Sapphire Rapids and later):
 // scores = scale * Q K^T and O = O * factor + P V, each a sum of 16 x 16 x 32 tile products
-// (_tile_dpbf16ps: bf16 pairs multiplied, accumulated in fp32). Compiled into every x86-64
+// (_tile_dpbf16ps: bf16 pairs multiplied, accumulated in fp32); the backward's five products
+// are these two on other operands (flash_bwd.cpp's Bf16BwdProducts). Compiled into every x86-64
 // build, called only where available() says the CPU and the OS allow tiles
 // (block_kernels(): ATTN_EXT_CPU_KERNELS=amx).
 //
 // Numerics: Q, K and V are bf16 inputs, so their products are exact and only the fp32
 // accumulation rounds, as in the fp32 panels. P is rounded to bf16 once before P V (torch's
 // and FlashAttention's bf16 kernels do the same); the row sums of the softmax, and so the
-// normalization and lse, use the unrounded fp32 P. tests/test_amx.py bounds the error this
-// adds against torch's own bf16 SDPA.
+// normalization and lse, use the unrounded fp32 P. The backward rounds P (for dV) and dS (for
+// dQ, dK) to bf16 as well. tests/test_amx.py bounds the error this adds against torch's own
+// bf16 SDPA, forward and backward.
 #include <cstdint>
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && \

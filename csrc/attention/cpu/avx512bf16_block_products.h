@@ -1,5 +1,5 @@
 #pragma once
-// The bf16 forward's two block products on AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake
+// The bf16 kernels' two block products on AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake
 // and Sapphire Rapids): scores = scale * Q K^T and O = O * factor + P V, each a chain of
 // _mm512_dpbf16_ps (vdpbf16ps: per fp32 lane, a pair of bf16 products added to the accumulator)
 // over feature or key pairs. The ATTN_EXT_CPU_KERNELS=avx512bf16 set, and auto's choice on CPUs

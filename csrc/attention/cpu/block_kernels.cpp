@@ -22,7 +22,7 @@ constexpr BlockKernels kAvx2{
     "avx2",          &avx2::scores_tile,     &avx2::pv_tile,     &avx2::atb_tile,
     &row_max<float>, &exp2_shift_sum<float>, Bf16Operands::kFp32};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
-// The AVX-512 sets differ only in the bf16 forward.
+// The AVX-512 sets differ only in how bf16 multiplies.
 constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) {
   return {name,
           &avx512::scores_tile,
@@ -67,9 +67,10 @@ bool cpu_has_amx() {
 // auto takes AMX where the CPU and OS offer it, else AVX-512 where the CPU has it. The AVX-512
 // kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check) and
 // through scalar stand-ins for their intrinsics (tests/test_cpu_kernels.py); avx2 is the fallback
-// to pin. The AMX and AVX512-BF16 bf16 forwards are checked against float64 and torch's bf16 flash
+// to pin. The AMX and AVX512-BF16 bf16 kernels are checked against float64 and torch's bf16 flash
 // kernel (tests/test_amx.py, tests/test_avx512bf16.py); AMX ran 2.0-2.9x the AVX-512 bf16 forward
-// on a Sapphire Rapids VM (docs/performance.md, 2026-11-26), so it comes first where both run;
+// and 1.6-2.4x its forward+backward on a Sapphire Rapids VM (docs/performance.md, 2026-11-26),
+// so it comes first where both run;
 // avx512 pins the fp32-P products. AVX512-BF16 (avx512bf16) runs only when pinned: it is meant for
 // AMD Zen 4/5 (no AMX; issue 27), where its speed is not measured yet, and on that Intel VM
 // vdpbf16ps issued at a quarter of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA

@@ -3,16 +3,17 @@
 // that runs them: AVX-512 where it has it (avx512_block_products.cpp), else AVX2
 // (avx2_block_products.h). Both read the same 16-wide panels (packed by avx2::pack_*) and
 // form every output element from the same fused multiply-adds in the same order, so they
-// return identical bits; only the speed differs. The "amx" set runs the bf16 forward's
-// products on AMX tiles instead (amx_block_products.h: P rounded to bf16, so not the same
-// bits) and everything else on the AVX-512 products; the "avx512bf16" set does the same with
-// the bf16 forward's products on vdpbf16ps (avx512bf16_block_products.h: same rounding of P).
+// return identical bits; only the speed differs. The "amx" set runs the bf16 forward's and
+// backward's products on AMX tiles instead (amx_block_products.h: P, and in the backward dS,
+// rounded to bf16, so not the same bits) and everything else on the AVX-512 products; the
+// "avx512bf16" set does the same on vdpbf16ps (avx512bf16_block_products.h: same roundings).
 #include <cstdint>
 
 namespace attn_ext::cpu {
 
-// How the bf16 forward multiplies: on fp32 panels of converted K / V (the set's products), or on
-// bf16 operands with P rounded to bf16 once, on AMX tiles or with AVX512-BF16's vdpbf16ps.
+// How the bf16 forward and backward multiply: on fp32 panels of converted operands (the set's
+// products), or on bf16 operands with P (and dS) rounded to bf16 once, on AMX tiles or with
+// AVX512-BF16's vdpbf16ps (bf16_pairs.h).
 enum class Bf16Operands { kFp32, kAmx, kAvx512Bf16 };
 
 struct BlockKernels {

@@ -225,7 +225,7 @@ struct Bf16BwdProducts {
   int64_t d, dv, d_pad, dv_pad, bn;
   Buffer<uint16_t> k_key, v_key, k_val, ds_rows, p_pairs, ds_pairs, a_tail;
   Buffer<float> dk_t, dv_t;
-  std::vector<uint16_t> q_rows, do_rows, q_t, do_t;  // sized by the longest row range seen
+  AlignedVector<uint16_t> q_rows, do_rows, q_t, do_t;  // sized by the longest row range seen
   int64_t lo = 0, ld_t = 0, i0 = 0;
   Pairs pairs;
 
@@ -256,17 +256,19 @@ struct Bf16BwdProducts {
 
   void begin_rows(const c10::BFloat16* q, int64_t q_ld, const c10::BFloat16* dout, int64_t do_ld,
                   int64_t row_lo, int64_t row_hi) {
-    lo = row_lo, ld_t = row_hi - row_lo;
-    const int64_t rows = ld_t, rows_pad = rows + amx::kTileRows;  // tiles read 16 rows at once
+    // The transposed rows keep a whole number of 32-element (64-byte) pair chunks per row, so a
+    // tile starting at a 32-aligned row offset reads whole cache lines.
+    lo = row_lo, ld_t = amx::round_up(row_hi - row_lo, amx::kPairDepth);
+    const int64_t rows = row_hi - row_lo, rows_pad = rows + amx::kTileRows;  // 16-row tile reads
     grow(q_rows, rows_pad * d_pad), grow(do_rows, rows_pad * dv_pad);
-    grow(q_t, amx::round_up(d, amx::kTileRows) * rows);
-    grow(do_t, amx::round_up(dv, amx::kTileRows) * rows);
+    grow(q_t, amx::round_up(d, amx::kTileRows) * ld_t);
+    grow(do_t, amx::round_up(dv, amx::kTileRows) * ld_t);
     const auto* qb = reinterpret_cast<const uint16_t*>(q) + lo * q_ld;
     const auto* ob = reinterpret_cast<const uint16_t*>(dout) + lo * do_ld;
     amx::pad_rows(qb, q_ld, rows, d, q_rows.data(), d_pad, rows_pad);
     amx::pad_rows(ob, do_ld, rows, dv, do_rows.data(), dv_pad, rows_pad);
-    amx::transpose_rows(qb, q_ld, rows, d, q_t.data(), rows, amx::round_up(d, amx::kTileRows));
-    amx::transpose_rows(ob, do_ld, rows, dv, do_t.data(), rows, amx::round_up(dv, amx::kTileRows));
+    amx::transpose_rows(qb, q_ld, rows, d, q_t.data(), ld_t, amx::round_up(d, amx::kTileRows));
+    amx::transpose_rows(ob, do_ld, rows, dv, do_t.data(), ld_t, amx::round_up(dv, amx::kTileRows));
   }
   void load_keys(const c10::BFloat16* k, int64_t k_ld, const c10::BFloat16* v, int64_t v_ld,
                  int64_t n) {
@@ -306,7 +308,7 @@ struct Bf16BwdProducts {
   }
 
  private:
-  static void grow(std::vector<uint16_t>& buf, int64_t elems) {
+  static void grow(AlignedVector<uint16_t>& buf, int64_t elems) {
     if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
   }
   // C[rows x n] += A B over the tile's m query rows: A = rows of a transposed per-task operand

@@ -176,7 +176,7 @@ struct Bf16Products {
   const uint16_t *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
   Buffer<uint16_t> k_tiles, v_tiles;
-  std::vector<uint16_t> q_tile, p_tile;  // sized by the largest query block seen
+  AlignedVector<uint16_t> q_tile, p_tile;  // sized by the largest query block seen
   bool q_ready = false;
   const uint16_t *kt = nullptr, *vt = nullptr;
   Pairs pairs;
@@ -238,7 +238,7 @@ struct Bf16Products {
   }
 
  private:
-  static void grow(std::vector<uint16_t>& buf, int64_t elems) {
+  static void grow(AlignedVector<uint16_t>& buf, int64_t elems) {
     if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
   }
 };

@@ -1,6 +1,8 @@
 #pragma once
 // Compile-time shape of the CPU flash kernels and the per-thread workspace they use.
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <type_traits>
 #include <vector>
 #include <ATen/OpMathType.h>
@@ -52,10 +54,35 @@ struct FlashTraits {
   static constexpr int64_t kTasksPerThread = 2;
 };
 
-// Per-thread scratch, allocated once per parallel chunk.
+// Allocates on cache-line (64-byte) boundaries. Packed operands are read in 64-byte rows (AMX
+// tile rows, zmm loads); a row that straddles two lines costs two loads: the AMX block products
+// ran 1.5-2x faster on aligned operands than on malloc's 16-byte alignment (Sapphire Rapids VM,
+// 2026-11-26, dev/cpu_forward_experiments.md).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const {
+    return false;
+  }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
+// Per-thread scratch, allocated once per parallel chunk, cache-line aligned.
 template <typename T>
 struct Buffer {
-  std::vector<T> data;
+  AlignedVector<T> data;
   explicit Buffer(int64_t n = 0) : data(static_cast<size_t>(n)) {}
   T* get() { return data.data(); }
   const T* get() const { return data.data(); }
