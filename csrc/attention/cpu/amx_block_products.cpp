@@ -130,36 +130,29 @@ inline void micro_tile(const uint16_t* a, int64_t lda, int64_t a_step, int64_t s
 }
 
 // Runs micro_tile over an m x n output in 32 x 32 micro-tiles (16 at the edges), then
-// epilogue(tile, r0, c0) for each accumulator tile it filled. kColumnsOuter: column pairs in
-// the outer loop, so that a column pair's B tiles stay in L1 while every row pair reads them
-// (scores: 2 x 32 keys x D of K against a Q block that fits L1 beside them); else row pairs
-// outer, so that a row pair's A tiles stay in L1 instead.
-template <bool kColumnsOuter, typename Micro, typename Epilogue>
+// epilogue(tile, r0, c0) for each accumulator tile it filled.
+template <typename Micro, typename Epilogue>
 inline void for_micro_tiles(int64_t m, int64_t n, Micro micro, Epilogue epilogue) {
   TileScratch acc;
   const int64_t row_blocks = (m + kTileRows - 1) / kTileRows;
   const int64_t col_blocks = (n + kAccCols - 1) / kAccCols;
-  auto run = [&](int64_t rb, int64_t cb) {
-    const bool r2 = rb + 1 < row_blocks, c2 = cb + 1 < col_blocks;
-    if (r2 && c2)
-      micro(std::true_type{}, std::true_type{}, rb, cb, acc);
-    else if (r2)
-      micro(std::true_type{}, std::false_type{}, rb, cb, acc);
-    else if (c2)
-      micro(std::false_type{}, std::true_type{}, rb, cb, acc);
-    else
-      micro(std::false_type{}, std::false_type{}, rb, cb, acc);
-    for (int t = 0; t < 4; ++t) {
-      const int64_t r0 = (rb + t / 2) * kTileRows, c0 = (cb + t % 2) * kAccCols;
-      if (r0 < m && c0 < n && (t / 2 == 0 || r2) && (t % 2 == 0 || c2)) epilogue(acc[t], r0, c0);
+  for (int64_t rb = 0; rb < row_blocks; rb += 2) {
+    const bool r2 = rb + 1 < row_blocks;
+    for (int64_t cb = 0; cb < col_blocks; cb += 2) {
+      const bool c2 = cb + 1 < col_blocks;
+      if (r2 && c2)
+        micro(std::true_type{}, std::true_type{}, rb, cb, acc);
+      else if (r2)
+        micro(std::true_type{}, std::false_type{}, rb, cb, acc);
+      else if (c2)
+        micro(std::false_type{}, std::true_type{}, rb, cb, acc);
+      else
+        micro(std::false_type{}, std::false_type{}, rb, cb, acc);
+      for (int t = 0; t < 4; ++t) {
+        const int64_t r0 = (rb + t / 2) * kTileRows, c0 = (cb + t % 2) * kAccCols;
+        if (r0 < m && c0 < n && (t / 2 == 0 || r2) && (t % 2 == 0 || c2)) epilogue(acc[t], r0, c0);
+      }
     }
-  };
-  if constexpr (kColumnsOuter) {
-    for (int64_t cb = 0; cb < col_blocks; cb += 2)
-      for (int64_t rb = 0; rb < row_blocks; rb += 2) run(rb, cb);
-  } else {
-    for (int64_t rb = 0; rb < row_blocks; rb += 2)
-      for (int64_t cb = 0; cb < col_blocks; cb += 2) run(rb, cb);
   }
 }
 
@@ -319,7 +312,7 @@ void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles
   if (m <= 0 || n <= 0) return;
   const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
   const __m512 sv = _mm512_set1_ps(scale);
-  for_micro_tiles<true>(
+  for_micro_tiles(
       m, n,
       [&](auto r2, auto c2, int64_t rb, int64_t cb, TileScratch& acc) {
         const uint16_t* keys = key_tiles + cb * chunks * kTileElems;
@@ -354,7 +347,7 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
             for (int64_t col = 0; col < kAccCols; ++col)
               v_tail[b * kTileElems + (t * kAccCols + col) * 2 + e] = 0;
   }
-  for_micro_tiles<false>(
+  for_micro_tiles(
       m, dv,
       [&](auto r2, auto c2, int64_t rb, int64_t cb, TileScratch& acc) {
         micro_tile<decltype(r2)::value, decltype(c2)::value>(
