@@ -92,6 +92,45 @@ float exp2_shift_sum(float* x, int64_t n, float shift) {
   return s;
 }
 
+#ifdef ATTN_EXT_AMX_PRODUCTS
+// The same steps as exp2_shift_sum (so the same values and sum), each group of values rounded
+// by vcvtneps2bf16 as amx::round_rows rounds them, the scalar tail through a masked vector.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma"))) float exp2_shift_sum_bf16(
+    const float* x, int64_t n, float shift, uint16_t* dst, int64_t n_pad) {
+  auto store = [&](int64_t j, __mmask16 lanes, __m512 e) {
+    _mm256_mask_storeu_epi16(dst + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+  };
+  const __m512 sv = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m512 e = exp2(_mm512_sub_ps(_mm512_loadu_ps(x + j), sv));
+    store(j, 0xFFFF, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j + avx2::kWidth <= n) {
+    const __m512 e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(kLowHalf, x + j), sv));
+    store(j, kLowHalf, e);
+    acc = _mm512_mask_add_ps(acc, kLowHalf, acc, e);
+    j += avx2::kWidth;
+  }
+  float s =
+      avx2::hsum(_mm256_add_ps(_mm512_castps512_ps256(acc),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+  alignas(64) float tail[kLanes] = {};
+  const int64_t rest = n - j;  // < 8, through std::exp2 as exp2_shift_sum's tail
+  for (int64_t t = 0; t < rest; ++t) {
+    tail[t] = std::exp2(x[j + t] - shift);
+    s += tail[t];
+  }
+  for (; j < n_pad; j += kLanes) {  // the tail, then zeros up to n_pad
+    const int64_t lanes = std::min<int64_t>(kLanes, n_pad - j);
+    store(j, __mmask16((1u << lanes) - 1u), j < n ? _mm512_load_ps(tail) : _mm512_setzero_ps());
+  }
+  return s;
+}
+#endif
+
 }  // namespace attn_ext::cpu::avx512
 
 #if defined(__clang__)

@@ -18,3 +18,15 @@ float exp2_shift_sum(float* x, int64_t n, float shift);
 
 }  // namespace attn_ext::cpu::avx512
 #endif
+
+#include "attention/cpu/amx_block_products.h"
+#ifdef ATTN_EXT_AMX_PRODUCTS
+namespace attn_ext::cpu::avx512 {
+
+// exp2_shift_sum fused with the bf16 operand paths' rounding of P: the same values and the same
+// sum, but the values go to dst rounded to bf16 (nearest even, as amx::round_rows) with zeros
+// in [n, n_pad), and x is left alone. Only on CPUs with AVX512-BF16 (the amx / avx512bf16 sets).
+float exp2_shift_sum_bf16(const float* x, int64_t n, float shift, uint16_t* dst, int64_t n_pad);
+
+}  // namespace attn_ext::cpu::avx512
+#endif

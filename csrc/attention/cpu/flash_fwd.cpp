@@ -18,6 +18,7 @@
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/block_kernels.h"
+#include "attention/cpu/avx512_softmax_rows.h"
 #include "attention/cpu/bf16_pairs.h"
 #endif
 
@@ -34,7 +35,8 @@ template <typename scalar_t>
 struct BlasProducts {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  static constexpr int64_t kKeyAlign = 1;  // tiles may start at any key
+  static constexpr int64_t kKeyAlign = 1;          // tiles may start at any key
+  static constexpr bool kRoundsInRowPass = false;  // P stays fp32 (Bf16Products rounds it)
 
   int64_t d, dv;
   bool whole_head;
@@ -98,6 +100,7 @@ template <typename scalar_t>
 struct PackedProducts {
   using Traits = FlashTraits<scalar_t>;
   static constexpr int64_t kKeyAlign = avx2::kCols;
+  static constexpr bool kRoundsInRowPass = false;
 
   int64_t d, dv, dv_pad, sk_pad;
   bool whole_head;
@@ -165,11 +168,14 @@ struct PackedProducts {
 // the pair-interleaved tile layout (amx::pack_keys / pack_values) once per (batch, kv head)
 // while the packed head fits the fp32 panels' element budget (half their bytes), else tile by
 // tile, as PackedProducts does. The query block, which the worker converted to fp32, is rounded
-// back to bf16 (exactly: it was bf16) once per task, and P once per key tile, just before P V.
+// back to bf16 (exactly: it was bf16) once per task, and P once per key tile, just before P V:
+// without dropout, by the softmax row pass itself (exp2_sum_rounded; the fp32 P is never
+// stored: a pass over the score block fewer), else from the fp32 rows dropout has masked.
 template <typename Pairs>
 struct Bf16Products {
   using Traits = FlashTraits<c10::BFloat16>;
   static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
+  static constexpr bool kRoundsInRowPass = true;
 
   int64_t d, dv, d_pad, dv_pad, sk_pad;
   bool whole_head;
@@ -234,6 +240,22 @@ struct Bf16Products {
     const int64_t n_pad = amx::round_up(n, amx::kPairDepth);
     grow(p_tile, amx::round_up(m, amx::kTileRows) * n_pad);
     amx::round_rows(pm, ldp, m, n, p_tile.data(), n_pad);
+    pairs.pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv);
+  }
+
+  // The row pass of a key tile whose P goes to P V as it is (no dropout): row r's exp2 and sum
+  // (the kernel set's, the same bits) with the values rounded straight into the P tile; then
+  // accumulate_rounded(m, n, ...) in place of accumulate.
+  float exp2_sum_rounded(int64_t m, int64_t r, const float* sr, int64_t n, float shift) {
+    const int64_t n_pad = amx::round_up(n, amx::kPairDepth);
+    if (r == 0) grow(p_tile, amx::round_up(m, amx::kTileRows) * n_pad);
+    return avx512::exp2_shift_sum_bf16(sr, n, shift, p_tile.data() + r * n_pad, n_pad);
+  }
+  void accumulate_rounded(int64_t m, int64_t n, const float* factor, float* o) {
+    const int64_t n_pad = amx::round_up(n, amx::kPairDepth),
+                  m_pad = amx::round_up(m, amx::kTileRows);
+    // The tile products read whole 16-row tiles: rows past m are zero, as round_rows leaves them.
+    std::fill(p_tile.begin() + m * n_pad, p_tile.begin() + m_pad * n_pad, uint16_t(0));
     pairs.pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv);
   }
 
@@ -332,6 +354,17 @@ struct FwdWorker {
       const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
       if (band_partial || p.mask_kind != MaskKind::kNone)
         mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
+      if constexpr (Products::kRoundsInRowPass) {
+        if (!dropout) {
+          for (int64_t r = 0; r < m; ++r) {
+            const acc_t* sr = s + r * kN;
+            factor.get()[r] = state[r].rescale_to(rows.max(sr, n));
+            state[r].sum += prod.exp2_sum_rounded(m, r, sr, n, state[r].shift());
+          }
+          prod.accumulate_rounded(m, n, factor.get(), o_buf.get());
+          continue;
+        }
+      }
       if (dropout) dropout_tile(p, row0, m, j0, n, keep.get());
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s + r * kN;
