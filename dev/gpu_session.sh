@@ -24,6 +24,11 @@
 #           first): their tests with ATTN_EXT_UNVERIFIED_CUDA=1, compute-sanitizer memcheck and
 #           racecheck on the paged cases (tools/sanitize_cuda.py --paged), bench_decode GB/s
 #           of the SIMT kernel (opt-in off) against the split-KV kernel contiguous and paged
+# linear:   issue 28's fused linear-attention forward (compiled, never run; after build): its
+#           GPU tests and the linear-attention suite with ATTN_EXT_UNVERIFIED_CUDA=1,
+#           compute-sanitizer memcheck and racecheck on tools/sanitize_cuda.py --linear, the
+#           kernels' registers / spills (cuobjdump), bench_linear on CUDA against
+#           flash-linear-attention (fla-core and einops wheels carried in .whl/)
 # cpu:      the host CPU's AVX-512 block products (run after build): the bit-for-bit check
 #           against AVX2, then the CPU attention grid at 1 and 16 threads with each set
 set -uo pipefail
@@ -123,6 +128,24 @@ for phase in "$@"; do
       grep -hE "GB/s|^\|" "$OUT"/decode_simt/decode_cuda.md "$OUT"/decode_split_kv/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
       cat "$OUT"/decode_*.log > "$OUT/decode.log"; rm -f "$OUT"/decode_*.log
       tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_simt decode_split_kv && rm -rf "$OUT"/decode_simt "$OUT"/decode_split_kv ;;
+    linear)
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step linear_tests 200 $PY -m pytest \
+        tests/test_linear_attention_cuda.py tests/test_linear_attention.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/linear_tests.log" | tail -1 >> "$SUMMARY"
+      for tool in memcheck racecheck; do
+        step "linear_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --linear
+        grep -E "SUMMARY|NON-FINITE" "$OUT/linear_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
+      [ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -A1 -E "linear_(causal|state|output)_fwd" \
+        | grep -oE "REG:[0-9]+|STACK:[0-9]+|LOCAL:[0-9]+" | sort | uniq -c | tr '\n' ' ' | sed "s/^/linear kernels: /" >> "$SUMMARY"
+      echo >> "$SUMMARY"
+      ls .whl/fla_core-*.whl >/dev/null 2>&1 &&
+        $PY -m pip install -q --no-index --no-deps .whl/fla_core-*.whl .whl/einops-*.whl >> "$SUMMARY" 2>&1
+      step linear_bench 150 $PY benchmarks/bench_linear.py --device cuda --out "$OUT/linear_results"
+      grep -E "^\| *[0-9]" "$OUT/linear_results/linear_cuda.md" 2>/dev/null >> "$SUMMARY"
+      cat "$OUT"/linear_*.log > "$OUT/linear.log"; rm -f "$OUT"/linear_*.log
+      [ -d "$OUT/linear_results" ] && tar czf "$OUT/linear_results.tgz" -C "$OUT" linear_results && rm -rf "$OUT/linear_results" ;;
     cpu)
       grep -o -E "avx512f|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' >> "$SUMMARY"; echo >> "$SUMMARY"
       step cpu_kernels 120 $PY -m pytest tests/test_cpu_kernels.py -q -p no:cacheprovider -rfE
@@ -141,5 +164,5 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log 2>/dev/null | cut -c1-220 | head -60
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log "$OUT"/linear.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

@@ -18,6 +18,9 @@ The paged cache on CUDA (issue 21, unverified): PagedKVCache appends across page
 decode through the block table with the split-KV kernel (every dtype and head dim it serves,
 one and several splits, several queries, a window), a table entry out of range (clamped by
 decode, refused by append). ``--paged`` runs these cases only.
+The fused linear-attention forward (issue 28, unverified): causal and non-causal, every dtype,
+head dim and feature map it serves, lengths off the 64-row chunk, Sq != Sk, an initial state,
+strided (B, S, H, D) views, an empty sequence. ``--linear`` runs these cases only.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
@@ -249,6 +252,41 @@ def paged_cases():
     return ok
 
 
+def linear_cases():
+    """The fused linear-attention forward kernels (linear/cuda/linear_attention_fwd.cu)."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    maps = ("elu+1", "relu", "identity")
+    for i, (dtype, d, dv) in enumerate(
+        (t, d, dv)
+        for t in (torch.bfloat16, torch.float16, torch.float32)
+        for d in (64, 128)
+        for dv in (64, 128)
+    ):
+        outs = []
+        for causal, sq, sk in ((True, 70, 70), (True, 1, 1), (False, 70, 130), (False, 300, 0)):
+            q = torch.randn(1, sq, 2, d, device=dev, dtype=dtype).transpose(1, 2)
+            k = torch.randn(1, sk, 2, d, device=dev, dtype=dtype).transpose(1, 2)
+            v = torch.randn(1, 2, sk, dv, device=dev, dtype=dtype)
+            init = (
+                torch.randn(1, 2, d, dv, device=dev),
+                torch.rand(1, 2, d, device=dev) + 1,
+            )
+            out, state = attn_ext.linear_attention(
+                q.abs(),
+                k.abs(),
+                v,
+                causal=causal,
+                feature_map=maps[i % len(maps)],
+                initial_state=init if sk % 2 == 0 else None,
+                return_state=True,
+                eps=0.5,
+            )
+            outs += [out, *state]
+        ok.append(_report(f"linear_attention {dtype} d{d} dv{dv} {maps[i % len(maps)]}", outs))
+    return ok
+
+
 def compression_cases():
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float32):
@@ -307,11 +345,14 @@ def main() -> int:
     torch.manual_seed(0)
     if "--paged" in sys.argv[1:]:
         return 0 if all(paged_cases()) else 1
+    if "--linear" in sys.argv[1:]:
+        return 0 if all(linear_cases()) else 1
     results = (
         [run_case(*c) for c in CASES]
         + modifier_and_varlen_cases()
         + decoding_cases()
         + paged_cases()
+        + linear_cases()
         + compression_cases()
         + spatial_cases()
     )
