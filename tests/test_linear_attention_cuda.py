@@ -1,16 +1,17 @@
-"""GPU-only cases of attn_ext.linear_attention: the fused CUDA forward kernels of csrc/linear/cuda/
-(bf16 / fp16 on tensor cores, fp32 on FMA atoms; D in {64, 128}, Dv a multiple of 64). They are
-compiled but not yet verified, so they run only with ATTN_EXT_UNVERIFIED_CUDA=1, which the
-``fused`` fixture sets; without it (and for every other shape) CUDA runs the ATen composite,
-which test_linear_attention.py covers. Skipped without a visible GPU.
+"""GPU-only cases of attn_ext.linear_attention: the fused CUDA kernels of csrc/linear/cuda/
+(bf16 / fp16 on tensor cores, fp32 on FMA atoms; forward: D in {64, 128}, Dv a multiple of 64;
+backward: causal, Dv in {64, 128}). They are compiled but not yet verified, so they run only
+with ATTN_EXT_UNVERIFIED_CUDA=1, which the ``fused`` fixture sets; without it (and for every
+other shape) CUDA runs the ATen composite, which test_linear_attention.py covers. Skipped
+without a visible GPU.
 
 Numerics follow test_linear_attention.py's rule (attn_ext/testing/numerics.py): the error against
 the float64 truth is at most 2x that of the plain reference at the same dtype, plus one rounding
-unit of the result. The kernels round phi(q), phi(k), the chunk's scores and the carried state to
-the input dtype before each tensor-core product (the reference rounds at every step too); the
-final state, accumulated in fp32 from those rounded features, is held to the same rule against
-the reference's state at the input dtype. The backward is the composite's (no CUDA kernel yet):
-gradients through the fused forward are checked as test_linear_attention.py checks them.
+unit of the result, with gradient_term_floors for the gradients that cancel. The kernels round
+phi(q), phi(k), the chunk's scores and the carried state (and, backward, g / den and the
+chunk's dA) to the input dtype before each tensor-core product (the reference rounds at every
+step too); the final state, accumulated in fp32 from those rounded features, is held to the same
+rule against the reference's state at the input dtype.
 """
 
 import pytest
@@ -48,6 +49,7 @@ LENGTHS = [1, 63, 64, 65, 300, 1000]
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 # The fused kernels' names as the profiler reports them (linear_attention_fwd.cu).
 KERNELS = ("linear_causal_fwd_kernel", "linear_state_fwd_kernel", "linear_output_fwd_kernel")
+BWD_KERNELS = ("linear_prep_bwd_kernel", "linear_dqk_bwd_kernel", "linear_dv_bwd_kernel")
 
 
 @pytest.fixture
@@ -109,7 +111,7 @@ def _fused_kernels_run(fn):
         fn()
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages()]
-    return {k for k in KERNELS if any(k in n for n in names)}
+    return {k for k in KERNELS + BWD_KERNELS if any(k in n for n in names)}
 
 
 # ----------------------------------------------------------------------------- forward
@@ -189,43 +191,106 @@ def test_strided_and_deterministic(fused, dtype, causal):
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_gate_routes_to_the_kernels(monkeypatch, causal):
     """With ATTN_EXT_UNVERIFIED_CUDA=1 the fused kernels run; without it, and with it for a
-    shape they do not serve (D = 16), the composite runs (no fused kernel launched)."""
+    shape they do not serve (D = 16, float64, a backward at Dv = 192), the composite runs (no
+    fused kernel launched)."""
     q, k, v = _inputs(100, 64, 64, torch.bfloat16)
     want = {KERNELS[0]} if causal else {KERNELS[1], KERNELS[2]}
 
     def run(q=q, k=k, v=v):
         return lambda: attn_ext.linear_attention(q, k, v, causal=causal)
 
+    def grad(q=q, k=k, v=v):
+        g = torch.randn(*q.shape[:3], v.shape[-1], device=DEV, dtype=q.dtype)
+        return lambda: torch.ops.attn_ext.linear_attention_backward(g, q, k, v, causal=causal)
+
     monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
     assert _fused_kernels_run(run()) == set()
+    assert _fused_kernels_run(grad()) == set()
     monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     assert _fused_kernels_run(run()) == want
+    # the causal backward recomputes the forward with the kernels, then runs its own; the
+    # non-causal backward is the composite's from start to end
+    assert _fused_kernels_run(grad()) == (want | set(BWD_KERNELS) if causal else set())
     assert _fused_kernels_run(run(*_inputs(100, 16, 64, torch.bfloat16))) == set()
     assert _fused_kernels_run(run(*_inputs(100, 64, 64, torch.float64))) == set()
+    assert _fused_kernels_run(grad(*_inputs(100, 64, 192, torch.bfloat16))) == set()
 
 
 # ----------------------------------------------------------------------------- gradients
 
 
+def _check_backward(dtype, D, Dv, S, causal, feature_map="elu+1", with_state=False):
+    """Gradients of q, k, v and (with_state) the initial state, with the final state's gradient
+    flowing in, against the reference's autograd at the same dtype and in float64."""
+    q, k, v = _inputs(S, D, Dv, dtype, feature_map=feature_map)
+    inputs = (q, k, v) + (_state(2, 3, D, Dv) if with_state else ())
+    g = rand((2, 3, S, Dv), dtype, DEV)
+    gkv, gk = torch.randn(2, 3, D, Dv, device=DEV), torch.randn(2, 3, D, device=DEV)
+
+    def loss(out, kv, ks):
+        return (out * g).sum() + (kv * gkv).sum() + (ks * gk).sum() if with_state else out
+
+    def ours(q, k, v, *init):
+        out, (kv, ks) = attn_ext.linear_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            feature_map=feature_map,
+            initial_state=init or None,
+            return_state=True,
+        )
+        return loss(out, kv, ks)
+
+    def reference(q, k, v, *init, normalizer_grad=True):
+        init = init or None
+        out = linear_attention_quadratic(
+            q,
+            k,
+            v,
+            causal=causal,
+            feature_map=feature_map,
+            initial_state=init,
+            normalizer_grad=normalizer_grad,
+        )
+        return loss(out, *final_state(k, v, feature_map=feature_map, initial_state=init))
+
+    upstream = torch.tensor(1.0, device=DEV) if with_state else g
+    grads = autograd_grads(ours, inputs, upstream)
+    floors = gradient_term_floors(lambda *x: reference(*x, normalizer_grad=False), inputs, upstream)
+    plain = autograd_grads(reference, inputs, upstream)
+    truth = ground_truth_grads(reference, inputs, upstream)
+    names = ("dq", "dk", "dv", "dstate_kv", "dstate_k")
+    for name, a, r, t, fl in zip(names, grads, plain, truth, floors):
+        assert_error_rule(a, r, t, name=name, slack_ulps=grad_slack_ulps(dtype), floor=fl)
+
+
 @pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("S", [1, 65, 300])
+@pytest.mark.parametrize("D,Dv", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_through_fused_forward(fused, dtype, causal):
-    """Autograd through the fused forward (the backward is the composite's)."""
-    q, k, v = _inputs(130, 64, 64, dtype)
-    g = rand((2, 3, 130, 64), dtype, DEV)
-    ref = _reference(causal)
-    grads = autograd_grads(
-        lambda q, k, v: attn_ext.linear_attention(q, k, v, causal=causal), (q, k, v), g
+def test_backward(fused, dtype, D, Dv, S, causal):
+    """Causal: the backward kernels; non-causal: the composite's backward after the fused
+    forward."""
+    _check_backward(dtype, D, Dv, S, causal)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_feature_maps_and_state(fused, dtype, feature_map, with_state):
+    _check_backward(dtype, 64, 128, 130, True, feature_map, with_state)
+
+
+def test_backward_empty_sequence(fused):
+    """No rows: the initial state's gradient is the final state's, the others are empty."""
+    q, k, v = _inputs(0, 64, 64, torch.bfloat16)
+    init, grad_final = _state(2, 3, 64, 64), _state(2, 3, 64, 64)
+    grads = torch.ops.attn_ext.linear_attention_backward(
+        torch.empty_like(v), q, k, v, *init, *grad_final, causal=True
     )
-    floors = gradient_term_floors(
-        lambda q, k, v: linear_attention_quadratic(q, k, v, causal=causal, normalizer_grad=False),
-        (q, k, v),
-        g,
-    )
-    ref_grads = autograd_grads(ref, (q, k, v), g)
-    truth = ground_truth_grads(ref, (q, k, v), g)
-    for name, a, r, t, fl in zip("qkv", grads, ref_grads, truth, floors):
-        assert_error_rule(a, r, t, name=f"d{name}", slack_ulps=grad_slack_ulps(dtype), floor=fl)
+    assert [t.shape for t in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert torch.equal(grads[3], grad_final[0]) and torch.equal(grads[4], grad_final[1])
 
 
 # ----------------------------------------------------------------------------- opcheck, compile
