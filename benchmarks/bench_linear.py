@@ -27,8 +27,8 @@ On ``--device cuda`` (defaults B=2, H=16, D=128, bfloat16, S in {4096, 16384}) t
 instead, on (B, S, H, D) inputs (attn_ext reads the ``transpose(1, 2)`` views in place):
 
 * ``linear_causal`` / ``linear`` -- attn_ext with ``ATTN_EXT_UNVERIFIED_CUDA=1``: the fused CUDA
-                           forward kernels (csrc/linear/cuda/) where they serve the shape; the
-                           backward is the ATen composite's in every case
+                           kernels (csrc/linear/cuda/) where they serve the shape: the forward,
+                           and the backward when causal (non-causal: the ATen composite's)
 * ``composite_causal`` / ``composite`` -- attn_ext with the gate off: the ATen composite
 * ``fla_causal``        -- flash-linear-attention's ``chunk_linear_attn`` (Triton; ``fla-core``)
                            on elu+1 features with ``scale=1.0, normalize=True``; skipped, and
@@ -313,7 +313,7 @@ def cuda_sweep(bench, args) -> List[dict]:
     for s in args.seqlens:
         torch.manual_seed(args.seed)
         q, k, v = (
-            torch.randn(args.batch, s, args.heads, args.head_dim, device="cuda").to(
+            torch.randn(args.batch, s, args.heads, args.head_dim, device=args.device).to(
                 DTYPES[args.dtype]
             )
             for _ in range(3)
@@ -381,7 +381,7 @@ def cuda_main(args) -> int:
     grid = (
         f"B={args.batch} H={args.heads} D=Dv={args.head_dim} {args.dtype}, (B, S, H, D) inputs; "
         f"median of >= {args.min_repeats} interleaved rounds after {args.warmup} warm-up; "
-        f"linear*: {UNVERIFIED_GATE}=1 (fused forward kernels, composite backward), "
+        f"linear*: {UNVERIFIED_GATE}=1 (the fused kernels: forward, causal backward), "
         f"composite*: the gate off"
         + ("" if chunk_linear_attn is not None else "; fla_causal: fla (fla-core) not installed")
     )
