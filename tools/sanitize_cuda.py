@@ -18,9 +18,10 @@ The paged cache on CUDA (issue 21, unverified): PagedKVCache appends across page
 decode through the block table with the split-KV kernel (every dtype and head dim it serves,
 one and several splits, several queries, a window), a table entry out of range (clamped by
 decode, refused by append). ``--paged`` runs these cases only.
-The fused linear-attention forward (issue 28, unverified): causal and non-causal, every dtype,
-head dim and feature map it serves, lengths off the 64-row chunk, Sq != Sk, an initial state,
-strided (B, S, H, D) views, an empty sequence. ``--linear`` runs these cases only.
+The fused linear-attention kernels (issue 28, unverified): the forward causal and non-causal
+and the causal backward, every dtype, head dim and feature map they serve, lengths off the
+64-row chunk, Sq != Sk, an initial state and the final state's gradient, strided (B, S, H, D)
+views, an empty sequence. ``--linear`` runs these cases only.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
@@ -253,7 +254,7 @@ def paged_cases():
 
 
 def linear_cases():
-    """The fused linear-attention forward kernels (linear/cuda/linear_attention_fwd.cu)."""
+    """The fused linear-attention kernels (linear/cuda/linear_attention_fwd.cu, _bwd.cu)."""
     os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
     dev, ok = "cuda", []
     maps = ("elu+1", "relu", "identity")
@@ -272,17 +273,23 @@ def linear_cases():
                 torch.randn(1, 2, d, dv, device=dev),
                 torch.rand(1, 2, d, device=dev) + 1,
             )
-            out, state = attn_ext.linear_attention(
-                q.abs(),
-                k.abs(),
-                v,
-                causal=causal,
-                feature_map=maps[i % len(maps)],
-                initial_state=init if sk % 2 == 0 else None,
-                return_state=True,
-                eps=0.5,
+            kw = dict(causal=causal, feature_map=maps[i % len(maps)], eps=0.5)
+            state = init if sk % 2 == 0 else None
+            out, final = attn_ext.linear_attention(
+                q.abs(), k.abs(), v, initial_state=state, return_state=True, **kw
             )
-            outs += [out, *state]
+            outs += [out, *final]
+            if causal:  # the backward kernels (non-causal: the composite's)
+                grad_final = [torch.randn_like(t) for t in final] if state else [None, None]
+                outs += torch.ops.attn_ext.linear_attention_backward(
+                    torch.randn_like(out),
+                    q.abs(),
+                    k.abs(),
+                    v,
+                    *(state or [None, None]),
+                    *grad_final,
+                    **kw,
+                )
         ok.append(_report(f"linear_attention {dtype} d{d} dv{dv} {maps[i % len(maps)]}", outs))
     return ok
 
