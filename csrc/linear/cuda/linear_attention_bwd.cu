@@ -19,7 +19,7 @@
 //   dv    one block per (b, h, 64 value columns), chunks in reverse order, carrying the D x 64
 //         slice of dS: the forward's causal kernel with the roles of q and k exchanged, the
 //         mask transposed and no normalization.
-// Then dq and dk are multiplied by phi'(x) taken from the feature values (feature_map.h).
+// Then dq and dk are multiplied by phi'(x) of their own rows, from phi(x) (feature_map.h).
 #include <cstdint>
 #include <type_traits>
 #include "linear/cuda/linear_launch.h"
@@ -121,7 +121,10 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   const int64_t D = p.head_dim, S = p.seqlen_q;
   const Slice sl(p, static_cast<int>(D / W), W);  // col0: the first feature column
+  // X: the other side's features (dq: phi(K), dk: phi(Q)); own: the rows whose gradient this
+  // block forms (dq: q, dk: k), read again for phi'(x)
   const linear::Rows& feat = kDk ? p.q : p.k;
+  const linear::Rows& own = kDk ? p.k : p.q;
   // the state slice starts from the initial state (dq) or the final state's gradient (dk)
   const auto* init_kv =
       static_cast<const float*>(kDk ? static_cast<const void*>(bb.grad_final_kv) : p.initial_kv);
@@ -184,14 +187,18 @@ __global__ void __launch_bounds__(Tr::kThreads)
       mma_ss<Tr, Normal, Trans>(acc, sA, sXt);
       mma_ss<Tr, Trans, Trans>(acc_s, sXt, sVt);
     }
-    // the key sum's part (dq: gz_i z_prev, dk: dz_next), then phi'(x) from phi(x)
+    // the key sum's part (dq: gz_i z_prev, dk: dz_next), then phi'(x) of the block's own rows
+    // (from phi(x) in fp32, feature_map.h)
+    const Elem* x = rows_ptr<Tr>(own, sl, i0) + sl.col0;
 #pragma unroll
     for (int e = 0; e < size(acc); ++e) {
       const int r = get<0>(co(e)), d = get<1>(co(e));
       if (r < rows) {
         const float g = acc(e) + (kDk ? 1.f : gz[r]) * zs[d];
-        grad[(sl.bh * S + i0 + r) * D + sl.col0 + d] = static_cast<Elem>(
-            g * linear::feature_grad_from_value(p.feature_map, static_cast<float>(sX(r, d))));
+        const float phi =
+            linear::feature(p.feature_map, static_cast<float>(x[r * own.row_stride + d]));
+        grad[(sl.bh * S + i0 + r) * D + sl.col0 + d] =
+            static_cast<Elem>(g * linear::feature_grad_from_value(p.feature_map, phi));
       }
     }
     __syncthreads();  // every warp is done reading the state slice and zs
