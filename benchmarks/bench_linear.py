@@ -23,6 +23,21 @@ least 10x faster than the quadratic reference; non-causal no slower than the doc
 at any S and faster at S >= 4096. Timing and output: ``attn_ext.testing.harness``
 (``linear_cpu.md``; ``--memory``: ``linear_memory_cpu.md``).
 
+On ``--device cuda`` (defaults B=2, H=16, D=128, bfloat16, S in {4096, 16384}) the candidates are
+instead, on (B, S, H, D) inputs (attn_ext reads the ``transpose(1, 2)`` views in place):
+
+* ``linear_causal`` / ``linear`` -- attn_ext with ``ATTN_EXT_UNVERIFIED_CUDA=1``: the fused CUDA
+                           kernels (csrc/linear/cuda/) where they serve the shape: the forward,
+                           and the backward when causal (non-causal: the ATen composite's)
+* ``composite_causal`` / ``composite`` -- attn_ext with the gate off: the ATen composite
+* ``fla_causal``        -- flash-linear-attention's ``chunk_linear_attn`` (Triton; ``fla-core``)
+                           on elu+1 features with ``scale=1.0, normalize=True``; skipped, and
+                           said so, where the package is not installed (it has no non-causal
+                           kernel)
+
+with the ratios ``composite / linear`` and ``fla_causal / linear_causal`` (> 1: the fused kernels
+are faster); output ``linear_cuda.md``.
+
 ``--memory`` instead measures the peak extra memory (one fresh process per candidate and length;
 VmHWM growth) of one causal forward+backward at B=H=1, D=64, float32 for several S, to
 show that linear attention's memory grows linearly in S.
@@ -37,6 +52,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from typing import Dict, List, Optional
 
@@ -45,7 +62,12 @@ import torch
 import attn_ext
 from attn_ext.testing import harness
 from attn_ext.testing.documents import doc000
-from attn_ext.testing.linear import linear_attention_quadratic
+from attn_ext.testing.linear import feature, linear_attention_quadratic
+
+try:  # flash-linear-attention's Triton kernels (package fla-core), the CUDA comparison
+    from fla.ops.linear_attn import chunk_linear_attn
+except ImportError:
+    chunk_linear_attn = None
 
 CANDIDATES = ("linear", "doc", "linear_causal", "quadratic_causal", "softmax_causal")
 # Each candidate's ratio is taken against attn_ext's linear attention of the same causality.
@@ -221,6 +243,161 @@ def summary_lines(cells, cross_cells, args) -> List[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- CUDA mode
+
+CUDA_CANDIDATES = ("linear_causal", "composite_causal", "fla_causal", "linear", "composite")
+CUDA_RATIO_TO = {
+    "composite_causal": "linear_causal",
+    "fla_causal": "linear_causal",
+    "composite": "linear",
+}
+# The CUDA grid's defaults (issue 28): a training-sized head count and head dim.
+CUDA_DEFAULTS = dict(batch=2, heads=16, head_dim=128, dtype="bfloat16", seqlens=[4096, 16384])
+CPU_DEFAULTS = dict(
+    batch=1,
+    heads=4,
+    head_dim=64,
+    dtype="float32",
+    seqlens=[1024, 2048, 4096, 8192, 16384, 32768, 65536],
+)
+UNVERIFIED_GATE = "ATTN_EXT_UNVERIFIED_CUDA"  # csrc/common/cuda/unverified.h
+
+
+@contextlib.contextmanager
+def unverified_cuda(on: bool):
+    """The gate of the unverified CUDA kernels, set or cleared for one call (the op reads the
+    variable at every call)."""
+    old = os.environ.get(UNVERIFIED_GATE)
+    if on:
+        os.environ[UNVERIFIED_GATE] = "1"
+    else:
+        os.environ.pop(UNVERIFIED_GATE, None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(UNVERIFIED_GATE, None)
+        else:
+            os.environ[UNVERIFIED_GATE] = old
+
+
+def cuda_candidate_fn(name: str):
+    """fn(q, k, v) on (B, S, H, D) inputs returning (B, S, H, Dv)."""
+
+    def ours(causal: bool, fused: bool):
+        def fn(q, k, v):
+            with unverified_cuda(fused):
+                out = attn_ext.linear_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal
+                )
+            return out.transpose(1, 2)
+
+        return fn
+
+    def fla(q, k, v):
+        phi_q, phi_k = feature(q, "elu+1"), feature(k, "elu+1")
+        return chunk_linear_attn(phi_q, phi_k, v, scale=1.0, normalize=True)[0]
+
+    return {
+        "linear_causal": ours(True, True),
+        "composite_causal": ours(True, False),
+        "fla_causal": fla,
+        "linear": ours(False, True),
+        "composite": ours(False, False),
+    }[name]
+
+
+def cuda_sweep(bench, args) -> List[dict]:
+    notes = {} if chunk_linear_attn is not None else {"fla_causal": "skip (fla not installed)"}
+    cells = []
+    for s in args.seqlens:
+        torch.manual_seed(args.seed)
+        q, k, v = (
+            torch.randn(args.batch, s, args.heads, args.head_dim, device=args.device).to(
+                DTYPES[args.dtype]
+            )
+            for _ in range(3)
+        )
+        for mode in args.modes:
+            timing = bench.time(
+                {
+                    n: harness.make_step(cuda_candidate_fn(n), mode, (q, k, v))
+                    for n in CUDA_CANDIDATES
+                    if n not in notes
+                }
+            )
+            res = timing.results
+            diff = {
+                f"{a} vs {b}": harness.max_abs_diff(res[a], res[b])
+                for a, b in (
+                    ("linear_causal", "composite_causal"),
+                    ("linear_causal", "fla_causal"),
+                    ("linear", "composite"),
+                )
+                if a in res and b in res
+            }
+            res.clear()
+            bench.record_timing(
+                timing,
+                CUDA_RATIO_TO,
+                notes=notes,
+                dtype=args.dtype,
+                B=args.batch,
+                H=args.heads,
+                S=s,
+                D=args.head_dim,
+                mode=mode,
+            )
+            cell = dict(s=s, mode=mode, timing=timing, notes={**notes, **timing.errors}, diff=diff)
+            cells.append(cell)
+            print(
+                f"S={s:<6d} {mode:7s} | "
+                + "  ".join(f"{n} {ms_text(cell, n)}" for n in CUDA_CANDIDATES),
+                flush=True,
+            )
+        del q, k, v
+    return cells
+
+
+def cuda_ratio(cell, name: str) -> Optional[float]:
+    return cell["timing"].ratio(name, CUDA_RATIO_TO[name])
+
+
+CUDA_COLUMNS = [
+    ("S", lambda c: c["s"]),
+    ("mode", lambda c: c["mode"]),
+    *((f"ms {n}", lambda c, n=n: ms_text(c, n)) for n in CUDA_CANDIDATES),
+    *(
+        (f"{n}/{to}", lambda c, n=n: harness.fmt_ratio(cuda_ratio(c, n)))
+        for n, to in CUDA_RATIO_TO.items()
+    ),
+    ("max diff", lambda c: " / ".join(f"{k} {v:.1e}" for k, v in c["diff"].items()) or "-"),
+]
+
+
+def cuda_main(args) -> int:
+    bench = harness.Bench("linear", args, __file__)
+    cells = cuda_sweep(bench, args)
+    grid = (
+        f"B={args.batch} H={args.heads} D=Dv={args.head_dim} {args.dtype}, (B, S, H, D) inputs; "
+        f"median of >= {args.min_repeats} interleaved rounds after {args.warmup} warm-up; "
+        f"linear*: {UNVERIFIED_GATE}=1 (the fused kernels: forward, causal backward), "
+        f"composite*: the gate off"
+        + ("" if chunk_linear_attn is not None else "; fla_causal: fla (fla-core) not installed")
+    )
+    errors = [
+        f"ERROR {n} S={c['s']} {c['mode']}: {msg}"
+        for c in cells
+        for n, msg in c["notes"].items()
+        if not msg.startswith("skip")
+    ]
+    sections = [grid, render(cells, CUDA_COLUMNS)]
+    if errors:
+        sections.append("```\n" + "\n".join(errors) + "\n```")
+    bench.finish("linear attention benchmark (CUDA)", sections)
+    return 0
+
+
 # --------------------------------------------------------------------------- memory mode
 
 
@@ -314,7 +491,10 @@ def parse_args(argv=None):
     )
     harness.add_common_args(p, min_repeats=2, max_repeats=20, target_time=1.0)
     p.add_argument(
-        "--seqlens", type=csv_list(int), default=[1024, 2048, 4096, 8192, 16384, 32768, 65536]
+        "--seqlens",
+        type=csv_list(int),
+        default=None,
+        help="default: 1k .. 64k on the CPU, 4096,16384 on CUDA",
     )
     p.add_argument(
         "--crossover-seqlens",
@@ -323,10 +503,15 @@ def parse_args(argv=None):
         help="extra short lengths for the linear vs softmax crossover (causal only)",
     )
     p.add_argument("--modes", type=csv_list(str), default=list(MODES))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--batch", type=int, default=None, help="default: 1 on the CPU, 2 on CUDA")
+    p.add_argument("--heads", type=int, default=None, help="default: 4 on the CPU, 16 on CUDA")
+    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on the CPU, 128 on CUDA")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="default: float32 on the CPU, bfloat16 on CUDA",
+    )
     p.add_argument("--quadratic-max-gb", type=float, default=8.0)
     p.add_argument("--softmax-max-s", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
@@ -339,15 +524,22 @@ def parse_args(argv=None):
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-child-s", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.quick:
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device: cpu or cuda, got {args.device!r}")
+    for name, value in (CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick and args.device == "cuda":
+        args.seqlens, args.target_time, args.max_repeats = [4096], 0.2, 5
+    elif args.quick:
         args.seqlens, args.crossover_seqlens = [1024, 4096, 8192], [256]
         args.target_time, args.max_repeats = 0.2, 5
         args.memory_seqlens = [4096, 16384]
     for mode in args.modes:
         if mode not in MODES:
             p.error(f"--modes: unknown mode {mode!r} (choose from {', '.join(MODES)})")
-    if args.device != "cpu":
-        p.error("bench_linear.py measures the CPU kernels (--device cpu)")
+    if args.device == "cuda" and args.memory:
+        p.error("--memory measures the CPU kernels (--device cpu)")
     return args
 
 
@@ -357,6 +549,8 @@ def main(argv=None) -> int:
         return harness.child_main(args, lambda: memory_child(args))
     if args.memory:
         return memory_mode(args)
+    if args.device == "cuda":
+        return cuda_main(args)
     bench = harness.Bench("linear", args, __file__)
     cells = sweep(bench, args.seqlens, CANDIDATES, args, "linear")
     cross = sweep(

@@ -30,6 +30,11 @@
 #           compute-sanitizer memcheck / racecheck / synccheck on tools/sanitize_cuda.py
 #           --spatial, bench_spatial (GB/s and % of copy bandwidth; temporal in float32 and
 #           bfloat16) with the opt-in off and on
+# linear:   issue 28's fused linear-attention forward (compiled, never run; after build): its
+#           GPU tests and the linear-attention suite with ATTN_EXT_UNVERIFIED_CUDA=1,
+#           compute-sanitizer memcheck and racecheck on tools/sanitize_cuda.py --linear, the
+#           kernels' registers / spills (cuobjdump), bench_linear on CUDA against
+#           flash-linear-attention (fla-core and einops wheels carried in .whl/)
 # cpu:      the host CPU's AVX-512 block products (run after build): the bit-for-bit check
 #           against AVX2, then the CPU attention grid at 1 and 16 threads with each set
 set -uo pipefail
@@ -151,6 +156,24 @@ for phase in "$@"; do
       done
       tar czf "$OUT/spatial_results.tgz" -C "$OUT" spatial_verified spatial_vectorized 2>/dev/null &&
         rm -rf "$OUT"/spatial_verified "$OUT"/spatial_vectorized ;;
+    linear)
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step linear_tests 200 $PY -m pytest \
+        tests/test_linear_attention_cuda.py tests/test_linear_attention.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/linear_tests.log" | tail -1 >> "$SUMMARY"
+      for tool in memcheck racecheck; do
+        step "linear_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --linear
+        grep -E "SUMMARY|NON-FINITE" "$OUT/linear_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
+      [ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -A1 -E "linear_(causal|state|output)_fwd" \
+        | grep -oE "REG:[0-9]+|STACK:[0-9]+|LOCAL:[0-9]+" | sort | uniq -c | tr '\n' ' ' | sed "s/^/linear kernels: /" >> "$SUMMARY"
+      echo >> "$SUMMARY"
+      ls .whl/fla_core-*.whl >/dev/null 2>&1 &&
+        $PY -m pip install -q --no-index --no-deps .whl/fla_core-*.whl .whl/einops-*.whl >> "$SUMMARY" 2>&1
+      step linear_bench 150 $PY benchmarks/bench_linear.py --device cuda --out "$OUT/linear_results"
+      grep -E "^\| *[0-9]" "$OUT/linear_results/linear_cuda.md" 2>/dev/null >> "$SUMMARY"
+      cat "$OUT"/linear_*.log > "$OUT/linear.log"; rm -f "$OUT"/linear_*.log
+      [ -d "$OUT/linear_results" ] && tar czf "$OUT/linear_results.tgz" -C "$OUT" linear_results && rm -rf "$OUT/linear_results" ;;
     cpu)
       grep -o -E "avx512f|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' >> "$SUMMARY"; echo >> "$SUMMARY"
       step cpu_kernels 120 $PY -m pytest tests/test_cpu_kernels.py -q -p no:cacheprovider -rfE
@@ -170,5 +193,5 @@ done
 
 echo "===== summary"
 grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log \
-  "$OUT"/spatial_tests.log "$OUT"/spatial_tests_vec.log 2>/dev/null | cut -c1-220 | head -60
+  "$OUT"/spatial_tests.log "$OUT"/spatial_tests_vec.log "$OUT"/linear.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

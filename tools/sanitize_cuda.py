@@ -22,6 +22,10 @@ The vectorized spatial kernels (issue 28, unverified: csrc/spatial/cuda/spatial_
 the CBAM spatial gate's forward and backward and the pooling's own backward: every dtype, both
 layouts, sizes on the 16-byte path and off it, a misaligned storage offset, grids that stride:
 ``--spatial`` runs these cases (only there: its large maps would slow the full run).
+The fused linear-attention kernels (issue 28, unverified): the forward causal and non-causal
+and the causal backward, every dtype, head dim and feature map they serve, lengths off the
+64-row chunk, Sq != Sk, an initial state and the final state's gradient, strided (B, S, H, D)
+views, an empty sequence. ``--linear`` runs these cases only.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
@@ -254,6 +258,47 @@ def paged_cases():
     return ok
 
 
+def linear_cases():
+    """The fused linear-attention kernels (linear/cuda/linear_attention_fwd.cu, _bwd.cu)."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    maps = ("elu+1", "relu", "identity")
+    for i, (dtype, d, dv) in enumerate(
+        (t, d, dv)
+        for t in (torch.bfloat16, torch.float16, torch.float32)
+        for d in (64, 128)
+        for dv in (64, 128)
+    ):
+        outs = []
+        for causal, sq, sk in ((True, 70, 70), (True, 1, 1), (False, 70, 130), (False, 300, 0)):
+            q = torch.randn(1, sq, 2, d, device=dev, dtype=dtype).transpose(1, 2)
+            k = torch.randn(1, sk, 2, d, device=dev, dtype=dtype).transpose(1, 2)
+            v = torch.randn(1, 2, sk, dv, device=dev, dtype=dtype)
+            init = (
+                torch.randn(1, 2, d, dv, device=dev),
+                torch.rand(1, 2, d, device=dev) + 1,
+            )
+            kw = dict(causal=causal, feature_map=maps[i % len(maps)], eps=0.5)
+            state = init if sk % 2 == 0 else None
+            out, final = attn_ext.linear_attention(
+                q.abs(), k.abs(), v, initial_state=state, return_state=True, **kw
+            )
+            outs += [out, *final]
+            if causal:  # the backward kernels (non-causal: the composite's)
+                grad_final = [torch.randn_like(t) for t in final] if state else [None, None]
+                outs += torch.ops.attn_ext.linear_attention_backward(
+                    torch.randn_like(out),
+                    q.abs(),
+                    k.abs(),
+                    v,
+                    *(state or [None, None]),
+                    *grad_final,
+                    **kw,
+                )
+        ok.append(_report(f"linear_attention {dtype} d{d} dv{dv} {maps[i % len(maps)]}", outs))
+    return ok
+
+
 def compression_cases():
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float32):
@@ -348,11 +393,14 @@ def main() -> int:
         return 0 if all(paged_cases()) else 1
     if "--spatial" in sys.argv[1:]:
         return 0 if all(spatial_vec_cases()) else 1
+    if "--linear" in sys.argv[1:]:
+        return 0 if all(linear_cases()) else 1
     results = (
         [run_case(*c) for c in CASES]
         + modifier_and_varlen_cases()
         + decoding_cases()
         + paged_cases()
+        + linear_cases()
         + compression_cases()
         + spatial_cases()
     )

@@ -1,5 +1,6 @@
 // linear_attention and its backward written with ATen ops: the implementation on every device
-// but CPU (CUDA included) until a fused kernel exists. The math is the CPU kernel's
+// but CPU, and on CUDA wherever the fused kernels (linear/cuda/) do not run (all of it while
+// they are unverified, see linear/cuda/linear_attention_cuda.cpp). The math is the CPU kernel's
 // (linear/cpu/linear_attention_cpu.cpp):
 // values get a column of ones (v' = [v, 1], width Dp = Dv + 1), so the state (S, z) is one
 // D x Dp matrix and the denominator is the last column of phi(q) S'. Causal attention runs in
@@ -8,11 +9,14 @@
 //
 // It is plain ATen, so it is registered once for every device (CompositeExplicitAutograd); the
 // CPU kernel (linear/cpu/linear_attention_cpu.cpp) is a backend registration and wins on CPU.
-// The CUDA key gets this composite in every build, so the CPU-only test suite runs this very
+// The CUDA key reaches this composite in every build (a CUDA build's wrapper calls it for CPU
+// tensors and whatever its kernels do not serve), so the CPU-only test suite runs this very
 // code on CPU tensors by redispatching to the CUDA key.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
+
+#include "linear/linear_attention_composite.h"
 
 #include "linear/feature_map.h"
 #include "linear/linear_inputs.h"
@@ -106,6 +110,8 @@ Forward forward(const LinearAttentionParams& p, const Operands& o) {
   return f;
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_composite(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& initial_state_kv,
@@ -182,8 +188,6 @@ linear_attention_backward_composite(const at::Tensor& grad_out, const at::Tensor
           cast(dphik * feature_grad(o.phik, p.feature_map), k), cast(dv1.narrow(-1, 0, Dv), v),
           grad_init.narrow(-1, 0, Dv).contiguous(), grad_init.select(-1, Dv).contiguous()};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
   m.impl("linear_attention", &linear_attention_composite);
