@@ -7,7 +7,10 @@
 #   bash dev/gpu_session.sh bench                 # next call while the machine is warm
 #
 # build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT;
-#           the nvidia-cutlass wheel carried in .whl/ (the machine has no network) first
+#           the nvidia-cutlass wheel carried in .whl/ (the machine has no network) first. The
+#           wheels the phases install, fetched here before the first call (.whl/ is ignored by
+#           git; pass it in the device tool's carry):
+#             pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0 fla-core==0.6.0 einops==0.8.2
 # cute:     dev/cute_fwd_check.py (CuTe forward vs the older kernel: errors, bits, timing), then
 #           the CUDA attention and varlen tests with ATTN_EXT_UNVERIFIED_CUDA=1
 # hopper:   the sm_90a forward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green; after build):
