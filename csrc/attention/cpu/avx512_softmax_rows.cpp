@@ -92,6 +92,40 @@ float exp2_shift_sum(float* x, int64_t n, float shift) {
   return s;
 }
 
+// AVX2's loop is 8 lanes then a scalar tail through std::exp2; here 16 lanes, one masked 8-lane
+// step, then the same scalar tail, so every element takes the same path as there.
+void exp2_scale_shift2(float* x, int64_t n, float a, float hi, float lo) {
+  const __m512 av = _mm512_set1_ps(a), hv = _mm512_set1_ps(hi), lv = _mm512_set1_ps(lo);
+  auto step = [&](int64_t j, __mmask16 lanes) {
+    const __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), av);
+    _mm512_mask_storeu_ps(x + j, lanes, exp2(_mm512_sub_ps(_mm512_sub_ps(sc, hv), lv)));
+  };
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) step(j, 0xFFFF);
+  if (j + avx2::kWidth <= n) step(j, kLowHalf), j += avx2::kWidth;
+  for (; j < n; ++j) x[j] = std::exp2((x[j] * a - hi) - lo);
+}
+
+// Element-wise without a fused multiply-add: any lane count gives the same bits, the tail as
+// masked lanes.
+void softmax_grad_row(const float* p, float* dp, int64_t n, float delta) {
+  const __m512 dv = _mm512_set1_ps(delta);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 lanes = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, p + j),
+                                   _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, dp + j), dv));
+    _mm512_mask_storeu_ps(dp + j, lanes, r);
+  }
+}
+
+void scale_row(float* x, int64_t n, float a) {
+  const __m512 av = _mm512_set1_ps(a);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 lanes = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    _mm512_mask_storeu_ps(x + j, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), av));
+  }
+}
+
 #ifdef ATTN_EXT_AMX_PRODUCTS
 // The same steps as exp2_shift_sum (so the same values and sum), each group of values rounded
 // by vcvtneps2bf16 as amx::round_rows rounds them, the scalar tail through a masked vector.

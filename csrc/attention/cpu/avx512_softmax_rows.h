@@ -16,6 +16,12 @@ float row_max(const float* x, int64_t n);
 // x[j] = exp2(x[j] - shift); returns the sum of the new values.
 float exp2_shift_sum(float* x, int64_t n, float shift);
 
+// The backward's element-wise row passes, vec_math.h's on 16 lanes with the same bits:
+// x[j] = exp2((x[j] * a - hi) - lo); dp[j] = p[j] * (dp[j] - delta); x[j] *= a.
+void exp2_scale_shift2(float* x, int64_t n, float a, float hi, float lo);
+void softmax_grad_row(const float* p, float* dp, int64_t n, float delta);
+void scale_row(float* x, int64_t n, float a);
+
 }  // namespace attn_ext::cpu::avx512
 #endif
 

@@ -18,9 +18,16 @@ namespace attn_ext::cpu {
 #ifdef ATTN_EXT_AVX2
 namespace {
 
-constexpr BlockKernels kAvx2{
-    "avx2",          &avx2::scores_tile,     &avx2::pv_tile,     &avx2::atb_tile,
-    &row_max<float>, &exp2_shift_sum<float>, Bf16Operands::kFp32};
+constexpr BlockKernels kAvx2{"avx2",
+                             &avx2::scores_tile,
+                             &avx2::pv_tile,
+                             &avx2::atb_tile,
+                             &row_max<float>,
+                             &exp2_shift_sum<float>,
+                             &exp2_scale_shift2<float>,
+                             &softmax_grad_row<float>,
+                             &scale_row<float>,
+                             Bf16Operands::kFp32};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
 // The AVX-512 sets differ only in how bf16 multiplies.
 constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) {
@@ -30,6 +37,9 @@ constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) 
           &avx512::atb_tile,
           &avx512::row_max,
           &avx512::exp2_shift_sum,
+          &avx512::exp2_scale_shift2,
+          &avx512::softmax_grad_row,
+          &avx512::scale_row,
           bf16_operands};
 }
 constexpr BlockKernels kAvx512 = avx512_set("avx512", Bf16Operands::kFp32);

@@ -32,6 +32,11 @@ struct BlockKernels {
   // on 16 lanes in the AVX-512 sets (avx512_softmax_rows.h: the same bits).
   float (*row_max)(const float* x, int64_t n);
   float (*exp2_shift_sum)(float* x, int64_t n, float shift);
+  // The backward's element-wise row passes (vec_math.h's exp2_scale_shift2, softmax_grad_row,
+  // scale_row), likewise on 16 lanes in the AVX-512 sets with the same bits.
+  void (*exp2_scale_shift2)(float* x, int64_t n, float a, float hi, float lo);
+  void (*softmax_grad_row)(const float* p, float* dp, int64_t n, float delta);
+  void (*scale_row)(float* x, int64_t n, float a);
   Bf16Operands bf16_operands;
 };
 

@@ -340,6 +340,32 @@ struct Bf16BwdProducts {
 };
 #endif
 
+// The backward's element-wise row passes: the kernel set's for float rows (16 lanes on the
+// AVX-512 sets, the same bits as AVX2's), vec_math.h's otherwise.
+template <typename acc_t>
+struct BwdRowPass {
+  void exp2_rows(acc_t* x, int64_t n, acc_t hi, acc_t lo) const {
+    exp2_scale_shift2(x, n, acc_t(1), hi, lo);
+  }
+  void grad(const acc_t* p, acc_t* dp, int64_t n, acc_t delta) const {
+    softmax_grad_row(p, dp, n, delta);
+  }
+  void scale(acc_t* x, int64_t n, acc_t a) const { scale_row(x, n, a); }
+};
+#ifdef ATTN_EXT_AVX2
+template <>
+struct BwdRowPass<float> {
+  const BlockKernels& kernels = block_kernels();
+  void exp2_rows(float* x, int64_t n, float hi, float lo) const {
+    kernels.exp2_scale_shift2(x, n, 1.f, hi, lo);
+  }
+  void grad(const float* p, float* dp, int64_t n, float delta) const {
+    kernels.softmax_grad_row(p, dp, n, delta);
+  }
+  void scale(float* x, int64_t n, float a) const { kernels.scale_row(x, n, a); }
+};
+#endif
+
 // dq must hold chunks x (B, H, Sq, D) partials (chunk-major; varlen: chunks x (H, total_q, D)).
 template <typename scalar_t, typename Products>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
@@ -351,6 +377,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t s_scale = scale * log2e;
+  const BwdRowPass<acc_t> row_pass{};
   const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   auto q_of = [&](int64_t b, int64_t h, const SeqBounds& sb) {
@@ -475,7 +502,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
           if (l2 == -std::numeric_limits<acc_t>::infinity()) {
             std::fill(pr, pr + n, acc_t(0));  // a row that sees no key has no gradient
           } else {
-            exp2_scale_shift2(pr, n, acc_t(1), l2, lse_lo_r[i0 + r]);
+            row_pass.exp2_rows(pr, n, l2, lse_lo_r[i0 + r]);
           }
         }
 
@@ -495,10 +522,10 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         prod.dprobs(m, n, dpt, kN);
         for (int64_t r = 0; r < m; ++r) {
           if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
-          softmax_grad_row(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
+          row_pass.grad(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
           if (dcap != nullptr)
             for (int64_t c = 0; c < n; ++c) dpt[r * kN + c] *= dcap[r * n + c];
-          scale_row(dpt + r * kN, n, scale);
+          row_pass.scale(dpt + r * kN, n, scale);
         }
 
         // dQ += dS K,  dK += dS^T Q
