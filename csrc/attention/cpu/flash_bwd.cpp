@@ -12,6 +12,7 @@
 #include "common/cpu/blas.h"
 #include "common/cpu/cpu_support.h"
 #include "common/cpu/kernel_traits.h"
+#include "attention/cpu/row_pass.h"
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
 #include "common/cpu/work_queue.h"
@@ -229,12 +230,10 @@ struct Bf16BwdProducts {
   int64_t lo = 0, ld_t = 0, i0 = 0;
   Pairs pairs;
 
-  static int64_t row_elems(int64_t rows, int64_t d, int64_t dv) {
-    return 2 * (rows + amx::kPairDepth) *
-           (amx::round_up(d, amx::kPairDepth) + amx::round_up(dv, amx::kPairDepth));
-  }
   static bool fits(const AttentionBwdParams& p) {
-    return row_elems(p.seqlen_q, p.head_dim, p.head_dim_v) <= kMaxRowElems;
+    const int64_t widths =
+        amx::round_up(p.head_dim, amx::kPairDepth) + amx::round_up(p.head_dim_v, amx::kPairDepth);
+    return 2 * (p.seqlen_q + amx::kPairDepth) * widths <= kMaxRowElems;
   }
 
   Bf16BwdProducts(const AttentionBwdParams& p, int64_t block_m, int64_t block_n)
@@ -308,9 +307,6 @@ struct Bf16BwdProducts {
   }
 
  private:
-  static void grow(AlignedVector<uint16_t>& buf, int64_t elems) {
-    if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
-  }
   // C[rows x n] += A B over the tile's m query rows: A = rows of a transposed per-task operand
   // from this tile's column (ld_t), B = pack_row_pairs of P or dS. A tile that ends mid pair
   // chunk would read A's columns of the rows after it (the next tile's, or rows past the band
@@ -340,32 +336,6 @@ struct Bf16BwdProducts {
 };
 #endif
 
-// The backward's element-wise row passes: the kernel set's for float rows (16 lanes on the
-// AVX-512 sets, the same bits as AVX2's), vec_math.h's otherwise.
-template <typename acc_t>
-struct BwdRowPass {
-  void exp2_rows(acc_t* x, int64_t n, acc_t hi, acc_t lo) const {
-    exp2_scale_shift2(x, n, acc_t(1), hi, lo);
-  }
-  void grad(const acc_t* p, acc_t* dp, int64_t n, acc_t delta) const {
-    softmax_grad_row(p, dp, n, delta);
-  }
-  void scale(acc_t* x, int64_t n, acc_t a) const { scale_row(x, n, a); }
-};
-#ifdef ATTN_EXT_AVX2
-template <>
-struct BwdRowPass<float> {
-  const BlockKernels& kernels = block_kernels();
-  void exp2_rows(float* x, int64_t n, float hi, float lo) const {
-    kernels.exp2_scale_shift2(x, n, 1.f, hi, lo);
-  }
-  void grad(const float* p, float* dp, int64_t n, float delta) const {
-    kernels.softmax_grad_row(p, dp, n, delta);
-  }
-  void scale(float* x, int64_t n, float a) const { kernels.scale_row(x, n, a); }
-};
-#endif
-
 // dq must hold chunks x (B, H, Sq, D) partials (chunk-major; varlen: chunks x (H, total_q, D)).
 template <typename scalar_t, typename Products>
 void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
@@ -377,7 +347,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t s_scale = scale * log2e;
-  const BwdRowPass<acc_t> row_pass{};
+  const RowPass<acc_t> row_pass{};
   const bool dropout = p.dropout_p > 0.0;
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
   auto q_of = [&](int64_t b, int64_t h, const SeqBounds& sb) {

@@ -11,6 +11,7 @@
 #include "common/cpu/blas.h"
 #include "common/cpu/cpu_support.h"
 #include "common/cpu/kernel_traits.h"
+#include "attention/cpu/row_pass.h"
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
 #include "common/cpu/work_queue.h"
@@ -257,29 +258,6 @@ struct Bf16Products {
     // The tile products read whole 16-row tiles: rows past m are zero, as round_rows leaves them.
     std::fill(p_tile.begin() + m * n_pad, p_tile.begin() + m_pad * n_pad, uint16_t(0));
     pairs.pv(p_tile.data(), n_pad, m, vt, n, dv, factor, o, dv);
-  }
-
- private:
-  static void grow(AlignedVector<uint16_t>& buf, int64_t elems) {
-    if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
-  }
-};
-#endif
-
-// The forward's softmax row pass: the kernel set's for float rows (16 lanes on the AVX-512 sets,
-// the same bits as AVX2's), vec_math.h's otherwise.
-template <typename acc_t>
-struct RowPass {
-  acc_t max(const acc_t* x, int64_t n) const { return row_max(x, n); }
-  acc_t exp2_sum(acc_t* x, int64_t n, acc_t shift) const { return exp2_shift_sum(x, n, shift); }
-};
-#ifdef ATTN_EXT_AVX2
-template <>
-struct RowPass<float> {
-  const BlockKernels& kernels = block_kernels();
-  float max(const float* x, int64_t n) const { return kernels.row_max(x, n); }
-  float exp2_sum(float* x, int64_t n, float shift) const {
-    return kernels.exp2_shift_sum(x, n, shift);
   }
 };
 #endif

@@ -79,6 +79,12 @@ struct CacheLineAllocator {
 template <typename T>
 using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
+// Resizes buf to hold at least elems (never shrinks): scratch sized by the largest block seen.
+template <typename T>
+inline void grow(AlignedVector<T>& buf, int64_t elems) {
+  if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
+}
+
 // Per-thread scratch, allocated once per parallel chunk, cache-line aligned.
 template <typename T>
 struct Buffer {
