@@ -40,9 +40,11 @@ namespace {
 constexpr int kArchGetXcompPerm = 0x1022;
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
-// CPUID leaf 7 bits: EBX (subleaf 0) AVX512F; EDX (subleaf 0) AMX-BF16, AMX-TILE;
-// EAX (subleaf 1) AVX512-BF16. XCR0 bits: SSE/AVX/opmask/ZMM state and the two tile states.
+// CPUID leaf 7 bits: EBX (subleaf 0) AVX512F, AVX512DQ (the bf16 row pass's vreduceps);
+// EDX (subleaf 0) AMX-BF16, AMX-TILE; EAX (subleaf 1) AVX512-BF16. XCR0 bits: SSE/AVX/opmask/ZMM
+// state and the two tile states.
 constexpr unsigned kCpuidAvx512f = 1u << 16;
+constexpr unsigned kCpuidAvx512dq = 1u << 17;
 constexpr unsigned kCpuidAmxBf16 = 1u << 22;
 constexpr unsigned kCpuidAmxTile = 1u << 24;
 constexpr unsigned kCpuidAvx512Bf16 = 1u << 5;
@@ -76,7 +78,8 @@ bool probe() {
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & kCpuidOsxsave)) return false;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const unsigned max_subleaf = a;
-  if (!(b & kCpuidAvx512f) || !(d & kCpuidAmxBf16) || !(d & kCpuidAmxTile)) return false;
+  if (!(b & kCpuidAvx512f) || !(b & kCpuidAvx512dq) || !(d & kCpuidAmxBf16) || !(d & kCpuidAmxTile))
+    return false;
   if (max_subleaf < 1) return false;
   __cpuid_count(7, 1, a, b, c, d);
   if (!(a & kCpuidAvx512Bf16)) return false;

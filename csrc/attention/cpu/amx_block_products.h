@@ -31,9 +31,9 @@ inline int64_t round_up(int64_t n, int64_t to) {
 }
 
 // Whether this process may run AMX bf16 tiles: the CPU reports AMX-TILE, AMX-BF16 and
-// AVX512-BF16 (which rounds P), the OS enables the tile state in XCR0, and Linux grants the
-// process permission for it (requested here on the first call; without it the first tile
-// instruction faults).
+// AVX512-BF16 (which rounds P) and AVX512-DQ (the row pass), the OS enables the tile state in XCR0,
+// and Linux grants the process permission for it (requested here on the first call; without it the
+// first tile instruction faults).
 bool available();
 
 // Loads this file's tile configuration on the calling thread and releases the tiles when it

@@ -158,8 +158,9 @@ inline void pv_micro(const uint16_t* p, int64_t ldp, const uint16_t* values, int
 
 bool available() {
   // libgcc's check includes the OS: AVX-512 state must be enabled in XCR0, not only in CPUID.
+  // AVX512-DQ for the shared row pass (avx512::exp2_shift_sum_bf16's vreduceps).
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512bf16");
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
   return ok;
 }
 
