@@ -102,10 +102,11 @@ using TileScratch = float[4][kTileRows * kAccCols];
 
 // Tiles 0-3 += A (tiles 4, 5: rows a, a + 16 rows) x B (tiles 6, 7: b0, b1), over `steps`
 // reduction steps: step i reads A at a + i * a_step (bf16 elements) and B at b_at(i) and
-// b_at(i) + b_next. R2 / C2: whether the second row / column block exists.
+// b_at(i) + b_next; then accumulator t is stored at out[t], rows out_bytes apart. R2 / C2:
+// whether the second row / column block exists.
 template <bool R2, bool C2, typename BAt>
 inline void micro_tile(const uint16_t* a, int64_t lda, int64_t a_step, int64_t steps, BAt b_at,
-                       int64_t b_next, TileScratch& out) {
+                       int64_t b_next, float* const (&out)[4], int64_t out_bytes) {
   const int64_t a_bytes = lda * int64_t(sizeof(uint16_t));
   _tile_zero(0);
   if constexpr (C2) _tile_zero(1);
@@ -126,10 +127,18 @@ inline void micro_tile(const uint16_t* a, int64_t lda, int64_t a_step, int64_t s
       if constexpr (C2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, out[0], kRowBytes);
-  if constexpr (C2) _tile_stored(1, out[1], kRowBytes);
-  if constexpr (R2) _tile_stored(2, out[2], kRowBytes);
-  if constexpr (R2 && C2) _tile_stored(3, out[3], kRowBytes);
+  _tile_stored(0, out[0], out_bytes);
+  if constexpr (C2) _tile_stored(1, out[1], out_bytes);
+  if constexpr (R2) _tile_stored(2, out[2], out_bytes);
+  if constexpr (R2 && C2) _tile_stored(3, out[3], out_bytes);
+}
+
+// micro_tile into the 16 x 16 scratch tiles of acc.
+template <bool R2, bool C2, typename BAt>
+inline void micro_tile(const uint16_t* a, int64_t lda, int64_t a_step, int64_t steps, BAt b_at,
+                       int64_t b_next, TileScratch& acc) {
+  float* const out[4] = {acc[0], acc[1], acc[2], acc[3]};
+  micro_tile<R2, C2>(a, lda, a_step, steps, b_at, b_next, out, kRowBytes);
 }
 
 // Runs micro_tile over an m x n output in 32 x 32 micro-tiles (16 at the edges), then
@@ -330,6 +339,25 @@ void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles
           _mm512_mask_storeu_ps(s + (r0 + r) * lds + c0, cols,
                                 _mm512_mul_ps(_mm512_loadu_ps(tile + r * kAccCols), sv));
       });
+}
+
+void scores_unscaled(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles,
+                     int64_t n, int64_t d, float* s, int64_t lds) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
+  const int64_t s_bytes = lds * int64_t(sizeof(float));
+  for_micro_tiles(
+      m, n,
+      [&](auto r2, auto c2, int64_t rb, int64_t cb, TileScratch&) {
+        const uint16_t* keys = key_tiles + cb * chunks * kTileElems;
+        float* const corner = s + rb * kTileRows * lds + cb * kAccCols;
+        float* const out[4] = {corner, corner + kAccCols, corner + kTileRows * lds,
+                               corner + kTileRows * lds + kAccCols};
+        micro_tile<decltype(r2)::value, decltype(c2)::value>(
+            q + rb * kTileRows * ldq, ldq, kPairDepth, chunks,
+            [&](int64_t c) { return keys + c * kTileElems; }, chunks * kTileElems, out, s_bytes);
+      },
+      [](const float*, int64_t, int64_t) {});
 }
 
 void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_tiles, int64_t n,

@@ -92,6 +92,14 @@ void transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint1
 void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles, int64_t n,
             int64_t d, float scale, float* s, int64_t lds);
 
+// S = Q K^T, unscaled, as scores computes it, each 16 x 16 accumulator tile stored straight into
+// s (no pass through a scratch tile): whole tiles, so s must hold round_up(m, 16) rows of
+// round_up(n, 16) <= lds columns; the rows past m are 0 (q's zero rows) and the columns past n
+// are products with whatever the key tiles hold there (unread). The scale is left to the softmax
+// row pass (exp2_shift_sum_bf16), which takes it in its fused multiply-subtract.
+void scores_unscaled(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* key_tiles,
+                     int64_t n, int64_t d, float* s, int64_t lds);
+
 // O[m x dv] = O * factor[row] + P V for P = p_bf16 (round_rows of the fp32 P, ldp) and
 // value_tiles as pack_values wrote them. Only keys [0, n) count: a chunk that ends past n is
 // copied into v_tail (round_up(dv, 16) * 32 elements) with those keys zeroed, so a value row a

@@ -167,21 +167,22 @@ __attribute__((target("avx512f,avx512dq,fma"))) inline __m512 exp2_unit(__m512 x
 // accumulators; the rest in masked 16-lane steps. With exp2_unit, 1.4-1.7x the rate of
 // exp2_shift_sum's form (dev/row_pass_bench, dev/cpu_forward_experiments.md "bf16 row pass").
 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,fma"))) float
-exp2_shift_sum_bf16(const float* x, int64_t n, float shift, uint16_t* dst, int64_t n_pad) {
-  const __m512 sv = _mm512_set1_ps(shift);
+exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_t* dst,
+                    int64_t n_pad) {
+  const __m512 av = _mm512_set1_ps(scale), sv = _mm512_set1_ps(shift);
   __m512 acc_lo = _mm512_setzero_ps(), acc_hi = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
-    const __m512 lo = exp2_unit(_mm512_sub_ps(_mm512_loadu_ps(x + j), sv));
-    const __m512 hi = exp2_unit(_mm512_sub_ps(_mm512_loadu_ps(x + j + kLanes), sv));
+    const __m512 lo = exp2_unit(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), av, sv));
+    const __m512 hi = exp2_unit(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + kLanes), av, sv));
     _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     acc_lo = _mm512_add_ps(acc_lo, lo);
     acc_hi = _mm512_add_ps(acc_hi, hi);
   }
   for (; j < n_pad; j += kLanes) {  // lanes past n are 0, up to n_pad
     const __mmask16 live = first_lanes(n - j);
-    const __m512 e =
-        _mm512_maskz_mov_ps(live, exp2_unit(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + j), sv)));
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp2_unit(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, x + j), av, sv)));
     _mm256_mask_storeu_epi16(dst + j, first_lanes(n_pad - j), (__m256i)_mm512_cvtneps_pbh(e));
     acc_lo = _mm512_add_ps(acc_lo, e);
   }

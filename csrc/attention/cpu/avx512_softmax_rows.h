@@ -29,13 +29,16 @@ void scale_row(float* x, int64_t n, float a);
 #ifdef ATTN_EXT_AMX_PRODUCTS
 namespace attn_ext::cpu::avx512 {
 
-// exp2_shift_sum fused with the bf16 operand paths' rounding of P: the values go to dst rounded
+// exp2_shift_sum fused with the bf16 operand paths' rounding of P, on scores that may still need
+// their scale: 2^(x[j] * scale - shift) (one fused multiply-subtract; scale 1 is exact for scores
+// already scaled). The values go to dst rounded
 // to bf16 (nearest even, as amx::round_rows) with zeros in [n, n_pad), x is left alone, and the
 // sum of the fp32 values is returned. Not exp2_shift_sum's bits: its exp2 reduces to [0, 1) and
 // scales by vscalefps (relative error < 1.5e-7, against exp2_shift_sum's 2.2e-7), values below
 // 2^-126 are 0, and the sum runs in two accumulators. Only on CPUs with AVX512-BF16 and
 // AVX512-DQ (the amx / avx512bf16 sets).
-float exp2_shift_sum_bf16(const float* x, int64_t n, float shift, uint16_t* dst, int64_t n_pad);
+float exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_t* dst,
+                          int64_t n_pad);
 
 }  // namespace attn_ext::cpu::avx512
 #endif

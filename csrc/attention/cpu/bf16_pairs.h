@@ -23,6 +23,11 @@ struct AmxPairs {
               float scale, float* s, int64_t lds) {
     amx::scores(q, ldq, m, kt, n, d, scale, s, lds);
   }
+  // Q K^T straight from the tiles into s (amx::scores_unscaled: whole tiles, unscaled).
+  void scores_unscaled(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n,
+                       int64_t d, float* s, int64_t lds) {
+    amx::scores_unscaled(q, ldq, m, kt, n, d, s, lds);
+  }
   void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
           const float* factor, float* o, int64_t ldo) {
     amx::pv(p, ldp, m, vt, n, dv, factor, o, ldo, v_tail.get());
@@ -35,6 +40,10 @@ struct Avx512Bf16Pairs {
   void scores(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n, int64_t d,
               float scale, float* s, int64_t lds) {
     avx512bf16::scores(q, ldq, m, kt, n, d, scale, s, lds);
+  }
+  void scores_unscaled(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt, int64_t n,
+                       int64_t d, float* s, int64_t lds) {
+    avx512bf16::scores(q, ldq, m, kt, n, d, 1.f, s, lds);  // times 1: exact
   }
   void pv(const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n, int64_t dv,
           const float* factor, float* o, int64_t ldo) {
