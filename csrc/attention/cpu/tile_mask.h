@@ -131,10 +131,14 @@ void mask_tile(const AttentionParams& p, const LocalBand& band, int64_t b, int64
     }
   }
   if (band_partial) {
+    // Row i sees the keys [key_begin(i), key_end(i + 1)) of the band (band.allowed's test as a
+    // range): the columns before and after it are filled, not tested one by one.
     for (int64_t r = 0; r < m; ++r) {
       acc_t* row = s + r * lds;
-      for (int64_t c = 0; c < n; ++c)
-        if (!band.allowed(i0 + r, j0 + c)) row[c] = kNegInf;
+      const int64_t lo = std::clamp<int64_t>(band.key_begin(i0 + r, j0 + n) - j0, 0, n);
+      const int64_t hi = std::clamp<int64_t>(band.key_end(i0 + r + 1, j0 + n) - j0, lo, n);
+      std::fill(row, row + lo, kNegInf);
+      std::fill(row + hi, row + n, kNegInf);
     }
   }
 }
