@@ -30,6 +30,12 @@
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+// GCC 12's AVX-512 unpack intrinsics pass a self-initialized _mm512_undefined_epi32() as the
+// unused merge operand, which -Wmaybe-uninitialized reports once inlined (transpose_words): a
+// false positive of those headers, as in avx512_softmax_rows.cpp.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace attn_ext::cpu::amx {
@@ -95,6 +101,40 @@ bool probe() {
 
 inline __mmask16 lane_mask(int64_t cols) {
   return cols >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u);
+}
+
+// A permutation of 32 16-bit elements: elements 0-15 (one row) and 16-31 (the next) into the
+// pairs (e0, o0), (e1, o1), ... of a tile row in the pair layout.
+alignas(64) constexpr uint16_t kInterleave[2 * kLanes] = {
+    0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// w[j][t] -> w[t][j] for a 16 x 16 matrix of 32-bit words, one row per register: words paired
+// within 128-bit lanes (unpack 32, then 64 bits: u[4i + c] lane L holds column 4L + c of rows
+// 4i..4i+3), then the lanes gathered (shuffle_i32x4 twice).
+inline void transpose_words(__m512i (&w)[kLanes]) {
+  __m512i t[kLanes], u[kLanes];
+  for (int i = 0; i < kLanes / 2; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(w[2 * i], w[2 * i + 1]);
+  }
+  for (int i = 0; i < kLanes / 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    // Lanes 0-1 (then 2-3) of the four row groups' column-c registers, then split by lane.
+    const __m512i lo01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i hi01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i lo23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    w[c] = _mm512_shuffle_i32x4(lo01, hi01, 0x88);
+    w[4 + c] = _mm512_shuffle_i32x4(lo01, hi01, 0xDD);
+    w[8 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0x88);
+    w[12 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0xDD);
+  }
 }
 
 // Accumulator tile t (0-3) of a micro-tile, stored as 16 x 16 fp32.
@@ -210,12 +250,13 @@ void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* ds
       uint16_t* tile = dst + (j0 / kTileRows * chunks + c) * kTileElems;
       const int64_t f0 = c * kPairDepth;
       if (j0 + kTileRows <= n && f0 + kPairDepth <= d) {
-        // A whole tile: a 16 x 16 transpose of feature pairs (32-bit words), branch-free.
-        for (int64_t j = 0; j < kTileRows; ++j) {
-          const uint16_t* row = k + (j0 + j) * ld + f0;
-          for (int64_t t = 0; t < kTileRows; ++t)
-            std::memcpy(tile + (t * kTileRows + j) * 2, row + 2 * t, 2 * sizeof(uint16_t));
-        }
+        // A whole tile: a 16 x 16 transpose of feature pairs (32-bit words) in registers.
+        __m512i words[kTileRows];
+        for (int64_t j = 0; j < kTileRows; ++j)
+          words[j] = _mm512_loadu_si512(k + (j0 + j) * ld + f0);
+        transpose_words(words);
+        for (int64_t t = 0; t < kTileRows; ++t)
+          _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
         continue;
       }
       for (int64_t t = 0; t < kTileRows; ++t)
@@ -235,14 +276,14 @@ void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t*
       uint16_t* tile = dst + (j0 / kPairDepth * blocks + b) * kTileElems;
       const int64_t f0 = b * kAccCols;
       if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
-        // A whole tile: rows 2t and 2t + 1 interleaved, branch-free.
+        // A whole tile: rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute.
+        const __m512i interleave = _mm512_load_si512(kInterleave);
         for (int64_t t = 0; t < kTileRows; ++t) {
           const uint16_t* even = v + (j0 + 2 * t) * ld + f0;
-          const uint16_t* odd = even + ld;
-          for (int64_t col = 0; col < kAccCols; ++col) {
-            tile[(t * kAccCols + col) * 2] = even[col];
-            tile[(t * kAccCols + col) * 2 + 1] = odd[col];
-          }
+          const __m512i rows = _mm512_inserti64x4(
+              _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
+          _mm512_storeu_si512(tile + t * kPairDepth, _mm512_permutexvar_epi16(interleave, rows));
         }
         continue;
       }
@@ -271,11 +312,8 @@ void round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* ds
 }
 
 void pack_row_pairs(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst) {
-  // cvtne2ps_pbh(odd, even) holds even row's 16 columns, then odd row's; this permutation
+  // cvtne2ps_pbh(odd, even) holds even row's 16 columns, then odd row's; kInterleave
   // interleaves them into the tile row's (even, odd) pairs, column by column.
-  alignas(64) static constexpr uint16_t kInterleave[2 * kLanes] = {
-      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const int64_t blocks = round_up(n, kAccCols) / kAccCols;
   for (int64_t r0 = 0; r0 < round_up(m, kPairDepth); r0 += kPairDepth) {
@@ -308,14 +346,32 @@ void pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* d
 
 void transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
                     int64_t ldd, int64_t rows) {
-  // Blocks of kTileRows source rows keep the reads of a block's columns in L1.
   for (int64_t c = 0; c < rows; ++c)
     std::memset(dst + c * ldd + m, 0, (ldd - m) * sizeof(uint16_t));
-  for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-    const int64_t r_end = std::min(m, r0 + kTileRows);
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t r = r0; r < r_end; ++r) dst[c * ldd + r] = src[r * ld + c];
+  // Whole blocks of 32 rows x 16 columns in registers: rows 2i and 2i + 1 interleaved column by
+  // column (as pack_values pairs keys), so that 32-bit word c of register i is column c of the
+  // pair; then a 16 x 16 transpose of those words gives column c's 32 rows in register c.
+  const int64_t m_full = m / kPairDepth * kPairDepth, n_full = n / kLanes * kLanes;
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t r0 = 0; r0 < m_full; r0 += kPairDepth) {
+    for (int64_t c0 = 0; c0 < n_full; c0 += kLanes) {
+      __m512i words[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const uint16_t* even = src + (r0 + 2 * i) * ld + c0;
+        const __m512i pair = _mm512_inserti64x4(
+            _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
+        words[i] = _mm512_permutexvar_epi16(interleave, pair);
+      }
+      transpose_words(words);
+      for (int64_t c = 0; c < kLanes; ++c) _mm512_storeu_si512(dst + (c0 + c) * ldd + r0, words[c]);
+    }
   }
+  // The rest element by element: the rows past the whole blocks, then the columns past them.
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t r = m_full; r < m; ++r) dst[c * ldd + r] = src[r * ld + c];
+  for (int64_t c = n_full; c < n; ++c)
+    for (int64_t r = 0; r < m_full; ++r) dst[c * ldd + r] = src[r * ld + c];
   for (int64_t c = n; c < rows; ++c) std::memset(dst + c * ldd, 0, m * sizeof(uint16_t));
 }
 
@@ -407,6 +463,7 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 
