@@ -39,6 +39,7 @@ struct BlasProducts {
   static constexpr int64_t kKeyAlign = 1;          // tiles may start at any key
   static constexpr bool kRoundsInRowPass = false;  // P stays fp32 (Bf16Products rounds it)
   static constexpr int64_t kScoreRowAlign = 1;     // score blocks hold m rows
+  static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
   int64_t d, dv;
   bool whole_head;
@@ -104,6 +105,7 @@ struct PackedProducts {
   static constexpr int64_t kKeyAlign = avx2::kCols;
   static constexpr bool kRoundsInRowPass = false;
   static constexpr int64_t kScoreRowAlign = 1;
+  static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
   int64_t d, dv, dv_pad, sk_pad;
   bool whole_head;
@@ -184,6 +186,11 @@ struct Bf16Products {
   static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
   static constexpr bool kRoundsInRowPass = true;
   static constexpr int64_t kScoreRowAlign = amx::kTileRows;  // scores_unscaled stores whole tiles
+  // Key tiles of 512: each P V chain is 16 tile steps (32 keys each) before its accumulators
+  // leave through the rescaling epilogue, and the per-tile row bookkeeping halves; the score
+  // block (128 x 512 fp32, 256 KiB) and P (128 KiB) stay in L2. 1.03-1.08x the forward with 256
+  // at D 64/128, S 512-8192, causal or not; 1024 was no better (dev/cpu_forward_experiments.md).
+  static constexpr int64_t kBlockN = 2 * Traits::kFwdBlockN;
 
   int64_t d, dv, d_pad, dv_pad, sk_pad;
   bool whole_head;
@@ -284,7 +291,7 @@ template <typename scalar_t, typename Products>
 struct FwdWorker {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  static constexpr int64_t kN = Traits::kFwdBlockN;
+  static constexpr int64_t kN = Products::kBlockN;
 
   const AttentionParams& p;
   int64_t kM;
