@@ -20,18 +20,14 @@
 #include <immintrin.h>
 #include <initializer_list>
 
+#include "common/cpu/vec_math.h"
+
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,fma")
 
 namespace {
-constexpr float kFloor = -127.f;
-// Degree 6 (shipped), Taylor.
-constexpr float kP6[] = {0.000154035303933816f,
-                         0.00133335581464284f,
-                         0.00961812910762848f,
-                         0.0555041086648216f,
-                         0.240226506959101f,
-                         0.693147180559945f,
-                         1.f};
+constexpr float kFloor = attn_ext::cpu::avx2::kExp2Floor;
+// Degree 6, Taylor: the fp32 sets' polynomial (vec_math.h).
+constexpr const float* kP6 = attn_ext::cpu::avx2::kExp2Poly;
 
 // Degree 5 on [0, 1), constant term 1 (so 2^0 = 1 exactly); |rel err| < 1.5e-7 in fp32.
 constexpr float kP5[] = {0.0018671300495043397f, 0.009017030708491802f, 0.05579991266131401f,
