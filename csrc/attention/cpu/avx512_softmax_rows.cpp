@@ -7,6 +7,8 @@
 // first, then avx2::hsum of their sum, then a scalar tail; one 16-lane accumulator holds exactly
 // that pair, the 8-element step is a masked add into its low half, and its halves are added and
 // reduced by the same avx2::hsum. So the row pass changes no output of the fp32 kernel sets.
+// The bf16 sets' fused pass (exp2_shift_sum_bf16, at the end) owes no bits to AVX2 and takes a
+// cheaper exp2 of the same or better accuracy.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
 // pragma after its includes, as avx512_block_products.cpp does; the AVX2 helpers it calls
