@@ -109,6 +109,15 @@ alignas(64) constexpr uint16_t kInterleave[2 * kLanes] = {
     0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
+// 16 bf16 of a row (even) and of the row ld below, interleaved into (even, odd) pairs by
+// kInterleave: one tile row of the pair layout, or 16 32-bit words of row pairs.
+inline __m512i pair_rows(const uint16_t* even, int64_t ld) {
+  const __m512i rows = _mm512_inserti64x4(
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), rows);
+}
+
 // w[j][t] -> w[t][j] for a 16 x 16 matrix of 32-bit words, one row per register: words paired
 // within 128-bit lanes (unpack 32, then 64 bits: u[4i + c] lane L holds column 4L + c of rows
 // 4i..4i+3), then the lanes gathered (shuffle_i32x4 twice).
@@ -277,14 +286,8 @@ void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t*
       const int64_t f0 = b * kAccCols;
       if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
         // A whole tile: rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute.
-        const __m512i interleave = _mm512_load_si512(kInterleave);
-        for (int64_t t = 0; t < kTileRows; ++t) {
-          const uint16_t* even = v + (j0 + 2 * t) * ld + f0;
-          const __m512i rows = _mm512_inserti64x4(
-              _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
-          _mm512_storeu_si512(tile + t * kPairDepth, _mm512_permutexvar_epi16(interleave, rows));
-        }
+        for (int64_t t = 0; t < kTileRows; ++t)
+          _mm512_storeu_si512(tile + t * kPairDepth, pair_rows(v + (j0 + 2 * t) * ld + f0, ld));
         continue;
       }
       for (int64_t t = 0; t < kTileRows; ++t)
@@ -352,17 +355,10 @@ void transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint1
   // column (as pack_values pairs keys), so that 32-bit word c of register i is column c of the
   // pair; then a 16 x 16 transpose of those words gives column c's 32 rows in register c.
   const int64_t m_full = m / kPairDepth * kPairDepth, n_full = n / kLanes * kLanes;
-  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t r0 = 0; r0 < m_full; r0 += kPairDepth) {
     for (int64_t c0 = 0; c0 < n_full; c0 += kLanes) {
       __m512i words[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const uint16_t* even = src + (r0 + 2 * i) * ld + c0;
-        const __m512i pair = _mm512_inserti64x4(
-            _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
-        words[i] = _mm512_permutexvar_epi16(interleave, pair);
-      }
+      for (int64_t i = 0; i < kLanes; ++i) words[i] = pair_rows(src + (r0 + 2 * i) * ld + c0, ld);
       transpose_words(words);
       for (int64_t c = 0; c < kLanes; ++c) _mm512_storeu_si512(dst + (c0 + c) * ldd + r0, words[c]);
     }

@@ -42,6 +42,13 @@ namespace {
 constexpr int kLanes = 16;
 constexpr __mmask16 kLowHalf = 0x00FF;  // the lanes of the AVX2 loop's first accumulator
 
+// The first `count` lanes (none for count <= 0, all for count >= 16).
+inline __mmask16 first_lanes(int64_t count) {
+  return count <= 0        ? __mmask16(0)
+         : count >= kLanes ? __mmask16(0xFFFF)
+                           : __mmask16((1u << count) - 1u);
+}
+
 // avx2::exp2 on 16 lanes, operation for operation.
 inline __m512 exp2(__m512 x) {
   // _mm512_max_ps, like _mm256_max_ps, returns its second operand when either is NaN.
@@ -63,7 +70,7 @@ float row_max(const float* x, int64_t n) {
   for (; j + kLanes <= n; j += kLanes) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + j));
   // The tail as masked lanes (the others keep -inf): the max is the same in any order.
   if (j < n) {
-    const __mmask16 lanes = __mmask16((1u << (n - j)) - 1u);
+    const __mmask16 lanes = first_lanes(n - j);
     mv = _mm512_mask_max_ps(mv, lanes, mv, _mm512_maskz_loadu_ps(lanes, x + j));
   }
   return _mm512_reduce_max_ps(mv);
@@ -113,7 +120,7 @@ void exp2_scale_shift2(float* x, int64_t n, float a, float hi, float lo) {
 void softmax_grad_row(const float* p, float* dp, int64_t n, float delta) {
   const __m512 dv = _mm512_set1_ps(delta);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __mmask16 lanes = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __mmask16 lanes = first_lanes(n - j);
     const __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, p + j),
                                    _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, dp + j), dv));
     _mm512_mask_storeu_ps(dp + j, lanes, r);
@@ -123,7 +130,7 @@ void softmax_grad_row(const float* p, float* dp, int64_t n, float delta) {
 void scale_row(float* x, int64_t n, float a) {
   const __m512 av = _mm512_set1_ps(a);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __mmask16 lanes = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __mmask16 lanes = first_lanes(n - j);
     _mm512_mask_storeu_ps(x + j, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), av));
   }
 }
@@ -141,12 +148,6 @@ constexpr float kExp2UnitPoly[] = {0.0018671300495043397f, 0.009017030708491802f
 constexpr int kExp2UnitPolyTerms = sizeof(kExp2UnitPoly) / sizeof(kExp2UnitPoly[0]);
 // Below 2^-126 an fp32 result is denormal; those lanes are set to 0 instead of computed.
 constexpr float kExp2NormalFloor = -126.f;
-
-inline __mmask16 first_lanes(int64_t count) {
-  return count <= 0        ? __mmask16(0)
-         : count >= kLanes ? __mmask16(0xFFFF)
-                           : __mmask16((1u << count) - 1u);
-}
 
 // 2^x for the bf16 row pass, whose values are rounded to bf16 and which owes no bits to
 // avx2::exp2: x = floor(x) + f with f in [0, 1) by vreduceps (exact), 2^f by the polynomial,

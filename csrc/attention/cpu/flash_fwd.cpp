@@ -344,40 +344,37 @@ struct FwdWorker {
     std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
     std::fill(state.begin(), state.begin() + m, initial_state<acc_t>(p, h, log2e));
     const int64_t row0 = row_index(p, sb, b, h, i0);
+    // Scores the row pass scales itself (Bf16Products::scores_unscaled), and the factor it
+    // applies: 1 to scores the product already scaled (exact).
     [[maybe_unused]] const bool unscaled =
         !dropout && !mod.active() && p.mask_kind == MaskKind::kNone && s_scale > acc_t(0);
+    [[maybe_unused]] const acc_t row_scale = unscaled ? s_scale : acc_t(1);
 
     // ---- main loop over key blocks; tiles crossing the band's edge are masked row by row
     for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
       const int64_t n = std::min(kN, n_end - j0);
       acc_t* s = s_buf.get();
       prod.load_tile(j0, n);
-      const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
-      if constexpr (Products::kRoundsInRowPass) {
-        if (unscaled) {  // the band's -inf is the same before the scale as after
-          prod.scores_unscaled(qt, ldq, m, n, s, kN);
-          if (band_partial) mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, true, s, kN);
-          for (int64_t r = 0; r < m; ++r) {
-            const acc_t* sr = s + r * kN;
-            factor.get()[r] = state[r].rescale_to(rows.max(sr, n) * s_scale);
-            state[r].sum += prod.exp2_sum_rounded(m, r, sr, n, s_scale, state[r].shift());
-          }
-          prod.accumulate_rounded(m, n, factor.get(), o_buf.get());
-          continue;
-        }
-      }
-      prod.scores(qt, ldq, m, n, s_scale, s, kN);
       // Scaled scores (log2 domain), then modifiers and masks (which expect it), then each
-      // row's max.
+      // row's max; unscaled ones only meet the band, whose -inf is the same before the scale.
+      if constexpr (Products::kRoundsInRowPass) {
+        if (unscaled)
+          prod.scores_unscaled(qt, ldq, m, n, s, kN);
+        else
+          prod.scores(qt, ldq, m, n, s_scale, s, kN);
+      } else {
+        prod.scores(qt, ldq, m, n, s_scale, s, kN);
+      }
       if (mod.active()) modify_tile(mod, i0, m, j0, n, s, kN);
+      const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
       if (band_partial || p.mask_kind != MaskKind::kNone)
         mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
       if constexpr (Products::kRoundsInRowPass) {
         if (!dropout) {
           for (int64_t r = 0; r < m; ++r) {
             const acc_t* sr = s + r * kN;
-            factor.get()[r] = state[r].rescale_to(rows.max(sr, n));
-            state[r].sum += prod.exp2_sum_rounded(m, r, sr, n, acc_t(1), state[r].shift());
+            factor.get()[r] = state[r].rescale_to(rows.max(sr, n) * row_scale);
+            state[r].sum += prod.exp2_sum_rounded(m, r, sr, n, row_scale, state[r].shift());
           }
           prod.accumulate_rounded(m, n, factor.get(), o_buf.get());
           continue;
