@@ -38,6 +38,7 @@ struct BlasProducts {
   using acc_t = typename Traits::acc_t;
   static constexpr int64_t kKeyAlign = 1;          // tiles may start at any key
   static constexpr bool kRoundsInRowPass = false;  // P stays fp32 (Bf16Products rounds it)
+  static constexpr bool kReadsInputQuery = false;  // Q converted to acc_t rows
   static constexpr int64_t kScoreRowAlign = 1;     // score blocks hold m rows
   static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
@@ -104,6 +105,7 @@ struct PackedProducts {
   using Traits = FlashTraits<scalar_t>;
   static constexpr int64_t kKeyAlign = avx2::kCols;
   static constexpr bool kRoundsInRowPass = false;
+  static constexpr bool kReadsInputQuery = false;
   static constexpr int64_t kScoreRowAlign = 1;
   static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
@@ -172,8 +174,8 @@ struct PackedProducts {
 // The bf16 forward on bf16 operands (AMX tiles or AVX512-BF16, `Pairs`). K and V are packed in
 // the pair-interleaved tile layout (amx::pack_keys / pack_values) once per (batch, kv head)
 // while the packed head fits the fp32 panels' element budget (half their bytes), else tile by
-// tile, as PackedProducts does. The query block, which the worker converted to fp32, is rounded
-// back to bf16 (exactly: it was bf16) once per task, and P once per key tile, just before P V:
+// tile, as PackedProducts does. The query block's input rows are copied, padded to whole tiles,
+// once per task (no fp32 round trip), and P is rounded once per key tile, just before P V:
 // without dropout, by the softmax row pass itself (exp2_sum_rounded; the fp32 P is never
 // stored: a pass over the score block fewer), else from the fp32 rows dropout has masked.
 // Where nothing but the band edits the scores (no modifier, no mask tensor, no dropout) and the
@@ -186,6 +188,7 @@ struct Bf16Products {
   using Traits = FlashTraits<c10::BFloat16>;
   static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
   static constexpr bool kRoundsInRowPass = true;
+  static constexpr bool kReadsInputQuery = true;  // bf16 rows padded as they are (round_query)
   static constexpr int64_t kScoreRowAlign = amx::kTileRows;  // scores_unscaled stores whole tiles
   // Key tiles of 512: each P V chain is 16 tile steps (32 keys each) before its accumulators
   // leave through the rescaling epilogue, and the per-tile row bookkeeping halves; the score
@@ -241,20 +244,24 @@ struct Bf16Products {
     }
   }
 
-  void round_query(const float* q, int64_t ldq, int64_t m) {
+  // The query block's bf16 rows (the input's, ldq) as the A operand: features padded to d_pad,
+  // rows to a whole tile, once per task.
+  void round_query(const c10::BFloat16* q, int64_t ldq, int64_t m) {
     if (q_ready) return;
-    grow(q_tile, amx::round_up(m, amx::kTileRows) * d_pad);
-    amx::round_rows(q, ldq, m, d, q_tile.data(), d_pad);
+    const int64_t m_pad = amx::round_up(m, amx::kTileRows);
+    grow(q_tile, m_pad * d_pad);
+    amx::pad_rows(reinterpret_cast<const uint16_t*>(q), ldq, m, d, q_tile.data(), d_pad, m_pad);
     q_ready = true;
   }
 
-  void scores(const float* q, int64_t ldq, int64_t m, int64_t n, float scale, float* s,
+  void scores(const c10::BFloat16* q, int64_t ldq, int64_t m, int64_t n, float scale, float* s,
               int64_t lds) {
     round_query(q, ldq, m);
     pairs.scores(q_tile.data(), d_pad, m, kt, n, d, scale, s, lds);
   }
   // Q K^T without the scale; s holds round_up(m, 16) rows (amx::scores_unscaled).
-  void scores_unscaled(const float* q, int64_t ldq, int64_t m, int64_t n, float* s, int64_t lds) {
+  void scores_unscaled(const c10::BFloat16* q, int64_t ldq, int64_t m, int64_t n, float* s,
+                       int64_t lds) {
     round_query(q, ldq, m);
     pairs.scores_unscaled(q_tile.data(), d_pad, m, kt, n, d, s, lds);
   }
@@ -306,7 +313,7 @@ struct FwdWorker {
       : p(params),
         kM(block_m),
         prod(params, kN),
-        q_buf(Traits::kConvert ? block_m * params.head_dim : 0),
+        q_buf(Traits::kConvert && !Products::kReadsInputQuery ? block_m * params.head_dim : 0),
         s_buf((block_m + Products::kScoreRowAlign - 1) / Products::kScoreRowAlign *
               Products::kScoreRowAlign * kN),
         o_buf(block_m * params.head_dim_v),
@@ -332,8 +339,14 @@ struct FwdWorker {
 
     const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
                             p.q_row_stride, b, h, sb.q_begin + i0);
-    int64_t ldq;
-    const acc_t* qt = load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
+    // The query rows the products read: the input's (bf16 operands), else acc_t copies.
+    int64_t ldq = p.q_row_stride;
+    const auto* qt = [&] {
+      if constexpr (Products::kReadsInputQuery)
+        return q;
+      else
+        return load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
+    }();
     prod.load_head(b * p.kv_heads + hk,
                    row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
                            p.k_row_stride, b, hk, sb.k_begin),
