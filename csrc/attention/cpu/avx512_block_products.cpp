@@ -1,10 +1,13 @@
 // The packed block products on AVX-512 (contracts in block_kernels.h).
 //
-// Shapes: the panels are 16 floats wide, one zmm register. A micro-tile is kRows rows x two
-// adjacent panels (32 columns): 12 x 2 accumulators + 2 panel vectors + 1 broadcast use 27 of
-// AVX-512's 32 registers, and each pair of panel loads feeds 24 FMAs, so the loop is bound
-// by the FMA ports rather than by loads. A lone last panel (an odd panel count) runs with
-// one accumulator per row.
+// Shapes: the panels are 16 floats wide, one zmm register. A micro-tile is R rows x P adjacent
+// panels, R * P accumulators + P panel vectors + 1 broadcast within AVX-512's 32 registers:
+// 8 x 3 (28 registers; 8 broadcasts and 3 panel loads per 24 FMAs) while three or more panels
+// remain, 12 x 2 (27; 12 + 2 loads per 24 FMAs) for the last two, and 12 x 1 for a lone panel.
+// Four panels left take two 12 x 2 tiles rather than 8 x 3 and a lone panel. 8 x 3 against
+// 12 x 2 (Sapphire Rapids VM, 2026-11-27, dev/cpu_forward_experiments.md): the loop alone
+// 1.10-1.15x, the three products on a 128 x 256 tile at D 128 1.02-1.09x, the whole fp32
+// forward 1.02-1.05x and forward + backward 1.03-1.07x.
 //
 // Exactness: each output element is the same chain of fused multiply-adds over k, in the
 // same order, as in the AVX2 kernels; partial panels use masked loads and stores where the
@@ -40,7 +43,9 @@ namespace attn_ext::cpu::avx512 {
 namespace {
 
 constexpr int kLanes = 16;  // one zmm holds one row of a 16-wide panel
-constexpr int kRows = 12;
+// Rows of a full micro-tile of P panels (see the file comment).
+template <int P>
+constexpr int kTileRows = P == 3 ? 8 : 12;
 // Row and panel loops are unrolled before register allocation, or the accumulators land on
 // the stack (see avx2_block_products.h).
 #define ATTN_EXT_UNROLL _Pragma("GCC unroll 16")
@@ -84,14 +89,24 @@ inline void add_to_row(float* o, const float* factor, __m512 acc, int64_t cols) 
   _mm512_mask_storeu_ps(o, lanes, r);
 }
 
-// Calls kernel(std::integral_constant<int, P>{}) with P = 2 when more than one panel's worth
-// of columns remain, else 1.
+// Calls kernel(std::integral_constant<int, P>{}) for the next micro-tile column group when
+// cols_left columns remain: P = 3 while three or more panels remain (but 2 of 4, so that no lone
+// panel is left), else the 2 or 1 left. Returns the P * 16 columns the group covers.
 template <typename F>
-inline void with_panels(int64_t cols_left, F&& kernel) {
-  if (cols_left > kLanes)
-    kernel(std::integral_constant<int, 2>{});
-  else
-    kernel(std::integral_constant<int, 1>{});
+inline int64_t with_panels(int64_t cols_left, F&& kernel) {
+  const int64_t panels_left = (cols_left + kLanes - 1) / kLanes;
+  const int panels = panels_left == 4 ? 2 : int(std::min<int64_t>(panels_left, 3));
+  switch (panels) {
+    case 3:
+      kernel(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      kernel(std::integral_constant<int, 2>{});
+      break;
+    default:
+      kernel(std::integral_constant<int, 1>{});
+  }
+  return panels * kLanes;
 }
 
 // The scores summed in chunks of kDotChunk features, the partial sums kept in s, exactly as
@@ -158,13 +173,15 @@ void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels
                  int64_t d, float scale, float* s, int64_t lds) {
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t panel_offset = d * kLanes;
-  // Two key panels (2 x d x 16 floats) stay in L1 while every row tile passes over them.
-  for (int64_t g = 0; g < n; g += 2 * kLanes) {
-    const float* panel = key_panels + g * d;
-    with_panels(n - g, [&](auto panels) {
-      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
+  // A group's key panels (up to 3 x d x 16 floats) stay in L1 while every row tile passes over
+  // them.
+  for (int64_t c0 = 0; c0 < n;) {
+    const float* panel = key_panels + c0 * d;
+    const int64_t col0 = c0;
+    c0 += with_panels(n - col0, [&](auto panels) {
+      for_row_tiles<kTileRows<decltype(panels)::value>>(m, [&](auto rows, int64_t r0) {
         scores_micro<decltype(rows)::value, decltype(panels)::value>(
-            q + r0 * ldq, ldq, panel, panel_offset, d, sv, s + r0 * lds + g, lds);
+            q + r0 * ldq, ldq, panel, panel_offset, d, sv, s + r0 * lds + col0, lds);
       });
     });
   }
@@ -173,14 +190,16 @@ void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels
 void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_panels,
              int64_t panel_stride, int64_t n, int64_t dv, const float* factor, float* o,
              int64_t ldo) {
-  for (int64_t c0 = 0; c0 < dv; c0 += 2 * kLanes) {
+  for (int64_t c0 = 0; c0 < dv;) {
     const float* panel = value_panels + (c0 / kLanes) * panel_stride;
-    const int64_t cols = std::min<int64_t>(2 * kLanes, dv - c0);
-    with_panels(cols, [&](auto panels) {
-      for_row_tiles<kRows>(m, [&](auto rows, int64_t r0) {
+    const int64_t left = dv - c0, col0 = c0;
+    c0 += with_panels(left, [&](auto panels) {
+      constexpr int P = decltype(panels)::value;
+      const int64_t cols = std::min<int64_t>(P * kLanes, left);
+      for_row_tiles<kTileRows<P>>(m, [&](auto rows, int64_t r0) {
         pv_micro<decltype(rows)::value, decltype(panels)::value>(
             p + r0 * ldp, ldp, panel, panel_stride, n, factor ? factor + r0 : nullptr,
-            o + r0 * ldo + c0, ldo, cols);
+            o + r0 * ldo + col0, ldo, cols);
       });
     });
   }
@@ -188,13 +207,15 @@ void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_panels,
 
 void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
               int64_t panel_stride, int64_t dc, float* c, int64_t ldc) {
-  for (int64_t c0 = 0; c0 < dc; c0 += 2 * kLanes) {
+  for (int64_t c0 = 0; c0 < dc;) {
     const float* panel = b_panels + (c0 / kLanes) * panel_stride;
-    const int64_t cols = std::min<int64_t>(2 * kLanes, dc - c0);
-    with_panels(cols, [&](auto panels) {
-      for_row_tiles<kRows>(n, [&](auto rows, int64_t i0) {
-        atb_micro<decltype(rows)::value, decltype(panels)::value>(a + i0, lda, panel, panel_stride,
-                                                                  m, c + i0 * ldc + c0, ldc, cols);
+    const int64_t left = dc - c0, col0 = c0;
+    c0 += with_panels(left, [&](auto panels) {
+      constexpr int P = decltype(panels)::value;
+      const int64_t cols = std::min<int64_t>(P * kLanes, left);
+      for_row_tiles<kTileRows<P>>(n, [&](auto rows, int64_t i0) {
+        atb_micro<decltype(rows)::value, decltype(panels)::value>(
+            a + i0, lda, panel, panel_stride, m, c + i0 * ldc + col0, ldc, cols);
       });
     });
   }
