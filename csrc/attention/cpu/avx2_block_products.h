@@ -89,7 +89,10 @@ void pack_key_panels(const scalar_t* k, int64_t ld, int64_t n, int64_t d, float*
 }
 
 // Values [0, n) of rows v (stride ld) as column panels: panel c (stride panel_stride)
-// holds, for each key j, features c * kCols .. c * kCols + 15 (zero past dv).
+// holds, for each key j, features c * kCols .. c * kCols + 15 (zero past dv). Whole panels
+// move as two 8-lane loads and stores per row: the copy through a scratch row compiled to a
+// memcpy and a memset call per 64 bytes, and the backward packs each query tile's Q and dO once
+// per key block (fp32 forward + backward 1.03-1.04x at D 128, 2026-11-27).
 template <typename scalar_t>
 void pack_value_panels(const scalar_t* v, int64_t ld, int64_t n, int64_t dv, float* dst,
                        int64_t panel_stride) {
@@ -97,6 +100,13 @@ void pack_value_panels(const scalar_t* v, int64_t ld, int64_t n, int64_t dv, flo
   for (int64_t c0 = 0; c0 < dv; c0 += kCols) {
     float* panel = dst + (c0 / kCols) * panel_stride;
     const int64_t w = std::min<int64_t>(kCols, dv - c0);
+    if (w == kCols) {
+      for (int64_t j = 0; j < n; ++j) {
+        _mm256_storeu_ps(panel + j * kCols, load8(v + j * ld + c0));
+        _mm256_storeu_ps(panel + j * kCols + kWidth, load8(v + j * ld + c0 + kWidth));
+      }
+      continue;
+    }
     for (int64_t j = 0; j < n; ++j) {
       load_row(v + j * ld + c0, row, w, 1.f);
       for (int64_t c = w; c < kCols; ++c) row[c] = 0.f;
