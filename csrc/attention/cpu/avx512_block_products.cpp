@@ -89,24 +89,28 @@ inline void add_to_row(float* o, const float* factor, __m512 acc, int64_t cols) 
   _mm512_mask_storeu_ps(o, lanes, r);
 }
 
-// Calls kernel(std::integral_constant<int, P>{}) for the next micro-tile column group when
-// cols_left columns remain: P = 3 while three or more panels remain (but 2 of 4, so that no lone
-// panel is left), else the 2 or 1 left. Returns the P * 16 columns the group covers.
+// Covers columns [0, total) with micro-tile column groups: kernel(panels, col0, cols) for each,
+// panels an std::integral_constant<int, P> (P = 3 while three or more 16-wide panels remain, but
+// 2 of 4, so that no lone panel is left; else the 2 or 1 left), col0 the group's first column
+// and cols its columns within total.
 template <typename F>
-inline int64_t with_panels(int64_t cols_left, F&& kernel) {
-  const int64_t panels_left = (cols_left + kLanes - 1) / kLanes;
-  const int panels = panels_left == 4 ? 2 : int(std::min<int64_t>(panels_left, 3));
-  switch (panels) {
-    case 3:
-      kernel(std::integral_constant<int, 3>{});
-      break;
-    case 2:
-      kernel(std::integral_constant<int, 2>{});
-      break;
-    default:
-      kernel(std::integral_constant<int, 1>{});
+inline void for_panel_groups(int64_t total, F&& kernel) {
+  for (int64_t col0 = 0; col0 < total;) {
+    const int64_t left = total - col0, panels_left = (left + kLanes - 1) / kLanes;
+    const int panels = panels_left == 4 ? 2 : int(std::min<int64_t>(panels_left, 3));
+    const int64_t cols = std::min<int64_t>(panels * kLanes, left);
+    switch (panels) {
+      case 3:
+        kernel(std::integral_constant<int, 3>{}, col0, cols);
+        break;
+      case 2:
+        kernel(std::integral_constant<int, 2>{}, col0, cols);
+        break;
+      default:
+        kernel(std::integral_constant<int, 1>{}, col0, cols);
+    }
+    col0 += panels * kLanes;
   }
-  return panels * kLanes;
 }
 
 // The scores summed in chunks of kDotChunk features, the partial sums kept in s, exactly as
@@ -175,50 +179,39 @@ void scores_tile(const float* q, int64_t ldq, int64_t m, const float* key_panels
   const int64_t panel_offset = d * kLanes;
   // A group's key panels (up to 3 x d x 16 floats) stay in L1 while every row tile passes over
   // them.
-  for (int64_t c0 = 0; c0 < n;) {
-    const float* panel = key_panels + c0 * d;
-    const int64_t col0 = c0;
-    c0 += with_panels(n - col0, [&](auto panels) {
-      for_row_tiles<kTileRows<decltype(panels)::value>>(m, [&](auto rows, int64_t r0) {
-        scores_micro<decltype(rows)::value, decltype(panels)::value>(
-            q + r0 * ldq, ldq, panel, panel_offset, d, sv, s + r0 * lds + col0, lds);
-      });
+  for_panel_groups(n, [&](auto panels, int64_t col0, int64_t) {
+    constexpr int P = decltype(panels)::value;
+    for_row_tiles<kTileRows<P>>(m, [&](auto rows, int64_t r0) {
+      scores_micro<decltype(rows)::value, P>(q + r0 * ldq, ldq, key_panels + col0 * d, panel_offset,
+                                             d, sv, s + r0 * lds + col0, lds);
     });
-  }
+  });
 }
 
 void pv_tile(const float* p, int64_t ldp, int64_t m, const float* value_panels,
              int64_t panel_stride, int64_t n, int64_t dv, const float* factor, float* o,
              int64_t ldo) {
-  for (int64_t c0 = 0; c0 < dv;) {
-    const float* panel = value_panels + (c0 / kLanes) * panel_stride;
-    const int64_t left = dv - c0, col0 = c0;
-    c0 += with_panels(left, [&](auto panels) {
-      constexpr int P = decltype(panels)::value;
-      const int64_t cols = std::min<int64_t>(P * kLanes, left);
-      for_row_tiles<kTileRows<P>>(m, [&](auto rows, int64_t r0) {
-        pv_micro<decltype(rows)::value, decltype(panels)::value>(
-            p + r0 * ldp, ldp, panel, panel_stride, n, factor ? factor + r0 : nullptr,
-            o + r0 * ldo + col0, ldo, cols);
-      });
+  for_panel_groups(dv, [&](auto panels, int64_t col0, int64_t cols) {
+    constexpr int P = decltype(panels)::value;
+    const float* panel = value_panels + col0 / kLanes * panel_stride;
+    for_row_tiles<kTileRows<P>>(m, [&](auto rows, int64_t r0) {
+      pv_micro<decltype(rows)::value, P>(p + r0 * ldp, ldp, panel, panel_stride, n,
+                                         factor ? factor + r0 : nullptr, o + r0 * ldo + col0, ldo,
+                                         cols);
     });
-  }
+  });
 }
 
 void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_panels,
               int64_t panel_stride, int64_t dc, float* c, int64_t ldc) {
-  for (int64_t c0 = 0; c0 < dc;) {
-    const float* panel = b_panels + (c0 / kLanes) * panel_stride;
-    const int64_t left = dc - c0, col0 = c0;
-    c0 += with_panels(left, [&](auto panels) {
-      constexpr int P = decltype(panels)::value;
-      const int64_t cols = std::min<int64_t>(P * kLanes, left);
-      for_row_tiles<kTileRows<P>>(n, [&](auto rows, int64_t i0) {
-        atb_micro<decltype(rows)::value, decltype(panels)::value>(
-            a + i0, lda, panel, panel_stride, m, c + i0 * ldc + col0, ldc, cols);
-      });
+  for_panel_groups(dc, [&](auto panels, int64_t col0, int64_t cols) {
+    constexpr int P = decltype(panels)::value;
+    const float* panel = b_panels + col0 / kLanes * panel_stride;
+    for_row_tiles<kTileRows<P>>(n, [&](auto rows, int64_t i0) {
+      atb_micro<decltype(rows)::value, P>(a + i0, lda, panel, panel_stride, m, c + i0 * ldc + col0,
+                                          ldc, cols);
     });
-  }
+  });
 }
 
 }  // namespace attn_ext::cpu::avx512
