@@ -38,7 +38,7 @@ struct BlasProducts {
   using acc_t = typename Traits::acc_t;
   static constexpr int64_t kKeyAlign = 1;          // tiles may start at any key
   static constexpr bool kRoundsInRowPass = false;  // P stays fp32 (Bf16Products rounds it)
-  static constexpr bool kReadsInputQuery = false;  // Q converted to acc_t rows
+  static constexpr bool kReadsInputQuery = false;  // Q as acc_t rows (load_tile)
   static constexpr int64_t kScoreRowAlign = 1;     // score blocks hold m rows
   static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
@@ -188,7 +188,7 @@ struct Bf16Products {
   using Traits = FlashTraits<c10::BFloat16>;
   static constexpr int64_t kKeyAlign = amx::kPairDepth;  // whole-head tiles hold 32-key chunks
   static constexpr bool kRoundsInRowPass = true;
-  static constexpr bool kReadsInputQuery = true;  // bf16 rows padded as they are (round_query)
+  static constexpr bool kReadsInputQuery = true;  // bf16 rows padded as they are (pad_query)
   static constexpr int64_t kScoreRowAlign = amx::kTileRows;  // scores_unscaled stores whole tiles
   // Key tiles of 512: each P V chain is 16 tile steps (32 keys each) before its accumulators
   // leave through the rescaling epilogue, and the per-tile row bookkeeping halves; the score
@@ -246,7 +246,7 @@ struct Bf16Products {
 
   // The query block's bf16 rows (the input's, ldq) as the A operand: features padded to d_pad,
   // rows to a whole tile, once per task.
-  void round_query(const c10::BFloat16* q, int64_t ldq, int64_t m) {
+  void pad_query(const c10::BFloat16* q, int64_t ldq, int64_t m) {
     if (q_ready) return;
     const int64_t m_pad = amx::round_up(m, amx::kTileRows);
     grow(q_tile, m_pad * d_pad);
@@ -256,13 +256,13 @@ struct Bf16Products {
 
   void scores(const c10::BFloat16* q, int64_t ldq, int64_t m, int64_t n, float scale, float* s,
               int64_t lds) {
-    round_query(q, ldq, m);
+    pad_query(q, ldq, m);
     pairs.scores(q_tile.data(), d_pad, m, kt, n, d, scale, s, lds);
   }
   // Q K^T without the scale; s holds round_up(m, 16) rows (amx::scores_unscaled).
   void scores_unscaled(const c10::BFloat16* q, int64_t ldq, int64_t m, int64_t n, float* s,
                        int64_t lds) {
-    round_query(q, ldq, m);
+    pad_query(q, ldq, m);
     pairs.scores_unscaled(q_tile.data(), d_pad, m, kt, n, d, s, lds);
   }
 
