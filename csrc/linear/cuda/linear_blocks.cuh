@@ -33,17 +33,31 @@ __device__ __forceinline__ auto transposed(T const& t) {
 }
 
 // acc += A B^T for shared tiles A (M x K) and B (N x K), read into registers with the copy atoms
-// AtomA / AtomB (ldmatrix, transposing where the tile is a transposed view).
+// AtomA / AtomB (ldmatrix, transposing where the tile is a transposed view); the FMA atoms of
+// the fp32 traits (kRolledK) read one k column of each at a time.
 template <class Tr, class AtomA, class AtomB, class Acc, class SA, class SB>
 __device__ __forceinline__ void mma_ss(Acc& acc, SA const& sA, SB const& sB) {
   typename Tr::TiledMma mma;
   auto thr = mma.get_thread_slice(threadIdx.x);
-  Tensor rA = thr.partition_fragment_A(plain(sA));
-  Tensor rB = thr.partition_fragment_B(plain(sB));
-  auto cpA = make_tiled_copy_A(AtomA{}, mma);
-  auto cpB = make_tiled_copy_B(AtomB{}, mma);
-  gemm_ss(mma, acc, rA, rB, cpA.get_thread_slice(threadIdx.x).partition_S(sA),
-          cpB.get_thread_slice(threadIdx.x).partition_S(sB), cpA, cpB);
+  if constexpr (Tr::kRolledK) {       // FMA atoms: one k per step (see the fp32 traits)
+    Tensor tA = thr.partition_A(sA);  // (MMA, MMA_M, K)
+    Tensor tB = thr.partition_B(sB);  // (MMA, MMA_N, K)
+    Tensor rA = make_fragment_like(tA(_, _, 0));
+    Tensor rB = make_fragment_like(tB(_, _, 0));
+#pragma unroll Tr::kKUnroll
+    for (int k = 0; k < size<2>(tA); ++k) {
+      copy(tA(_, _, k), rA);
+      copy(tB(_, _, k), rB);
+      gemm(mma, rA, rB, acc);
+    }
+  } else {
+    Tensor rA = thr.partition_fragment_A(plain(sA));
+    Tensor rB = thr.partition_fragment_B(plain(sB));
+    auto cpA = make_tiled_copy_A(AtomA{}, mma);
+    auto cpB = make_tiled_copy_B(AtomB{}, mma);
+    gemm_ss(mma, acc, rA, rB, cpA.get_thread_slice(threadIdx.x).partition_S(sA),
+            cpB.get_thread_slice(threadIdx.x).partition_S(sB), cpA, cpB);
+  }
 }
 
 // An fp32 accumulator of an (M x N) product and, per element, its (row, col) in the tile.

@@ -66,6 +66,9 @@ struct LinearFwdTraits : LinearTileShape<kHeadDim_> {
   // m16n8k16 MMAs, fp32 accumulation, 4 warps stacked along M (16 rows each); the 16-wide N
   // tile makes one ldmatrix.x4 of B feed two MMAs. Every product's M (C or D) is a multiple
   // of 64 and its N (C or kValueTile) a multiple of 16.
+  // The products' K loop is 4 MMA steps (64 / 16) at most: unrolled whole, each step's
+  // ldmatrix issued under the previous step's MMAs (cute_util::gemm_ss).
+  static constexpr bool kRolledK = false;
   using TiledMma = cute::TiledMMA<cute::MMA_Atom<typename CuteElem<T>::MmaOp>,
                                   cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
                                   cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
@@ -103,6 +106,13 @@ struct LinearFwdTraits<float, kHeadDim_> : LinearTileShape<kHeadDim_> {
                             cute::Stride<cute::Int<kCols + kPad>, cute::_1>>;
 
   // FMA atoms on a 16 x 8 thread grid: each thread owns (M / 16) x (N / 8) outputs.
+  // One FMA step takes one k, so a product's K loop is 64 or 128 steps: unrolled whole (with
+  // register fragments for every k, as gemm_ss holds them) it made cicc spend ~4 minutes per
+  // architecture on the fp32 kernels of linear_attention_bwd.cu alone, and the fragments
+  // (M / 16 + N / 8) x K floats per thread do not fit the register file. The loop stays rolled
+  // instead, kKUnroll steps per iteration, each step's operands loaded into a fragment of its own.
+  static constexpr bool kRolledK = true;
+  static constexpr int kKUnroll = 4;
   using TiledMma = cute::TiledMMA<cute::MMA_Atom<cute::UniversalFMA<float, float, float, float>>,
                                   cute::Layout<cute::Shape<cute::_16, cute::_8, cute::_1>>>;
   using SmemCopyAtom = cute::Copy_Atom<cute::UniversalCopy<float>, float>;
