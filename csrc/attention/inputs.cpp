@@ -373,18 +373,27 @@ PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at
   return r;
 }
 
-Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials) {
+Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials, bool zeroed,
+                     FinalGrads final) {
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
   const int64_t B = p.batch, H = p.heads, D = p.head_dim, Dv = p.head_dim_v;
+  TORCH_INTERNAL_ASSERT(!final.dq || dq_partials == 1, "a final dq is one partial");
+  TORCH_INTERNAL_ASSERT(!final.dkv || H == p.kv_heads, "a final dk / dv has no group to sum");
+  const auto make = [&](at::IntArrayRef shape, bool is_final) {
+    const auto opts = is_final ? q.options() : acc;
+    return zeroed ? at::zeros(shape, opts) : at::empty(shape, opts);
+  };
   Grads g;
+  g.final = final;
   if (p.varlen()) {
-    g.dq = at::zeros({dq_partials, p.total_q, H, D}, acc);
-    g.dk = at::zeros({p.total_k, H, D}, acc);
-    g.dv = at::zeros({p.total_k, H, Dv}, acc);
+    g.dq = final.dq ? make({p.total_q, H, D}, true) : make({dq_partials, p.total_q, H, D}, false);
+    g.dk = make({p.total_k, H, D}, final.dkv);
+    g.dv = make({p.total_k, H, Dv}, final.dkv);
   } else {
-    g.dq = at::zeros({dq_partials, B, H, p.seqlen_q, D}, acc);
-    g.dk = at::zeros({B, H, p.seqlen_k, D}, acc);
-    g.dv = at::zeros({B, H, p.seqlen_k, Dv}, acc);
+    g.dq = final.dq ? make({B, H, p.seqlen_q, D}, true)
+                    : make({dq_partials, B, H, p.seqlen_q, D}, false);
+    g.dk = make({B, H, p.seqlen_k, D}, final.dkv);
+    g.dv = make({B, H, p.seqlen_k, Dv}, final.dkv);
   }
   p.dq = g.dq.data_ptr();
   p.dk = g.dk.data_ptr();
@@ -399,10 +408,10 @@ Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_part
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_grads(
     const AttentionBwdParams& p, Grads g, at::ScalarType dtype,
     const std::optional<at::Tensor>& sinks) {
-  at::Tensor dq = g.dq.size(0) == 1 ? g.dq.squeeze(0) : g.dq.sum(0);
+  at::Tensor dq = g.final.dq ? g.dq : g.dq.size(0) == 1 ? g.dq.squeeze(0) : g.dq.sum(0);
   at::Tensor dk = g.dk, dv = g.dv;
   const int64_t H = p.heads, Hkv = p.kv_heads, D = p.head_dim, Dv = p.head_dim_v;
-  if (H != Hkv) {
+  if (H != Hkv) {      // (never final: allocate_grads)
     if (p.varlen()) {  // (total_k, H, *) -> (total_k, Hkv, *)
       const int64_t T = p.total_k;
       dk = Hkv == 0 ? dk.new_zeros({T, 0, D}) : dk.view({T, Hkv, H / Hkv, D}).sum(2);

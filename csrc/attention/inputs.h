@@ -87,13 +87,23 @@ PreparedBackward prepare_backward_of(const char* op, PreparedInputs in, const at
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const std::optional<at::Tensor>& grad_lse);
 
-// Zeroed gradient accumulators in q's compute type, and the params pointed at them:
-// dq as `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head
-// (varlen: (H, total, *)), dsinks (H,) when the op has sinks.
+// The results a kernel writes in q's dtype itself, from accumulators of its own: dq (one
+// partial) and dk / dv (one query head per kv head, no GQA group to sum).
+struct FinalGrads {
+  bool dq = false;
+  bool dkv = false;
+};
+// Gradient accumulators in q's compute type, and the params pointed at them: dq as
+// `dq_partials` chunk-major partials (B, H, Sq, D) each, dk / dv per query head (varlen:
+// (H, total, *)), dsinks (H,) when the op has sinks; the tensors `final` names instead in q's
+// dtype and the op's layout. Zeroed, or with `zeroed` false left uninitialized for a kernel that
+// writes every element itself (dsinks is zeroed either way).
 struct Grads {
   at::Tensor dq, dk, dv, dsinks;
+  FinalGrads final;
 };
-Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials = 1);
+Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_partials = 1,
+                     bool zeroed = true, FinalGrads final = {});
 // The op's results from the accumulators: dq's partials summed in a fixed order, each GQA
 // group's dk / dv summed in the compute type, all cast to `dtype`, in the op's layout;
 // grad_sinks in `sinks`' dtype (an empty float32 tensor without sinks).

@@ -336,9 +336,17 @@ struct Bf16BwdProducts {
 };
 #endif
 
-// dq must hold chunks x (B, H, Sq, D) partials (chunk-major; varlen: chunks x (H, total_q, D)).
+// rows x cols of src (ld_src apart) rounded to scalar_t into dst (ld_dst apart).
+template <typename scalar_t, typename acc_t>
+void store_rows(const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols, scalar_t* dst,
+                int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r) store_row(src + r * ld_src, dst + r * ld_dst, cols, acc_t(1));
+}
+
+// dq must hold chunks x (B, H, Sq, D) partials (chunk-major; varlen: chunks x (H, total_q, D)),
+// or dq in scalar_t where final.dq; dk / dv likewise (final.dkv). allocate_grads' layouts.
 template <typename scalar_t, typename Products>
-void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks, FinalGrads final) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   constexpr int64_t kM = Traits::kBwdBlockM, kN = Traits::kBwdBlockN;
@@ -377,10 +385,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
       const auto* dout = row_ptr(static_cast<const scalar_t*>(p.dout), p.do_batch_stride,
                                  p.do_head_stride, p.do_row_stride, b, h, sb.q_begin);
       for (int64_t i = 0; i < Sq; ++i) {
-        acc_t d = 0;
-        for (int64_t c = 0; c < Dv; ++c)
-          d += static_cast<acc_t>(dout[i * p.do_row_stride + c]) *
-               static_cast<acc_t>(o[i * p.o_row_stride + c]);
+        const acc_t d = row_dot<acc_t>(dout + i * p.do_row_stride, o + i * p.o_row_stride, Dv);
         // d lse_i / d s_ij = P_ij, so an lse gradient enters as dS_ij += P_ij * glse_i.
         delta[r0 + i] = p.grad_lse ? d - static_cast<acc_t>(p.grad_lse[r0 + i]) : d;
       }
@@ -413,9 +418,14 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 
   // ---- main loop, per (batch, head, key chunk): the chunk's key blocks outside, the query
   // rows that see them inside; each task owns its dq partial and its dk / dv rows.
-  auto task = [&](Products& prod, Buffer<acc_t>& p_buf, Buffer<acc_t>& dp_buf,
-                  Buffer<acc_t>& dcap_buf, Buffer<uint8_t>& keep, int64_t b, int64_t h,
-                  int64_t chunk) {
+  struct Worker {
+    Products prod;
+    Buffer<acc_t> p_buf, dp_buf, dcap_buf;
+    Buffer<uint8_t> keep;
+    Buffer<acc_t> dq_rows, dk_rows, dv_rows;  // the accumulators of the final results
+  };
+  auto task = [&](Worker& w, int64_t b, int64_t h, int64_t chunk) {
+    Products& prod = w.prod;
     const SeqBounds sb = seq_bounds(p, b);
     const int64_t Sq = sb.seqlen_q, Sk = sb.seqlen_k, hk = h / p.group();
     const LocalBand band{sb.key_offset, p.window_left, p.window_right};
@@ -431,23 +441,39 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
     const acc_t* lse_lo_r = lse2_lo.data() + r0;
     const acc_t* delta_r = delta.data() + r0;
     const int64_t step = p.acc_row_step();  // rows apart of a head's consecutive rows
-    auto* dq = static_cast<acc_t*>(p.dq) + (chunk * rows + p.acc_row(b, h, sb.q_begin, QR)) * D;
-    auto* dk = static_cast<acc_t*>(p.dk) + p.acc_row(b, h, sb.k_begin, KR) * D;
-    auto* dv = static_cast<acc_t*>(p.dv) + p.acc_row(b, h, sb.k_begin, KR) * Dv;
+    const int64_t q_row0 = p.acc_row(b, h, sb.q_begin, QR),
+                  k_row0 = p.acc_row(b, h, sb.k_begin, KR);
+    // Where the products accumulate, ld apart: the op's fp32 tensors (step rows apart), or, for
+    // the results in q's dtype (final), this worker's rows, rounded into the op's tensors once
+    // complete: dq after the task, dk / dv after each key block.
+    acc_t* const dq =
+        final.dq ? w.dq_rows.get() : static_cast<acc_t*>(p.dq) + (chunk * rows + q_row0) * D;
+    const int64_t ld_q = final.dq ? D : step * D;
+    const int64_t ld_k = final.dkv ? D : step * D, ld_v = final.dkv ? Dv : step * Dv;
+    auto dk_of = [&](int64_t j0) {
+      return final.dkv ? w.dk_rows.get() : static_cast<acc_t*>(p.dk) + (k_row0 + j0 * step) * D;
+    };
+    auto dv_of = [&](int64_t j0) {
+      return final.dkv ? w.dv_rows.get() : static_cast<acc_t*>(p.dv) + (k_row0 + j0 * step) * Dv;
+    };
 
     const int64_t key_blocks = (Sk + kN - 1) / kN;
     const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
-    const int64_t j_begin = chunk * blocks_per_chunk * kN;
+    const int64_t j_begin = std::min(Sk, chunk * blocks_per_chunk * kN);
     const int64_t j_end = std::min(Sk, (chunk + 1) * blocks_per_chunk * kN);
-    if (j_begin >= j_end) return;
-    // The band's rows are monotone in the keys: the chunk's tiles lie in these rows.
+    // Every task writes all of its rows (the dq partial's or dq's and the chunk's dk / dv rows,
+    // zeros where no query sees a key): accumulators start at zero here, in cache, unless they
+    // are varlen fp32 tensors (zeroed by run_bwd: rows of empty sequences have no task).
+    const bool zero_q = final.dq || !p.varlen(), zero_kv = final.dkv || !p.varlen();
+    if (zero_q) std::fill(dq, dq + Sq * D, acc_t(0));  // (contiguous: ld_q = D)
+    // The band's rows are monotone in the keys: the chunk's tiles lie in these rows, and a
+    // block's rows [r_begin, r_end) lie in them.
     const int64_t rows_lo = band.row_begin(j_begin, Sq), rows_hi = band.row_end(j_end, Sq);
-    if (rows_lo >= rows_hi) return;
-    prod.begin_rows(q, p.q_row_stride, dout, p.do_row_stride, rows_lo, rows_hi);
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
-      const int64_t n = std::min(kN, Sk - j0);
-      const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
-      if (r_begin >= r_end) continue;
+    if (rows_lo < rows_hi)
+      prod.begin_rows(q, p.q_row_stride, dout, p.do_row_stride, rows_lo, rows_hi);
+    // The products of key block [j0, j0 + n) with the query rows [r_begin, r_end) that see it.
+    auto key_block = [&](int64_t j0, int64_t n, int64_t r_begin, int64_t r_end, acc_t* dk,
+                         acc_t* dv) {
       prod.load_keys(k + j0 * p.k_row_stride, p.k_row_stride, v + j0 * p.v_row_stride,
                      p.v_row_stride, n);
 
@@ -455,9 +481,9 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         const int64_t m = std::min(kM, r_end - i0);
         prod.load_queries(i0, q + i0 * p.q_row_stride, p.q_row_stride, dout + i0 * p.do_row_stride,
                           p.do_row_stride, m);
-        acc_t* pt = p_buf.get();
-        acc_t* dpt = dp_buf.get();
-        acc_t* dcap = mod.softcapped() ? dcap_buf.get() : nullptr;
+        acc_t* pt = w.p_buf.get();
+        acc_t* dpt = w.dp_buf.get();
+        acc_t* dcap = mod.softcapped() ? w.dcap_buf.get() : nullptr;
 
         // P = exp(modified scores - lse), masked entries 0; the scores are scaled and
         // modified as the forward did, so they match its lse to the rounding of the products.
@@ -479,19 +505,19 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         // dV += P_dropped^T dO
         const acc_t* pv = pt;
         if (dropout) {
-          dropout_tile(p, r0 + i0, m, j0, n, keep.get());
+          dropout_tile(p, r0 + i0, m, j0, n, w.keep.get());
           for (int64_t r = 0; r < m; ++r) {
             std::copy(pt + r * kN, pt + r * kN + n, dpt + r * kN);
-            apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+            apply_keep(dpt + r * kN, w.keep.get() + r * n, n, keep_scale);
           }
           pv = dpt;
         }
-        prod.add_dv(pv, kN, m, n, dv + j0 * step * Dv, step * Dv);
+        prod.add_dv(pv, kN, m, n, dv, ld_v);
 
         // dS = scale * P * (dP - delta) (* softcap'), dP = (dO V^T) through the dropout mask
         prod.dprobs(m, n, dpt, kN);
         for (int64_t r = 0; r < m; ++r) {
-          if (dropout) apply_keep(dpt + r * kN, keep.get() + r * n, n, keep_scale);
+          if (dropout) apply_keep(dpt + r * kN, w.keep.get() + r * n, n, keep_scale);
           row_pass.grad(pt + r * kN, dpt + r * kN, n, delta_r[i0 + r]);
           if (dcap != nullptr)
             for (int64_t c = 0; c < n; ++c) dpt[r * kN + c] *= dcap[r * n + c];
@@ -499,26 +525,41 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
         }
 
         // dQ += dS K,  dK += dS^T Q
-        prod.add_dq(dpt, kN, m, n, dq + i0 * step * D, step * D);
-        prod.add_dk(dpt, kN, m, n, dk + j0 * step * D, step * D);
+        prod.add_dq(dpt, kN, m, n, dq + i0 * ld_q, ld_q);
+        prod.add_dk(dpt, kN, m, n, dk, ld_k);
       }
-      prod.finish_keys(n, dk + j0 * step * D, step * D, dv + j0 * step * Dv, step * Dv);
+      prod.finish_keys(n, dk, ld_k, dv, ld_v);
+    };
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kN) {
+      const int64_t n = std::min(kN, Sk - j0);
+      acc_t* const dk = dk_of(j0);
+      acc_t* const dv = dv_of(j0);
+      if (zero_kv) {  // (contiguous: step 1 or the worker's rows)
+        std::fill(dk, dk + n * D, acc_t(0));
+        std::fill(dv, dv + n * Dv, acc_t(0));
+      }
+      const int64_t r_begin = band.row_begin(j0, Sq), r_end = band.row_end(j0 + n, Sq);
+      if (r_begin < r_end) key_block(j0, n, r_begin, r_end, dk, dv);
+      if (final.dkv) {
+        store_rows(dk, D, n, D, static_cast<scalar_t*>(p.dk) + (k_row0 + j0 * step) * D, step * D);
+        store_rows(dv, Dv, n, Dv, static_cast<scalar_t*>(p.dv) + (k_row0 + j0 * step) * Dv,
+                   step * Dv);
+      }
     }
+    if (final.dq) store_rows(dq, D, Sq, D, static_cast<scalar_t*>(p.dq) + q_row0 * D, step * D);
   };
 
-  struct Worker {
-    Products prod;
-    Buffer<acc_t> p_buf, dp_buf, dcap_buf;
-    Buffer<uint8_t> keep;
-  };
   auto make_worker = [&] {
-    return Worker{Products(p, kM, kN), Buffer<acc_t>(kM * kN), Buffer<acc_t>(kM * kN),
+    return Worker{Products(p, kM, kN),
+                  Buffer<acc_t>(kM * kN),
+                  Buffer<acc_t>(kM * kN),
                   Buffer<acc_t>(p.softcap > 0.0 ? kM * kN : 0),
-                  Buffer<uint8_t>(dropout ? kM * kN : 0)};
+                  Buffer<uint8_t>(dropout ? kM * kN : 0),
+                  Buffer<acc_t>(final.dq ? p.seqlen_q * D : 0),  // (varlen: the longest)
+                  Buffer<acc_t>(final.dkv ? kN * D : 0),
+                  Buffer<acc_t>(final.dkv ? kN * Dv : 0)};
   };
-  auto run = [&](Worker& w, int64_t b, int64_t h, int64_t chunk) {
-    task(w.prod, w.p_buf, w.dp_buf, w.dcap_buf, w.keep, b, h, chunk);
-  };
+  auto run = [&](Worker& w, int64_t b, int64_t h, int64_t chunk) { task(w, b, h, chunk); };
   if (p.varlen()) {
     // (sequence, head, chunk) tasks, the sequences with the most work first.
     std::vector<std::pair<int64_t, int64_t>> order;  // (-work, sequence)
@@ -549,7 +590,7 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
 // block_kernels() says so and the query rows fit the per-thread budget); BLAS for fp64 and
 // other ISAs.
 template <typename scalar_t>
-void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
+void flash_bwd(const AttentionBwdParams& p, int64_t chunks, FinalGrads final) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
 #ifdef ATTN_EXT_AMX_PRODUCTS
@@ -557,19 +598,19 @@ void flash_bwd(const AttentionBwdParams& p, int64_t chunks) {
       if (Bf16BwdProducts<AmxPairs>::fits(p)) {
         switch (block_kernels().bf16_operands) {
           case Bf16Operands::kAmx:
-            return flash_bwd<scalar_t, Bf16BwdProducts<AmxPairs>>(p, chunks);
+            return flash_bwd<scalar_t, Bf16BwdProducts<AmxPairs>>(p, chunks, final);
           case Bf16Operands::kAvx512Bf16:
-            return flash_bwd<scalar_t, Bf16BwdProducts<Avx512Bf16Pairs>>(p, chunks);
+            return flash_bwd<scalar_t, Bf16BwdProducts<Avx512Bf16Pairs>>(p, chunks, final);
           case Bf16Operands::kFp32:
             break;
         }
       }
     }
 #endif
-    return flash_bwd<scalar_t, PackedBwdProducts<scalar_t>>(p, chunks);
+    return flash_bwd<scalar_t, PackedBwdProducts<scalar_t>>(p, chunks, final);
   }
 #endif
-  flash_bwd<scalar_t, BlasBwdProducts<scalar_t>>(p, chunks);
+  flash_bwd<scalar_t, BlasBwdProducts<scalar_t>>(p, chunks, final);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
@@ -578,9 +619,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
   const at::Tensor& q = in.in.q;
   int64_t chunks = 1;
   ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { chunks = flash_bwd_chunks<scalar_t>(p); });
-  Grads g = allocate_grads(p, q, chunks);
-  if (p.batch * p.heads * p.q_rows() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { flash_bwd<scalar_t>(p, chunks); });
+  // bf16 / fp16 results are rounded by the tasks from their own fp32 rows where no sum follows
+  // (one dq partial; dk / dv without GQA groups): no fp32 tensors, no separate cast.
+  const bool reduced = at::toOpMathType(q.scalar_type()) != q.scalar_type();
+  const FinalGrads final{reduced && chunks == 1, reduced && p.heads == p.kv_heads};
+  // The tasks write every row of dense batches; varlen rows of empty sequences have none.
+  const bool has_rows = p.batch * p.heads * p.q_rows() > 0;
+  Grads g = allocate_grads(p, q, chunks, /*zeroed=*/p.varlen() || !has_rows, final);
+  if (has_rows) {
+    ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { flash_bwd<scalar_t>(p, chunks, final); });
   }
   return finish_grads(p, std::move(g), q.scalar_type(), sinks);
 }

@@ -325,6 +325,24 @@ inline void store_row(const float* src, c10::Half* dst, int64_t n, float a) {
 }
 #endif
 
+// sum_j acc_t(a[j]) * acc_t(b[j]); float accumulation runs 8 lanes of FMAs (one lane per
+// j mod 8, summed by hsum) then the tail in order.
+template <typename acc_t, typename scalar_t>
+inline acc_t row_dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  int64_t j = 0;
+  acc_t s = 0;
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<acc_t, float>) {  // float, fp16 and bf16 rows
+    __m256 v = _mm256_setzero_ps();
+    for (; j + avx2::kWidth <= n; j += avx2::kWidth)
+      v = _mm256_fmadd_ps(avx2::load8(a + j), avx2::load8(b + j), v);
+    s = avx2::hsum(v);
+  }
+#endif
+  for (; j < n; ++j) s += static_cast<acc_t>(a[j]) * static_cast<acc_t>(b[j]);
+  return s;
+}
+
 // Points at a tile of `rows` rows of a strided input, converting it to acc_t if needed.
 template <typename scalar_t, typename acc_t>
 const acc_t* load_tile(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols, acc_t* buf,
