@@ -6,7 +6,9 @@
 #   bash dev/gpu_session.sh build test sanitize   # first call on a fresh machine
 #   bash dev/gpu_session.sh bench                 # next call while the machine is warm
 #
-# build:    bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and the .so into $OUT;
+# build:    the prebuilt _C of dev/gpu_prebuild.sh when it matches this tree and torch (carry
+#           .gpu_prebuild), else bootstrap (the README's command; TORCH_CUDA_ARCH_LIST=9.0a) and
+#           the .so into $OUT;
 #           the nvidia-cutlass wheel carried in .whl/ (the machine has no network) first. The
 #           wheels the phases install, fetched here before the first call (.whl/ is ignored by
 #           git; pass it in the device tool's carry):
@@ -44,21 +46,26 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
+# The tree's root on sys.path: scripts run from tools/ and benchmarks/ import attn_ext from it
+# when no editable install was made (a prebuilt _C).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
 DEADLINE=$(( $(date +%s) + ${SESSION_SECONDS:-570} ))
 SUMMARY="$OUT/summary.txt"
 
-# step NAME LIMIT_SECONDS CMD...: runs CMD with output in $OUT/NAME.log, never past the deadline.
+# step NAME LIMIT_SECONDS CMD...: runs CMD with output in $OUT/NAME.log, never past the deadline;
+# returns CMD's status (1 when skipped).
 step() {
   local name=$1 limit=$2; shift 2
   local left=$(( DEADLINE - $(date +%s) - 5 ))
   (( left < limit )) && limit=$left
-  if (( limit < 10 )); then echo "$name: skipped (deadline)" >> "$SUMMARY"; return; fi
+  if (( limit < 10 )); then echo "$name: skipped (deadline)" >> "$SUMMARY"; return 1; fi
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name: rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$SUMMARY"
+  return $rc
 }
 
 for phase in "$@"; do
@@ -67,12 +74,22 @@ for phase in "$@"; do
       ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 &&
         $PY -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl >> "$SUMMARY" 2>&1
       { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version | tail -1; } >> "$SUMMARY" 2>&1
-      step build 420 bash tools/bootstrap.sh test
+      # A `_C` built here from this tree for this torch (dev/gpu_prebuild.sh, carried in
+      # .gpu_prebuild/) skips the build; anything else about it, and the build runs as before.
+      if bash dev/gpu_prebuild.sh check >> "$SUMMARY" 2>&1 && cp .gpu_prebuild/_C*.so attn_ext/ &&
+        step import 60 $PY -c "import attn_ext, torch; assert torch._C._dispatch_has_kernel_for_dispatch_key('attn_ext::attention', 'CUDA')"; then
+        echo "build: skipped, the prebuilt _C imports" >> "$SUMMARY"
+        prebuilt=1
+      else
+        rm -f attn_ext/_C*.so
+        step build 420 bash tools/bootstrap.sh test
+        prebuilt=0
+      fi
       so=$(ls attn_ext/_C*.so 2>/dev/null | head -1)
       { echo "libstdc++ for the linker: $(c++ -print-file-name=libstdc++.so)  LDFLAGS=${LDFLAGS:-}";
         $PY -c "import sysconfig; print('LDSHARED', sysconfig.get_config_var('LDSHARED'))";
         [ -n "$so" ] && readelf -d "$so" | grep -E "NEEDED.*stdc"; } >> "$SUMMARY" 2>&1
-      if [ -n "$so" ]; then
+      if [ -n "$so" ] && [ "$prebuilt" = 0 ]; then  # a prebuilt one is already here
         strip --strip-debug -o "$OUT/_C.so" "$so" && echo "so: $(du -h "$OUT/_C.so" | cut -f1)" >> "$SUMMARY"
         [ "$(stat -c %s "$OUT/_C.so")" -gt 16000000 ] && split -b 15M "$OUT/_C.so" "$OUT/_C.so.part" && rm "$OUT/_C.so"
       fi ;;
