@@ -74,8 +74,10 @@ else
   git clone -q "$ROOT" "$CLONE"
 fi
 dig=$(digest "$CLONE")  # before the build: what the device's copy of the tree will hold
-# Hand-set CUDA_HOME: torch finds no CUDA runtime without a GPU and guesses /usr/local.
-cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+# Hand-set CUDA_HOME: torch finds no CUDA runtime without a GPU and guesses /usr/local (where
+# this machine's nvcc is a wrapper script, not the toolkit).
+cuda_home=${CUDA_HOME:-/usr/local/cuda}
+[ -x "$cuda_home/bin/nvcc" ] || cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
 t0=$(date +%s)
 (cd "$CLONE" && CUDA_HOME=$cuda_home TORCH_CUDA_ARCH_LIST=$ARCHS ATTN_EXT_CUDA=1 \
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/python" setup.py build_ext --inplace > build.log 2>&1) ||
