@@ -15,6 +15,9 @@
 #             pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0 fla-core==0.6.0 einops==0.8.2
 # cute:     dev/cute_fwd_check.py (CuTe forward vs the older kernel: errors, bits, timing), then
 #           the CUDA attention and varlen tests with ATTN_EXT_UNVERIFIED_CUDA=1
+# cute_bwd: issue 20's CuTe backward (after build): its tests with ATTN_EXT_UNVERIFIED_CUDA=1
+#           (cute_backward / deterministic / large_backward), racecheck over
+#           tools/sanitize_cuda.py, bench_attention_cuda bwd against torch's flash backend
 # hopper:   the sm_90a forward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green; after build):
 #           dev/hopper_fwd_check.py (kernel, errors vs the CuTe kernel's, bits, timing vs CuTe and
 #           SDPA), the CUDA attention tests with the gate, compute-sanitizer on its small cases,
@@ -104,6 +107,17 @@ for phase in "$@"; do
       ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_tests 150 $PY -m pytest \
         tests/test_attention_cuda.py tests/test_varlen_cuda.py -q -n 14 -p no:cacheprovider -rfE
       grep -E "passed|failed" "$OUT/cute_tests.log" | tail -1 >> "$SUMMARY" ;;
+    cute_bwd)  # issue 20's CuTe backward (compiled, never run; after build)
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_bwd_tests 150 $PY -m pytest tests/test_attention_cuda.py \
+        -q -n 14 -p no:cacheprovider -rfE -k "cute_backward or deterministic or large_backward"
+      grep -E "passed|failed" "$OUT/cute_bwd_tests.log" | tail -1 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 step cute_bwd_racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY tools/sanitize_cuda.py
+      grep -E "SUMMARY|NON-FINITE" "$OUT/cute_bwd_racecheck.log" | head -3 >> "$SUMMARY"
+      ATTN_EXT_UNVERIFIED_CUDA=1 step cute_bwd_bench 120 $PY benchmarks/bench_attention_cuda.py --passes bwd --head-dims 64 128 \
+        --candidates attn_ext sdpa_flash --out "$OUT/cute_bwd_results"
+      grep -A8 "geo-mean" "$OUT/cute_bwd_results"/*.md 2>/dev/null | head -12 >> "$SUMMARY"
+      cat "$OUT"/cute_bwd_*.log > "$OUT/cute_bwd.log"; rm -f "$OUT"/cute_bwd_*.log
+      [ -d "$OUT/cute_bwd_results" ] && tar czf "$OUT/cute_bwd_results.tgz" -C "$OUT" cute_bwd_results && rm -rf "$OUT/cute_bwd_results" ;;
     hopper)  # after build; in priority order, so that what the deadline cuts is the least needed
       step hopper_check 150 $PY dev/hopper_fwd_check.py
       grep -E "FAIL|NOT HOPPER|HOPPER CHECK" "$OUT/hopper_check.log" | head -20 >> "$SUMMARY"
@@ -212,6 +226,6 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/decode.log "$OUT"/hopper_tests.log \
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/cute_bwd.log "$OUT"/decode.log "$OUT"/hopper_tests.log \
   "$OUT"/spatial_tests.log "$OUT"/spatial_tests_vec.log "$OUT"/linear.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"
