@@ -30,11 +30,12 @@ TORCH_SPEC=torch==2.11.0
 PY_VERSION=3.12
 ARCHS=${TORCH_CUDA_ARCH_LIST:-9.0a}  # dev/gpu_session.sh's default
 
-# The inputs of the build: every file setup.py compiles or reads, and the arch list.
+# The inputs of the build: every file setup.py compiles or reads, and the arch list (files in
+# byte order, so the device computes the same digest whatever its locale).
 digest() {
   (
     cd "$1"
-    find csrc -type f -print0 | sort -z | xargs -0 sha256sum
+    find csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     sha256sum setup.py pyproject.toml
     echo "TORCH_CUDA_ARCH_LIST=$ARCHS"
   ) | sha256sum | cut -c1-16
