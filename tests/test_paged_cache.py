@@ -784,23 +784,27 @@ def test_cuda_paged_ops_need_the_opt_in(monkeypatch):
     "dtype,head_dim", [(torch.float64, 64), (torch.float32, 48), (torch.bfloat16, 512)]
 )
 def test_cuda_paged_decode_unsupported_shapes(unverified, dtype, head_dim):
-    """What the split-KV kernel does not serve raises on a paged call (the contiguous call
-    runs the SIMT kernel instead)."""
-    k = torch.randn(4, 2, 16, head_dim, device="cuda", dtype=dtype)
-    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([5, 16], dtype=torch.int32, device="cuda")
+    """What the split-KV kernel does not serve (fp64, head dims outside {64, 128, 256}, D != Dv)
+    runs the SIMT kernel on the gathered pages: the same bits as the contiguous call on the
+    same rows (pages out of table order, an unused entry of -1 past a short sequence)."""
+    dv = head_dim // 2 if dtype == torch.float32 else head_dim  # fp32: MLA's D != Dv too
+    k = torch.randn(5, 2, 16, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(5, 2, 16, dv, device="cuda", dtype=dtype)
+    table = torch.tensor([[3, -1], [0, 4]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5, 32], dtype=torch.int32, device="cuda")
     q = torch.randn(2, 4, 1, head_dim, device="cuda", dtype=dtype)
-    with pytest.raises(NotImplementedError, match="block_table on CUDA is not implemented for"):
-        attn_ext.decode_attention(q, k, k, lens, block_table=table)
-    out = attn_ext.decode_attention(q, k[:2], k[:2], lens)
-    ref = decode_reference(q, k[:2], k[:2], lens)[0]
+    out, lse = attn_ext.decode_attention(q, k, v, lens, block_table=table, return_lse=True)
+    k_rows, v_rows = gather_pages(k, table, 16), gather_pages(v, table, 16)
+    want, want_lse = attn_ext.decode_attention(q, k_rows, v_rows, lens, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    ref = decode_reference(q, k_rows, v_rows, lens)[0]
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 @cuda
 def test_cuda_paged_latent_cache_matches_cpu(unverified):
     """MLA decoding through PagedLatentKVCache on the GPU gives the CPU's (the latent append
-    through the table, then the absorbed decode: D = 576 runs the SIMT kernel)."""
+    through the table, then the absorbed decode: D != Dv, the SIMT kernel on gathered pages)."""
     m = _mla(
         torch.float32, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
     )

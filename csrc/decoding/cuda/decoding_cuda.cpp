@@ -152,6 +152,22 @@ const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, int64_t e
   return nullptr;
 }
 
+// A paged cache (num_pages, Hkv, page_size, D) as the contiguous (B, Hkv, max_pages *
+// page_size, D) rows of each sequence, its pages in table order: for the SIMT kernel, which
+// reads no block table. Entries are clamped into the cache, as the split-KV kernel clamps them
+// (checking them on the host would synchronize); rows past a sequence's length are never read.
+at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table) {
+  const int64_t batch = block_table.size(0), pages = block_table.size(1);
+  const int64_t heads = cache.size(1), page_size = cache.size(2), d = cache.size(3);
+  // A cache of no pages holds no rows any length may cover (and index_select would fault).
+  if (cache.size(0) == 0) return at::zeros({batch, heads, pages * page_size, d}, cache.options());
+  const at::Tensor index = block_table.clamp(0, cache.size(0) - 1).reshape({-1}).to(at::kLong);
+  return cache.index_select(0, index)
+      .view({batch, pages, heads, page_size, d})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({batch, heads, pages * page_size, d});
+}
+
 // window_right, the score modifiers and FlashAttention's with_kvcache arguments run on kernel
 // code that has not yet run on a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1
 // (common/cuda/unverified.h). Checked after validation, so bad inputs get the CPU op's
@@ -182,14 +198,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   const bool paged = paged_call(kOp, block_table);
   DecodeParams& p = in.params;
   const ElemKind kind = elem_kind(kOp, q.scalar_type());
-  // The split-KV kernel (unverified): every paged call, and contiguous ones it can serve
-  // when the opt-in is set; everything else runs the verified SIMT kernel as before.
+  // The split-KV kernel (unverified): the paged calls and the contiguous ones it can serve
+  // when the opt-in is set; everything else runs the verified SIMT kernel as before, a paged
+  // call that the split-KV kernel cannot serve (MLA's absorbed form, D != Dv; fp64; other head
+  // dims) on its pages gathered into contiguous rows: one copy of the cache per call.
   const char* unsupported = split_kv_unsupported(p, kind, q.element_size());
-  TORCH_CHECK_NOT_IMPLEMENTED(!paged || unsupported == nullptr, kOp,
-                              ": block_table on CUDA is not implemented for ", unsupported,
-                              " (the paged kernel reads 16-byte vectors of D = Dv in {64, 128, "
-                              "256} features, bfloat16 / float16 / float32), got D = ",
-                              p.head_dim, ", Dv = ", p.head_dim_v, ", dtype ", q.scalar_type());
+  if (paged && unsupported != nullptr) {
+    return decode_attention_cuda(q, gather_pages(k_cache, *block_table),
+                                 gather_pages(v_cache, *block_table), cache_seqlens, scale, causal,
+                                 window_left, window_right, num_splits, softcap, alibi_slopes,
+                                 sinks, cache_batch_idx, cache_leftpad, std::nullopt);
+  }
   const bool split_kv = unverified_cuda_enabled() && unsupported == nullptr;
   if (!split_kv) check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
