@@ -63,7 +63,10 @@ def mma_fwd(t: str, hd: int) -> str:
 def cute_fwd(t: str, hd: int) -> str:
     return _instantiation(
         "flash_fwd_cute.cuh",
-        [f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);"],
+        [
+            f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);",
+            f"template size_t fwd_cute_smem_bytes<{t}, {hd}>();",
+        ],
     )
 
 
@@ -80,6 +83,7 @@ def cute_bwd(t: str, hd: int) -> str:
         [
             f"template cudaError_t run_bwd_cute<{t}, {hd}>(const AttentionBwdParams&,",
             "                                             BwdWorkspace, cudaStream_t);",
+            f"template size_t bwd_cute_smem_bytes<{t}, {hd}>();",
         ],
     )
 

@@ -23,8 +23,9 @@
 namespace attn_ext::cuda {
 namespace {
 
-// Rejects, with the reason, inputs this build's kernels cannot serve on the current device.
-void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bool backward) {
+// Rejects, with the reason, inputs this build's kernels cannot serve on the current device;
+// returns the device's opt-in shared memory per block, which the dispatch also heeds.
+size_t check_supported(const char* op, const AttentionParams& p, ElemKind kind, bool backward) {
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c10::cuda::current_device()));
@@ -32,6 +33,7 @@ void check_supported(const char* op, const AttentionParams& p, ElemKind kind, bo
   TORCH_CHECK(why == nullptr, op, ": ", why, " (got B=", p.batch, ", H=", p.heads,
               ", Sq=", p.seqlen_q, ", Sk=", p.seqlen_k, ", D=", p.head_dim, ", Dv=", p.head_dim_v,
               ")");
+  return static_cast<size_t>(max_smem);
 }
 
 // Varlen batches and the score modifiers run on kernels that compile but have not yet run on
@@ -84,10 +86,10 @@ std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   const ElemKind kind = elem_kind(op, in.q.scalar_type());
   auto [out, lse] = allocate_outputs(p, in.q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  check_supported(op, p, kind, /*backward=*/false);
+  const size_t max_smem = check_supported(op, p, kind, /*backward=*/false);
   const FwdKernel fwd_kernel = requested_fwd_kernel(op);
   C10_CUDA_CHECK(launch_attention_fwd(p, kind, fwd_kernel != FwdKernel::kMma,
-                                      fwd_kernel == FwdKernel::kHopper,
+                                      fwd_kernel == FwdKernel::kHopper, max_smem,
                                       c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
@@ -114,11 +116,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
   const int64_t rows = p.row_batches() * p.heads * p.q_rows();
   // Without keys there is no gradient but the sinks' (from the preprocess's rows).
   if (rows > 0 && (p.k_rows() > 0 || p.sinks != nullptr)) {
-    check_supported(op, p, kind, /*backward=*/true);
+    const size_t max_smem = check_supported(op, p, kind, /*backward=*/true);
     // delta, lse2 and lse2_lo of every row (indexed as lse), in the compute type
     at::Tensor ws = at::empty({3, rows}, g.dq.options());
     const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
-    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, cute_backward_enabled(),
+    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, cute_backward_enabled(), max_smem,
                                         c10::cuda::getCurrentCUDAStream()));
     if (p.sinks != nullptr) g.dsinks.copy_(sink_grads(p, ws, in.in.sinks));
   }

@@ -152,6 +152,21 @@ int cute_bwd_index(const AttentionBwdParams& p) {
   return -1;
 }
 
+// Dynamic shared memory of the CuTe backward of head dim kMmaHeadDims[idx] (a compile-time walk
+// as bwd_cute's below; 0 where it is not built).
+template <typename T, int kIdx = 0>
+size_t cute_bwd_smem(int idx) {
+  if constexpr (kIdx == kernel_set::kNumCuteBwdHeadDims || !kCuteBuilt || !kBackwardBuilt) {
+    return 0;
+  } else {
+    constexpr int kMmaIdx = mma_head_dim_index(kernel_set::kCuteBwdHeadDims[kIdx]);
+    if constexpr (mma_built<T>(kMmaIdx)) {
+      if (idx == kMmaIdx) return bwd_cute_smem_bytes<T, kernel_set::kCuteBwdHeadDims[kIdx]>();
+    }
+    return cute_bwd_smem<T, kIdx + 1>(idx);
+  }
+}
+
 template <typename T, int kIdx = 0>
 cudaError_t bwd_cute(int idx, const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
   if constexpr (kIdx == kernel_set::kNumCuteBwdHeadDims || !kCuteBuilt || !kBackwardBuilt) {
@@ -163,6 +178,19 @@ cudaError_t bwd_cute(int idx, const AttentionBwdParams& p, BwdWorkspace ws, cuda
       if (idx == kMmaIdx) return run_bwd_cute<T, kHeadDim>(p, ws, stream);
     }
     return bwd_cute<T, kIdx + 1>(idx, p, ws, stream);
+  }
+}
+
+// Dynamic shared memory of the CuTe forward of head dim kMmaHeadDims[idx] (0 where not built).
+template <typename T, int kIdx = 0>
+size_t cute_smem(int idx) {
+  if constexpr (kIdx == kNumMmaHeadDims || !kCuteBuilt) {
+    return 0;
+  } else {
+    if constexpr (mma_built<T>(kIdx)) {
+      if (idx == kIdx) return fwd_cute_smem_bytes<T, kMmaHeadDims[kIdx]>();
+    }
+    return cute_smem<T, kIdx + 1>(idx);
   }
 }
 
@@ -203,13 +231,17 @@ cudaError_t fwd_mma(int idx, const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
+// The CuTe kernels' tiles at D = 256 (forward) and D = 128 (backward) take 128 KiB of shared
+// memory: more than sm_86 / sm_89 / sm_120 give a block (99 KiB), where the next kernel runs.
 template <typename T>
-cudaError_t fwd(const AttentionParams& p, bool cute, bool hopper, cudaStream_t stream) {
+cudaError_t fwd(const AttentionParams& p, bool cute, bool hopper, size_t max_smem,
+                cudaStream_t stream) {
   if (cute && hopper) {
     if (const int idx = hopper_index<T>(p); idx >= 0) return fwd_hopper<T>(idx, p, stream);
   }
   if (cute) {
-    if (const int idx = cute_index<T>(p); idx >= 0) return fwd_cute<T>(idx, p, stream);
+    if (const int idx = cute_index<T>(p); idx >= 0 && cute_smem<T>(idx) <= max_smem)
+      return fwd_cute<T>(idx, p, stream);
   }
   if (const int idx = mma_index<T>(p); idx >= 0) return fwd_mma<T>(idx, p, stream);
   if constexpr (dtype_built<T>()) {
@@ -262,19 +294,20 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
 }
 
 cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
-                                 cudaStream_t stream) {
+                                 size_t max_smem, cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return fwd<T>(p, cute, hopper, stream);
+    return fwd<T>(p, cute, hopper, max_smem, stream);
   });
 }
 
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 bool cute, cudaStream_t stream) {
+                                 bool cute, size_t max_smem, cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (cute) {
-      if (const int idx = cute_bwd_index<T>(p); idx >= 0) return bwd_cute<T>(idx, p, ws, stream);
+      if (const int idx = cute_bwd_index<T>(p); idx >= 0 && cute_bwd_smem<T>(idx) <= max_smem)
+        return bwd_cute<T>(idx, p, ws, stream);
     }
     if constexpr (dtype_built<T>() && kBackwardBuilt) {
       return run_bwd_generic<T>(p, ws, stream);

@@ -35,16 +35,17 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
 // The forward: out, lse. With `cute` and `hopper` (the caller's device is compute capability
 // 9.x), the Hopper kernel where this build has it and it serves the inputs (attention_launch.cu's
 // hopper_index); else with `cute`, the CuTe tensor-core kernel where it serves the inputs
-// (cute_index); else the older tensor-core kernel for bf16 / fp16 with
+// (cute_index) and its tiles fit `max_smem` (the device's opt-in shared memory per block);
+// else the older tensor-core kernel for bf16 / fp16 with
 // max(D, Dv) up to the largest instantiated head dim (when compiled) and no varlen_or_mods(),
 // the generic kernel otherwise.
 cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
-                                 cudaStream_t stream);
+                                 size_t max_smem, cudaStream_t stream);
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
 // (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row). With
-// `cute`, the CuTe tensor-core kernel where it serves the inputs (dQ summed by atomics: not
-// deterministic); else the generic kernel, deterministic.
+// `cute`, the CuTe tensor-core kernel where it serves the inputs and its tiles fit `max_smem`
+// (dQ summed by atomics: not deterministic); else the generic kernel, deterministic.
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 bool cute, cudaStream_t stream);
+                                 bool cute, size_t max_smem, cudaStream_t stream);
 
 }  // namespace attn_ext::cuda

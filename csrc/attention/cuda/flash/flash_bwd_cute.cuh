@@ -247,7 +247,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
   }
 
-  // ---- epilogue: dK (times the scale) and dV of this query head's share
+  // ---- epilogue: dK (times the scale) and dV of this query head's share. A block whose keys
+  // no query row sees ran no iteration: its K / V copies are still in flight, so wait.
+  cp_async_wait<0>();
   const int64_t key_rows = (bi.b * p.heads + bi.h) * p.seqlen_k + bi.n0;
   float* dk = static_cast<float*>(p.dk) + key_rows * kHeadDim;
   float* dv = static_cast<float*>(p.dv) + key_rows * kHeadDim;
@@ -259,6 +261,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       dv[j * kHeadDim + c] = acc_dv(e);
     }
   }
+}
+
+template <typename T, int kHeadDim>
+size_t bwd_cute_smem_bytes() {
+  return BwdCuteTraits<T, kHeadDim>::kSmemBytes;
 }
 
 template <typename T, int kHeadDim>

@@ -291,6 +291,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) flash_fwd_cute_kernel(Attenti
 }
 
 template <typename T, int kHeadDim>
+size_t fwd_cute_smem_bytes() {
+  return FwdCuteTraits<T, kHeadDim>::kSmemBytes;
+}
+
+template <typename T, int kHeadDim>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdCuteTraits<T, kHeadDim>;
   const int64_t blocks = p.batch * p.heads * ceil_div(p.seqlen_q, Tr::kBlockM);

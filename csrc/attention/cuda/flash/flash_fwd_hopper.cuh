@@ -237,6 +237,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int m = 0; m < size<1>(tOgO); ++m) {
     if (get<0>(tOcO(0, m, 0)) < rows) copy(gmem_copy_o, tOsO(_, m, _), tOgO(_, m, _));
   }
+#else
+  // An image without wgmma (sm_80, or plain sm_90 beside sm_90a in one build, where the
+  // driver may pick it): a launch error rather than out and lse left unwritten.
+  __trap();
 #endif
 }
 

@@ -20,6 +20,10 @@ cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
 // dropout or modifier (flash_fwd_cute.cuh).
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream);
+// Its dynamic shared memory: more than some GPUs' per-block limit (99 KiB on sm_86 / sm_89 /
+// sm_120) at D = 256, where the dispatch picks another kernel.
+template <typename T, int kHeadDim>
+size_t fwd_cute_smem_bytes();
 
 // Hopper forward (bf16 / fp16, sm_90a: TMA, wgmma, warp specialization): the CuTe forward's
 // inputs with TMA-legal strides (flash_fwd_hopper.cuh). An empty kernel on other architectures.
@@ -30,6 +34,9 @@ cudaError_t run_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
 // kernel_set::kCuteBwdHeadDims; dQ's sums ordered by atomics (flash_bwd_cute.cuh).
 template <typename T, int kHeadDim>
 cudaError_t run_bwd_cute(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream);
+// Its dynamic shared memory (128 KiB at D = 128: over the limit of sm_86 / sm_89 / sm_120).
+template <typename T, int kHeadDim>
+size_t bwd_cute_smem_bytes();
 
 // Generic (SIMT) forward: any dtype and head dims, exact accumulation in acc_t.
 template <typename T>

@@ -5,4 +5,5 @@
 namespace attn_ext::cuda {
 template cudaError_t run_bwd_cute<__nv_bfloat16, 128>(const AttentionBwdParams&,
                                              BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__nv_bfloat16, 128>();
 }  // namespace attn_ext::cuda

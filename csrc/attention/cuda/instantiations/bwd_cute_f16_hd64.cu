@@ -5,4 +5,5 @@
 namespace attn_ext::cuda {
 template cudaError_t run_bwd_cute<__half, 64>(const AttentionBwdParams&,
                                              BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__half, 64>();
 }  // namespace attn_ext::cuda

@@ -4,4 +4,5 @@
 
 namespace attn_ext::cuda {
 template cudaError_t run_fwd_cute<__half, 64>(const AttentionParams&, cudaStream_t);
+template size_t fwd_cute_smem_bytes<__half, 64>();
 }  // namespace attn_ext::cuda
