@@ -30,6 +30,7 @@ from attn_ext.testing.numerics import (
     grad_slack_ulps,
     ground_truth,
     ground_truth_grads,
+    perturbation_floor,
     rand,
 )
 
@@ -93,7 +94,13 @@ def _check_forward(q, k, v, causal, feature_map="elu+1", initial_state=None):
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
     assert kv.dtype == ks.dtype == torch.float32
     ref = _reference(causal, feature_map, initial_state)
-    assert_error_rule(out, ref(q, k, v), ground_truth(ref, q, k, v))
+    # fp32 runs the state form, phi(q) (phi(K)^T V) / phi(q) z, rounding numerator and
+    # denominator apart (~sqrt(D) ulps), where the quadratic reference cancels them (at Sk = 1,
+    # A v / A is v to an ulp): a conditioning floor (host emulation of the kernel, 2026-11-27,
+    # failed the plain rule at Sk = 1 on 56-94% of random inputs at D 64 / 128). 16-bit outputs
+    # are bound by their own rounding.
+    floor = perturbation_floor(ref, [q, k, v], q.dtype) if q.dtype == torch.float32 else 0.0
+    assert_error_rule(out, ref(q, k, v), ground_truth(ref, q, k, v), floor=floor)
 
     def state(k, v):
         return final_state(k, v, feature_map=feature_map, initial_state=initial_state)

@@ -187,17 +187,26 @@ __device__ __forceinline__ void write_state(const LinearAttentionParams& p, cons
 }
 
 // z += the column sums of the chunk's phi(K) (rows past the sequence are zeros), each row
-// weighted by weight[r] when given; kCols columns, one thread each.
+// weighted by weight[r] when given; kCols columns, one thread each. The chunk's rows go into
+// kKeySumParts interleaved partial sums joined pairwise: a sum of 64 rows in one fp32 chain
+// erred by up to ~2x the plain reference's (host emulation of the kernel against torch's
+// reduction, 2026-11-27), which the error rule of the state_k checks does not allow.
+constexpr int kKeySumParts = 4;
 template <class Tr, int kCols = Tr::kHeadDim, class SK>
 __device__ __forceinline__ void add_key_sums(SK const& sK, float* z,
                                              const float* weight = nullptr) {
   static_assert(kCols <= Tr::kThreads, "one thread per column");
+  static_assert(Tr::kChunk % kKeySumParts == 0 && kKeySumParts == 4, "whole groups of 4 rows");
   if (threadIdx.x >= kCols) return;
-  float sum = 0.f;
-#pragma unroll 8
-  for (int r = 0; r < Tr::kChunk; ++r)
-    sum += static_cast<float>(sK(r, threadIdx.x)) * (weight == nullptr ? 1.f : weight[r]);
-  z[threadIdx.x] += sum;
+  float part[kKeySumParts] = {};
+#pragma unroll 2
+  for (int r = 0; r < Tr::kChunk; r += kKeySumParts) {
+#pragma unroll
+    for (int i = 0; i < kKeySumParts; ++i)
+      part[i] +=
+          static_cast<float>(sK(r + i, threadIdx.x)) * (weight == nullptr ? 1.f : weight[r + i]);
+  }
+  z[threadIdx.x] += (part[0] + part[1]) + (part[2] + part[3]);
 }
 
 // inv[r] = 1 / (den_r + eps), den_r = (causal) the row's masked scores' sum + phi(q_r) . z,
