@@ -53,11 +53,27 @@ constexpr bool kBackwardBuilt = ATTN_EXT_CUDA_BACKWARD != 0;
 constexpr bool kCuteBuilt = ATTN_EXT_CUDA_CUTE != 0;
 constexpr bool kHopperBuilt = kCuteBuilt && ATTN_EXT_CUDA_HOPPER != 0;
 
-// Position of a head dim in kMmaHeadDims (-1 if absent), at compile time.
-constexpr int mma_head_dim_index(int head_dim) {
-  for (int i = 0; i < kNumMmaHeadDims; ++i)
-    if (kMmaHeadDims[i] == head_dim) return i;
-  return -1;
+// Whether the CuTe backward is instantiated at this head dim, at compile time.
+constexpr bool cute_bwd_head_dim(int head_dim) {
+  for (int i = 0; i < kernel_set::kNumCuteBwdHeadDims; ++i)
+    if (kernel_set::kCuteBwdHeadDims[i] == head_dim) return true;
+  return false;
+}
+
+// fn(std::integral_constant<int, kMmaHeadDims[idx]>{}) by a compile-time walk over the head
+// dims built for T, so that only instantiated kernels are referenced; `none` when idx names no
+// built head dim or the kernel family is not built (kBuilt). fn may return `none` itself for
+// head dims its family lacks.
+template <typename T, bool kBuilt, int kIdx = 0, class Fn, class R>
+R visit_head_dim(int idx, Fn fn, R none) {
+  if constexpr (kIdx == kNumMmaHeadDims || !kBuilt) {
+    return none;
+  } else {
+    if constexpr (mma_built<T>(kIdx)) {
+      if (idx == kIdx) return fn(std::integral_constant<int, kMmaHeadDims[kIdx]>{});
+    }
+    return visit_head_dim<T, kBuilt, kIdx + 1>(idx, fn, none);
+  }
 }
 
 // 16-byte vectors: cp.async and the output's stores move 8 16-bit elements at a time.
@@ -123,18 +139,6 @@ int hopper_index(const AttentionParams& p) {
   return idx;
 }
 
-template <typename T, int kIdx = 0>
-cudaError_t fwd_hopper(int idx, const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (kIdx == kNumMmaHeadDims || !kHopperBuilt) {
-    return cudaErrorInvalidValue;
-  } else {
-    if constexpr (mma_built<T>(kIdx)) {
-      if (idx == kIdx) return run_fwd_hopper<T, kMmaHeadDims[kIdx]>(p, stream);
-    }
-    return fwd_hopper<T, kIdx + 1>(idx, p, stream);
-  }
-}
-
 // The index into kMmaHeadDims of the head dim whose CuTe backward serves these inputs, or -1:
 // the forward's conditions (cute_index) for the head dims of kCuteBwdHeadDims, dO's rows
 // 16-byte aligned too.
@@ -147,63 +151,7 @@ int cute_bwd_index(const AttentionBwdParams& p) {
       p.do_row_stride % kCuteVec != 0) {
     return -1;
   }
-  for (int i = 0; i < kernel_set::kNumCuteBwdHeadDims; ++i)
-    if (kernel_set::kCuteBwdHeadDims[i] == kMmaHeadDims[idx]) return idx;
-  return -1;
-}
-
-// Dynamic shared memory of the CuTe backward of head dim kMmaHeadDims[idx] (a compile-time walk
-// as bwd_cute's below; 0 where it is not built).
-template <typename T, int kIdx = 0>
-size_t cute_bwd_smem(int idx) {
-  if constexpr (kIdx == kernel_set::kNumCuteBwdHeadDims || !kCuteBuilt || !kBackwardBuilt) {
-    return 0;
-  } else {
-    constexpr int kMmaIdx = mma_head_dim_index(kernel_set::kCuteBwdHeadDims[kIdx]);
-    if constexpr (mma_built<T>(kMmaIdx)) {
-      if (idx == kMmaIdx) return bwd_cute_smem_bytes<T, kernel_set::kCuteBwdHeadDims[kIdx]>();
-    }
-    return cute_bwd_smem<T, kIdx + 1>(idx);
-  }
-}
-
-template <typename T, int kIdx = 0>
-cudaError_t bwd_cute(int idx, const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
-  if constexpr (kIdx == kernel_set::kNumCuteBwdHeadDims || !kCuteBuilt || !kBackwardBuilt) {
-    return cudaErrorInvalidValue;
-  } else {
-    constexpr int kHeadDim = kernel_set::kCuteBwdHeadDims[kIdx];
-    constexpr int kMmaIdx = mma_head_dim_index(kHeadDim);
-    if constexpr (mma_built<T>(kMmaIdx)) {
-      if (idx == kMmaIdx) return run_bwd_cute<T, kHeadDim>(p, ws, stream);
-    }
-    return bwd_cute<T, kIdx + 1>(idx, p, ws, stream);
-  }
-}
-
-// Dynamic shared memory of the CuTe forward of head dim kMmaHeadDims[idx] (0 where not built).
-template <typename T, int kIdx = 0>
-size_t cute_smem(int idx) {
-  if constexpr (kIdx == kNumMmaHeadDims || !kCuteBuilt) {
-    return 0;
-  } else {
-    if constexpr (mma_built<T>(kIdx)) {
-      if (idx == kIdx) return fwd_cute_smem_bytes<T, kMmaHeadDims[kIdx]>();
-    }
-    return cute_smem<T, kIdx + 1>(idx);
-  }
-}
-
-template <typename T, int kIdx = 0>
-cudaError_t fwd_cute(int idx, const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (kIdx == kNumMmaHeadDims || !kCuteBuilt) {
-    return cudaErrorInvalidValue;
-  } else {
-    if constexpr (mma_built<T>(kIdx)) {
-      if (idx == kIdx) return run_fwd_cute<T, kMmaHeadDims[kIdx]>(p, stream);
-    }
-    return fwd_cute<T, kIdx + 1>(idx, p, stream);
-  }
+  return cute_bwd_head_dim(kMmaHeadDims[idx]) ? idx : -1;
 }
 
 // The index into kMmaHeadDims of the tensor-core kernel serving these inputs, or -1 for the
@@ -217,33 +165,32 @@ int mma_index(const AttentionParams& p) {
   return -1;
 }
 
-// The tensor-core forward of head dim kMmaHeadDims[idx], found by a compile-time walk over the
-// instantiated head dims (only the built ones are referenced).
-template <typename T, int kIdx = 0>
-cudaError_t fwd_mma(int idx, const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (kIdx == kNumMmaHeadDims) {
-    return cudaErrorInvalidValue;
-  } else {
-    if constexpr (mma_built<T>(kIdx)) {
-      if (idx == kIdx) return run_fwd_mma<T, kMmaHeadDims[kIdx]>(p, stream);
-    }
-    return fwd_mma<T, kIdx + 1>(idx, p, stream);
-  }
-}
-
 // The CuTe kernels' tiles at D = 256 (forward) and D = 128 (backward) take 128 KiB of shared
 // memory: more than sm_86 / sm_89 / sm_120 give a block (99 KiB), where the next kernel runs.
 template <typename T>
 cudaError_t fwd(const AttentionParams& p, bool cute, bool hopper, size_t max_smem,
                 cudaStream_t stream) {
   if (cute && hopper) {
-    if (const int idx = hopper_index<T>(p); idx >= 0) return fwd_hopper<T>(idx, p, stream);
+    if (const int idx = hopper_index<T>(p); idx >= 0) {
+      return visit_head_dim<T, kHopperBuilt>(
+          idx, [&](auto hd) { return run_fwd_hopper<T, hd.value>(p, stream); },
+          cudaErrorInvalidValue);
+    }
   }
   if (cute) {
-    if (const int idx = cute_index<T>(p); idx >= 0 && cute_smem<T>(idx) <= max_smem)
-      return fwd_cute<T>(idx, p, stream);
+    const int idx = cute_index<T>(p);
+    const size_t smem = visit_head_dim<T, kCuteBuilt>(
+        idx, [](auto hd) { return fwd_cute_smem_bytes<T, hd.value>(); }, size_t(0));
+    if (idx >= 0 && smem <= max_smem) {
+      return visit_head_dim<T, kCuteBuilt>(
+          idx, [&](auto hd) { return run_fwd_cute<T, hd.value>(p, stream); },
+          cudaErrorInvalidValue);
+    }
   }
-  if (const int idx = mma_index<T>(p); idx >= 0) return fwd_mma<T>(idx, p, stream);
+  if (const int idx = mma_index<T>(p); idx >= 0) {
+    return visit_head_dim<T, true>(
+        idx, [&](auto hd) { return run_fwd_mma<T, hd.value>(p, stream); }, cudaErrorInvalidValue);
+  }
   if constexpr (dtype_built<T>()) {
     return run_fwd_generic<T>(p, stream);
   } else {
@@ -306,8 +253,26 @@ cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, Bwd
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (cute) {
-      if (const int idx = cute_bwd_index<T>(p); idx >= 0 && cute_bwd_smem<T>(idx) <= max_smem)
-        return bwd_cute<T>(idx, p, ws, stream);
+      constexpr bool kBuilt = kCuteBuilt && kBackwardBuilt;
+      const int idx = cute_bwd_index<T>(p);
+      const size_t smem = visit_head_dim<T, kBuilt>(
+          idx,
+          [](auto hd) {
+            if constexpr (cute_bwd_head_dim(hd.value)) return bwd_cute_smem_bytes<T, hd.value>();
+            return size_t(0);
+          },
+          size_t(0));
+      if (idx >= 0 && smem <= max_smem) {
+        return visit_head_dim<T, kBuilt>(
+            idx,
+            [&](auto hd) {
+              if constexpr (cute_bwd_head_dim(hd.value)) {
+                return run_bwd_cute<T, hd.value>(p, ws, stream);
+              }
+              return cudaErrorInvalidValue;
+            },
+            cudaErrorInvalidValue);
+      }
     }
     if constexpr (dtype_built<T>() && kBackwardBuilt) {
       return run_bwd_generic<T>(p, ws, stream);
