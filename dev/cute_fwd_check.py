@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""GPU check of the CuTe forward (csrc/attention/cuda/flash/flash_fwd_cute.cuh) in one call:
-which kernel ran (profiler), error vs a float64 reference beside the older tensor-core
-kernel's on the same inputs, finite outputs, identical bits twice, then a timing of CuTe vs
-the older kernel vs torch's flash backend. The kernel is chosen per call by
-ATTN_EXT_CUDA_FWD_KERNEL (cute / mma, read at each call), so both run in one process.
+"""GPU check of the CuTe forward (csrc/attention/cuda/flash/flash_fwd_cute.cuh) in one call,
+for both of its exp2 steps (ScaleFirst, the default; FoldScale, ATTN_EXT_CUDA_FWD_KERNEL=
+cute_fold behind ATTN_EXT_UNVERIFIED_CUDA=1, which this script sets): which kernel ran
+(profiler), error vs a float64 reference beside the older tensor-core kernel's on the same
+inputs, finite outputs, identical bits twice, then a timing of both against the older kernel
+and torch's flash backend. The kernel is chosen per call by ATTN_EXT_CUDA_FWD_KERNEL (read at
+each call), so all of them run in one process.
 
     python dev/cute_fwd_check.py            # prints a table per part; exit 1 on a failure
 
@@ -22,10 +24,13 @@ import attn_ext
 
 DEV = "cuda"
 FLAG = "ATTN_EXT_CUDA_FWD_KERNEL"
+os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"  # for cute_fold
+# ATTN_EXT_CUDA_FWD_KERNEL value -> the part of the kernel's name that says it ran
+CUTE_KERNELS = {"cute": "ScaleFirst", "cute_fold": "FoldScale"}
 
 
-def run(cute: bool, *args, **kw):
-    os.environ[FLAG] = "cute" if cute else "mma"
+def run(kernel: str, *args, **kw):
+    os.environ[FLAG] = kernel
     return attn_ext.attention(*args, **kw)
 
 
@@ -90,15 +95,15 @@ def make(B, H, Hkv, Sq, Sk, D, layout, dtype):
     return one(H, Sq), one(Hkv, Sk), one(Hkv, Sk)
 
 
-def check_case(case, dtype) -> bool:
+def check_case(case, dtype, kernel) -> bool:
     B, H, Hkv, Sq, Sk, D, causal, window, layout = case
     torch.manual_seed(Sq * 1000 + Sk)
     q, k, v = make(B, H, Hkv, Sq, Sk, D, layout, dtype)
     kw = dict(causal=causal, window_size=window, return_lse=True)
-    names = kernels_of(lambda: run(True, q, k, v, **kw))
-    o1, lse1 = run(True, q, k, v, **kw)
-    o2, lse2 = run(True, q, k, v, **kw)
-    om, lsem = run(False, q, k, v, **kw)
+    names = kernels_of(lambda: run(kernel, q, k, v, **kw))
+    o1, lse1 = run(kernel, q, k, v, **kw)
+    o2, lse2 = run(kernel, q, k, v, **kw)
+    om, lsem = run("mma", q, k, v, **kw)
     ref = reference(q, k, v, causal, window)
 
     def err(o):
@@ -108,13 +113,13 @@ def check_case(case, dtype) -> bool:
     same = torch.equal(o1, o2) and torch.equal(lse1, lse2)
     lse_err = (lse1 - lsem).abs().nan_to_num(0.0).max().item()
     finite = torch.isfinite(o1).all().item()
-    used = any("cute" in n for n in names)
+    used = any("cute" in n and CUTE_KERNELS[kernel] in n for n in names)
     # the same error as the older kernel (same algorithm, fp32 accumulation), within rounding
     good = finite and same and used and ec <= 1.5 * em + 1e-3 and lse_err < 1e-2
-    kernel = "cute" if used else "NOT CUTE: " + ",".join(names)
+    ran = kernel if used else "NOT CUTE: " + ",".join(names)
     print(
         f"{str(case):58s} {str(dtype)[6:]:9s} {ec:9.2e} {em:9.2e} {ec / max(em, 1e-30):5.2f}"
-        f"  {'same' if same else 'DIFF'}  {kernel}{'' if good else '  <-- FAIL'}"
+        f"  {'same' if same else 'DIFF'}  {ran}{'' if good else '  <-- FAIL'}"
         f" lse {lse_err:.1e}"
     )
     return good
@@ -122,7 +127,12 @@ def check_case(case, dtype) -> bool:
 
 def check_correctness() -> bool:
     print(f"{'case':58s} {'dtype':9s} {'cute err':>9s} {'mma err':>9s} ratio  bits  kernel")
-    results = [check_case(c, d) for c in CASES for d in (torch.bfloat16, torch.float16)]
+    results = [
+        check_case(c, d, kernel)
+        for kernel in CUTE_KERNELS
+        for c in CASES
+        for d in (torch.bfloat16, torch.float16)
+    ]
     return all(results)
 
 
@@ -151,17 +161,22 @@ def time_cell(D, S, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    t_c = median_ms(lambda: run(True, q, k, v, causal=causal))
-    t_m = median_ms(lambda: run(False, q, k, v, causal=causal))
+    t_c = median_ms(lambda: run("cute", q, k, v, causal=causal))
+    t_d = median_ms(lambda: run("cute_fold", q, k, v, causal=causal))
+    t_m = median_ms(lambda: run("mma", q, k, v, causal=causal))
     t_f = median_ms(flash)
-    tf = [flops / t / 1e9 for t in (t_c, t_m, t_f)]
+    tf = [flops / t / 1e9 for t in (t_c, t_d, t_m, t_f)]
     print(
-        f"{D:4d} {S:6d} {str(causal):6s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:10.1f}  {t_f / t_c:9.2f}"
+        f"{D:4d} {S:6d} {str(causal):6s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:9.1f} {tf[3]:10.1f}"
+        f"  {t_f / t_c:9.2f} {t_f / t_d:9.2f} {t_c / t_d:9.2f}"
     )
 
 
 def timing():
-    print(f"\n{'D':>4s} {'S':>6s} causal  cute TF/s  mma TF/s  flash TF/s  cute/flash")
+    print(
+        f"\n{'D':>4s} {'S':>6s} causal  cute TF/s  fold TF/s  mma TF/s  flash TF/s"
+        "  cute/flash fold/flash fold/cute"
+    )
     for D in (64, 128):
         for S in (512, 2048, 8192, 16384):
             for causal in (False, True):

@@ -13,8 +13,10 @@
 #           wheels the phases install, fetched here before the first call (.whl/ is ignored by
 #           git; pass it in the device tool's carry):
 #             pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0 fla-core==0.6.0 einops==0.8.2
-# cute:     dev/cute_fwd_check.py (CuTe forward vs the older kernel: errors, bits, timing), then
-#           the CUDA attention and varlen tests with ATTN_EXT_UNVERIFIED_CUDA=1
+# cute:     dev/cute_fwd_check.py (the CuTe forward's two exp2 steps, ScaleFirst and the
+#           gated FoldScale, vs the older kernel: errors, bits, kernel names, timing against
+#           torch's flash backend), then the CUDA attention and varlen tests with
+#           ATTN_EXT_UNVERIFIED_CUDA=1
 # cute_bwd: issue 20's CuTe backward (after build): its tests with ATTN_EXT_UNVERIFIED_CUDA=1
 #           (cute_backward / deterministic / large_backward), racecheck over
 #           tools/sanitize_cuda.py, bench_attention_cuda bwd against torch's flash backend
@@ -103,7 +105,7 @@ for phase in "$@"; do
         --deselect tests/test_cuda_build.py::test_cuda_sources_compile
       grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
     cute)
-      step cute_check 150 $PY dev/cute_fwd_check.py
+      step cute_check 200 $PY dev/cute_fwd_check.py
       grep -E "FAIL|NOT CUTE|CUTE CHECK" "$OUT/cute_check.log" | head -20 >> "$SUMMARY"
       ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_tests 150 $PY -m pytest \
         tests/test_attention_cuda.py tests/test_varlen_cuda.py -q -n 14 -p no:cacheprovider -rfE

@@ -355,10 +355,10 @@ def test_cute_backward(dtype, case, monkeypatch):
     check_grads(q, k, v, **kw)
 
 
-# (B, H, Hkv, Sq, Sk, D, options): the Hopper forward's inputs (D == Dv in 64 / 128 / 256) at
-# block edges (128 query rows; 128 keys, 64 at D = 256), odd lengths, one row or one key, GQA /
-# MQA, causal with Sq != Sk both ways (bottom-right), windows
-HOPPER_FWD_CASES = [
+# (B, H, Hkv, Sq, Sk, D, options): the CuTe and Hopper forwards' inputs (D == Dv in 64 / 128 /
+# 256) at their block edges (128 query rows; 64 or 128 keys), odd lengths, one row or one key,
+# GQA / MQA, causal with Sq != Sk both ways (bottom-right), windows
+TC_FWD_CASES = [
     (2, 4, 4, 128, 128, 64, {}),
     (1, 4, 2, 129, 257, 128, {}),
     (1, 8, 1, 1, 300, 64, {}),
@@ -373,6 +373,50 @@ HOPPER_FWD_CASES = [
 ]
 
 
+def cuda_kernels_run(fn):
+    """The names of the CUDA kernels fn() launched (torch.profiler's CUDA activity)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("case", TC_FWD_CASES, ids=str)
+def test_cute_fold_forward(dtype, case, monkeypatch):
+    """The CuTe forward with its FoldScale exp2 step (ATTN_EXT_CUDA_FWD_KERNEL=cute_fold, with
+    ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green here) by the suite's error rule, out and
+    lse; the profiler says that kernel ran."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
+    B, H, Hkv, Sq, Sk, D, kw = case
+    q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
+    check_vs_truth(q, k, v, **kw)
+    names = cuda_kernels_run(lambda: attn_ext.attention(q, k, v, **kw))
+    assert any("flash_fwd_cute" in n and "FoldScale" in n for n in names), names
+
+
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_cute_fold_forward_keeps_its_scale_rule(scale, monkeypatch):
+    """FoldScale takes the row max over unscaled scores, which is the scaled max only for
+    scale > 0: other scales run the default exp2 step, with the same results."""
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
+    q, k, v = make_qkv(1, 4, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV)
+    check_vs_truth(q, k, v, scale=scale, causal=True)
+    names = cuda_kernels_run(lambda: attn_ext.attention(q, k, v, scale=scale))
+    assert any("flash_fwd_cute" in n and "ScaleFirst" in n for n in names), names
+
+
+def test_cute_fold_forward_needs_its_opt_in(monkeypatch):
+    """ATTN_EXT_CUDA_FWD_KERNEL=cute_fold without ATTN_EXT_UNVERIFIED_CUDA=1 is a clear error."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
+    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
+    with pytest.raises(RuntimeError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
+        attn_ext.attention(q, k, v)
+
+
 def on_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -380,7 +424,7 @@ def on_hopper():
 @pytest.mark.skipif(not on_hopper(), reason="the Hopper forward runs on compute capability 9.x")
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("layout", ["contiguous", "bshd"])
-@pytest.mark.parametrize("case", HOPPER_FWD_CASES, ids=str)
+@pytest.mark.parametrize("case", TC_FWD_CASES, ids=str)
 def test_hopper_forward(dtype, layout, case, monkeypatch):
     """The sm_90a forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper, with ATTN_EXT_UNVERIFIED_CUDA=1
     until it has run green here) by the suite's error rule, out and lse, on contiguous
@@ -415,7 +459,7 @@ def test_hopper_forward_needs_its_opt_in(monkeypatch):
         with pytest.raises(RuntimeError, match="needs a device of compute capability 9.x"):
             attn_ext.attention(q, k, v)
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "wgmma")
-    with pytest.raises(RuntimeError, match="expected 'cute' \\(default\\), 'mma' or 'hopper'"):
+    with pytest.raises(RuntimeError, match="expected 'cute' \\(default\\), 'cute_fold', 'mma' or"):
         attn_ext.attention(q, k, v)
 
 

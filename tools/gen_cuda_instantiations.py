@@ -61,12 +61,15 @@ def mma_fwd(t: str, hd: int) -> str:
 
 
 def cute_fwd(t: str, hd: int) -> str:
+    """Both exp2 policies of the CuTe forward (flash_fwd_cute.cuh) in one file."""
     return _instantiation(
         "flash_fwd_cute.cuh",
         [
-            f"template cudaError_t run_fwd_cute<{t}, {hd}>(const AttentionParams&, cudaStream_t);",
-            f"template size_t fwd_cute_smem_bytes<{t}, {hd}>();",
-        ],
+            f"template cudaError_t run_fwd_cute<{t}, {hd}, cute_fwd::{policy}>(\n"
+            "    const AttentionParams&, cudaStream_t);"
+            for policy in ("ScaleFirst", "FoldScale")
+        ]
+        + [f"template size_t fwd_cute_smem_bytes<{t}, {hd}>();"],
     )
 
 

@@ -46,6 +46,10 @@ void check_verified(const char* op, const AttentionParams& p) {
 // The forward kernel ATTN_EXT_CUDA_FWD_KERNEL asks for, read at each call:
 //   cute (default)  the CuTe forward (flash/flash_fwd_cute.cuh) where it serves the inputs (ran
 //                   green on an H100, 2026-11-26: dev/gpu_notes.md);
+//   cute_fold       the CuTe forward with its FoldScale exp2 step (one FFMA and a flush-to-zero
+//                   exp2 a score instead of eight instructions: flash_fwd_cute.cuh) where
+//                   scale > 0. Compiled but never run on a GPU: it needs
+//                   ATTN_EXT_UNVERIFIED_CUDA=1 too, until a GPU run makes it the default;
 //   mma             the older tensor-core kernel instead, for comparisons (dev/cute_fwd_check.py);
 //   hopper          the sm_90a forward (flash/flash_fwd_hopper.cuh: TMA, wgmma, warp
 //                   specialization) where it serves the inputs, else the CuTe forward. Compiled
@@ -53,16 +57,21 @@ void check_verified(const char* op, const AttentionParams& p) {
 //                   of compute capability 9.x, and a build for 9.0a (TORCH_CUDA_ARCH_LIST),
 //                   without which its kernels are not built and the CuTe forward runs. Its own
 //                   switch, so the other gated kernels (the CuTe backward) are verified apart.
-enum class FwdKernel { kCute, kMma, kHopper };
-
 FwdKernel requested_fwd_kernel(const char* op) {
   const char* v = std::getenv("ATTN_EXT_CUDA_FWD_KERNEL");
   if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "cute") == 0)
     return FwdKernel::kCute;
   if (std::strcmp(v, "mma") == 0) return FwdKernel::kMma;
-  TORCH_CHECK(std::strcmp(v, "hopper") == 0,
-              "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default), 'mma' or 'hopper', got '", v,
-              "'");
+  if (std::strcmp(v, "cute_fold") == 0) {
+    require_verified_or_opt_in(
+        op, "the CuTe forward's FoldScale step (ATTN_EXT_CUDA_FWD_KERNEL=cute_fold)");
+    return FwdKernel::kCuteFold;
+  }
+  TORCH_CHECK(
+      std::strcmp(v, "hopper") == 0,
+      "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default), 'cute_fold', 'mma' or 'hopper', "
+      "got '",
+      v, "'");
   require_verified_or_opt_in(op, "the Hopper forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper)");
   const c10::DeviceIndex device = c10::cuda::current_device();
   int major = 0;
@@ -88,9 +97,8 @@ std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const size_t max_smem = check_supported(op, p, kind, /*backward=*/false);
   const FwdKernel fwd_kernel = requested_fwd_kernel(op);
-  C10_CUDA_CHECK(launch_attention_fwd(p, kind, fwd_kernel != FwdKernel::kMma,
-                                      fwd_kernel == FwdKernel::kHopper, max_smem,
-                                      c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_attention_fwd(p, kind, fwd_kernel, max_smem, c10::cuda::getCurrentCUDAStream()));
   return {out, lse};
 }
 

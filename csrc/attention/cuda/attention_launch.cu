@@ -122,10 +122,11 @@ bool tma_legal(int64_t rows, int64_t heads, int64_t batch, std::initializer_list
 
 // The index into kMmaHeadDims of the Hopper forward serving these inputs, or -1: the CuTe
 // forward's conditions (cute_index) with TMA-legal Q, K and V (the output is written by
-// 16-byte stores, which cute_index's alignment covers).
+// 16-byte stores, which cute_index's alignment covers) and scale > 0 (its exp2 step is
+// cute_fwd::FoldScale, which takes the row max over unscaled scores).
 template <typename T>
 int hopper_index(const AttentionParams& p) {
-  if (!kHopperBuilt) return -1;
+  if (!kHopperBuilt || !(p.scale > 0.0)) return -1;
   const int idx = cute_index<T>(p);
   if (idx < 0 ||
       !tma_legal(p.seqlen_q, p.heads, p.batch,
@@ -168,22 +169,27 @@ int mma_index(const AttentionParams& p) {
 // The CuTe kernels' tiles at D = 256 (forward) and D = 128 (backward) take 128 KiB of shared
 // memory: more than sm_86 / sm_89 / sm_120 give a block (99 KiB), where the next kernel runs.
 template <typename T>
-cudaError_t fwd(const AttentionParams& p, bool cute, bool hopper, size_t max_smem,
-                cudaStream_t stream) {
-  if (cute && hopper) {
+cudaError_t fwd(const AttentionParams& p, FwdKernel kernel, size_t max_smem, cudaStream_t stream) {
+  if (kernel == FwdKernel::kHopper) {
     if (const int idx = hopper_index<T>(p); idx >= 0) {
       return visit_head_dim<T, kHopperBuilt>(
           idx, [&](auto hd) { return run_fwd_hopper<T, hd.value>(p, stream); },
           cudaErrorInvalidValue);
     }
   }
-  if (cute) {
+  if (kernel != FwdKernel::kMma) {
     const int idx = cute_index<T>(p);
     const size_t smem = visit_head_dim<T, kCuteBuilt>(
         idx, [](auto hd) { return fwd_cute_smem_bytes<T, hd.value>(); }, size_t(0));
+    // FoldScale takes the row max over unscaled scores: the same max only when scale > 0.
+    const bool fold = kernel == FwdKernel::kCuteFold && p.scale > 0.0;
     if (idx >= 0 && smem <= max_smem) {
       return visit_head_dim<T, kCuteBuilt>(
-          idx, [&](auto hd) { return run_fwd_cute<T, hd.value>(p, stream); },
+          idx,
+          [&](auto hd) {
+            return fold ? run_fwd_cute<T, hd.value, cute_fwd::FoldScale>(p, stream)
+                        : run_fwd_cute<T, hd.value, cute_fwd::ScaleFirst>(p, stream);
+          },
           cudaErrorInvalidValue);
     }
   }
@@ -240,11 +246,11 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
   return why;
 }
 
-cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, FwdKernel kernel,
                                  size_t max_smem, cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return fwd<T>(p, cute, hopper, max_smem, stream);
+    return fwd<T>(p, kernel, max_smem, stream);
   });
 }
 

@@ -32,14 +32,21 @@ inline bool varlen_or_mods(const AttentionParams& p) {
 // `max_smem` is the device's opt-in shared memory per block.
 const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, bool backward,
                                        size_t max_smem);
-// The forward: out, lse. With `cute` and `hopper` (the caller's device is compute capability
-// 9.x), the Hopper kernel where this build has it and it serves the inputs (attention_launch.cu's
-// hopper_index); else with `cute`, the CuTe tensor-core kernel where it serves the inputs
-// (cute_index) and its tiles fit `max_smem` (the device's opt-in shared memory per block);
-// else the older tensor-core kernel for bf16 / fp16 with
+// The forward kernel a call asks for (attention_cuda.cpp reads ATTN_EXT_CUDA_FWD_KERNEL).
+enum class FwdKernel {
+  kCute,      // the CuTe tensor-core forward (the default)
+  kCuteFold,  // the same with its FoldScale exp2 step where scale > 0 (not yet run on a GPU)
+  kMma,       // the older tensor-core forward, for comparisons
+  kHopper,    // the sm_90a forward (the caller checked compute capability 9.x)
+};
+
+// The forward: out, lse. With kHopper, the Hopper kernel where this build has it and it serves
+// the inputs (attention_launch.cu's hopper_index); else, unless kMma, the CuTe tensor-core
+// kernel where it serves the inputs (cute_index) and its tiles fit `max_smem` (the device's
+// opt-in shared memory per block); else the older tensor-core kernel for bf16 / fp16 with
 // max(D, Dv) up to the largest instantiated head dim (when compiled) and no varlen_or_mods(),
 // the generic kernel otherwise.
-cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, bool cute, bool hopper,
+cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, FwdKernel kernel,
                                  size_t max_smem, cudaStream_t stream);
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
 // (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row). With

@@ -10,8 +10,9 @@
 //              test), per block:
 //                V loads (cp.async) while S = Q K^T runs (ldmatrix + mma, fp32);
 //                the next K loads while the online softmax (rows in registers, max / sum
-//                exchanged in the quad by shuffles) and O = O * rescale + P V run, P converted
-//                to 16 bits in registers as the A operand (no shared-memory round trip);
+//                exchanged in the quad by shuffles; the exp2 step a policy, below) and
+//                O = O * rescale + P V run, P converted to 16 bits in registers as the A
+//                operand (no shared-memory round trip);
 //   epilogue   O / rowsum to 16 bits, through shared memory to 16-byte global stores; lse.
 #include <cstdint>
 #include <cutlass/numeric_conversion.h>
@@ -54,6 +55,48 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// exp2 with denormal results flushed to zero: MUFU.EX2 alone. CUDA's exp2f (without -ftz,
+// which this build does not pass: it would change every fp32 kernel) wraps each MUFU.EX2 in a
+// range test and two multiplies so that results under 2^-126 come out denormal; here they are
+// probabilities under 2^-126 of the row's largest, which round to nothing in the 16-bit P and
+// the fp32 row sum anyway. Neither CUDA C++ nor CUTLASS spells this instruction (CUTLASS's own
+// softmax epilogue writes the same line), hence the one line of PTX.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The exp2 step of softmax_block, as policies (launch_templates.h declares them for the
+// dispatch). A block's raw dot products s become exp2(s * scale - m), m the row's running max
+// of the scaled scores (the log2 domain: scale = softmax scale * log2 e).
+//   ScaleFirst  every score multiplied by scale where it is stored, the max taken over those,
+//               exp2f(s' - m): 8 instructions a score in the SASS (sm_90a, D 128), 4 of them
+//               exp2f's denormal handling. The CuTe forward's default: it ran green on an H100
+//               (2026-11-26).
+//   FoldScale   the max over the raw scores, times scale (the same value: rounding is monotonic
+//               and scale > 0, which the dispatch requires), then one FFMA a score into
+//               exp2_ftz: 4 instructions a score, FlashAttention-2's scale_apply_exp2 under its
+//               --use_fast_math. One rounding instead of two before the exp2. Compiled, not yet
+//               run: the Hopper forward's policy, and the CuTe forward's under
+//               ATTN_EXT_CUDA_FWD_KERNEL=cute_fold until a GPU run makes it the default.
+struct ScaleFirst {
+  static __device__ __forceinline__ float stored(float s, float scale) { return s * scale; }
+  static __device__ __forceinline__ float row_max(float stored_max, float) { return stored_max; }
+  static __device__ __forceinline__ float exp2(float stored, float, float shift) {
+    return exp2f(stored - shift);
+  }
+};
+struct FoldScale {
+  static __device__ __forceinline__ float stored(float s, float) { return s; }
+  static __device__ __forceinline__ float row_max(float stored_max, float scale) {
+    return stored_max * scale;
+  }
+  static __device__ __forceinline__ float exp2(float stored, float scale, float shift) {
+    return exp2_ftz(fmaf(stored, scale, -shift));
+  }
+};
+
 // Keys [lo, hi) of a key block that row i may see under the band and the key range, relative
 // to the block's first key j0 and clipped to [0, kBlockN]: the masked blocks test each score's
 // column against these (32-bit compares; the 64-bit band arithmetic is per row).
@@ -74,9 +117,10 @@ struct RowKeys {
 };
 
 // One key block's scores (raw dot products, rows x cols view) to probabilities: the log2-domain
-// scale, the band / key-range mask (kMasked), the online softmax update of each row, the
-// matching rescale of the output rows. `coords` gives each score's (row, key) in the block.
-template <bool kMasked, int kBlockN, class S, class C, class O, int kRows>
+// scale (the Exp policy), the band / key-range mask (kMasked), the online softmax update of
+// each row, the matching rescale of the output rows. `coords` gives each score's (row, key) in
+// the block.
+template <class Exp, bool kMasked, int kBlockN, class S, class C, class O, int kRows>
 __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
                                               SoftmaxState<float> (&st)[kRows],
                                               const LocalBand& band, int64_t key_limit,
@@ -89,22 +133,22 @@ __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
 #pragma unroll
       for (int c = 0; c < size<1>(s); ++c) {
         const int col = get<1>(coords(r, c));
-        s(r, c) = col >= keys.lo && col < keys.hi ? s(r, c) * s_scale : -INFINITY;
+        s(r, c) = col >= keys.lo && col < keys.hi ? Exp::stored(s(r, c), s_scale) : -INFINITY;
         mx = fmaxf(mx, s(r, c));
       }
     } else {
 #pragma unroll
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) *= s_scale;
+        s(r, c) = Exp::stored(s(r, c), s_scale);
         mx = fmaxf(mx, s(r, c));
       }
     }
-    const float factor = st[r].rescale_to(quad_max(mx));
+    const float factor = st[r].rescale_to(Exp::row_max(quad_max(mx), s_scale));
     const float shift = st[r].shift();
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
-      const float e = exp2f(s(r, c) - shift);
+      const float e = Exp::exp2(s(r, c), s_scale, shift);
       s(r, c) = e;
       sum += e;
     }
@@ -135,7 +179,7 @@ __device__ __forceinline__ void finish_rows(O& o, C const& coords, SoftmaxState<
 
 }  // namespace cute_fwd
 
-template <typename Tr>
+template <typename Tr, class Exp>
 __global__ void __launch_bounds__(Tr::kThreads, 1) flash_fwd_cute_kernel(AttentionParams p) {
   using namespace cute;
   using namespace cute_fwd;
@@ -250,9 +294,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) flash_fwd_cute_kernel(Attenti
     Tensor cs_rc = make_tensor(cs.data(), rowcol(cs.layout()));
     if (j0 + kBlockN <= p.seqlen_k &&
         band.tile_unmasked(bi.m0, bi.m0 + bi.rows, j0, j0 + kBlockN)) {
-      softmax_block<false, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale, bi.m0, j0);
+      softmax_block<Exp, false, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale, bi.m0,
+                                         j0);
     } else {
-      softmax_block<true, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale, bi.m0, j0);
+      softmax_block<Exp, true, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale, bi.m0,
+                                        j0);
     }
 
     // O += P V with P (16-bit) straight from the score registers
@@ -295,17 +341,16 @@ size_t fwd_cute_smem_bytes() {
   return FwdCuteTraits<T, kHeadDim>::kSmemBytes;
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, class Exp>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdCuteTraits<T, kHeadDim>;
   const int64_t blocks = p.batch * p.heads * ceil_div(p.seqlen_q, Tr::kBlockM);
   if (blocks == 0) return cudaSuccess;
-  const cudaError_t e =
-      cudaFuncSetAttribute(flash_fwd_cute_kernel<Tr>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(Tr::kSmemBytes));
+  const auto kernel = flash_fwd_cute_kernel<Tr, Exp>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(Tr::kSmemBytes));
   if (e != cudaSuccess) return e;
-  flash_fwd_cute_kernel<Tr>
-      <<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

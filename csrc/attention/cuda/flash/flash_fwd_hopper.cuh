@@ -189,11 +189,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     if (j0 + kBlockN <= p.seqlen_k &&
         band.tile_unmasked(bi.m0, bi.m0 + bi.rows, j0, j0 + kBlockN)) {
-      cute_fwd::softmax_block<false, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale,
-                                              bi.m0, j0);
+      cute_fwd::softmax_block<cute_fwd::FoldScale, false, kBlockN>(s_rc, cs_rc, o_rc, st, band,
+                                                                   p.seqlen_k, s_scale, bi.m0, j0);
     } else {
-      cute_fwd::softmax_block<true, kBlockN>(s_rc, cs_rc, o_rc, st, band, p.seqlen_k, s_scale,
-                                             bi.m0, j0);
+      cute_fwd::softmax_block<cute_fwd::FoldScale, true, kBlockN>(s_rc, cs_rc, o_rc, st, band,
+                                                                  p.seqlen_k, s_scale, bi.m0, j0);
     }
 
     constexpr int kS = decltype(size(acc_s))::value;

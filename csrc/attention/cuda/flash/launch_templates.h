@@ -16,9 +16,16 @@ namespace attn_ext::cuda {
 template <typename T, int kHeadDim>
 cudaError_t run_fwd_mma(const AttentionParams& p, cudaStream_t stream);
 
+// The CuTe forwards' exp2 step (flash_fwd_cute.cuh): ScaleFirst, the verified default, and
+// FoldScale, which needs scale > 0.
+namespace cute_fwd {
+struct ScaleFirst;
+struct FoldScale;
+}  // namespace cute_fwd
+
 // CuTe tensor-core forward (bf16 / fp16): D == Dv == kHeadDim, 16-byte aligned rows, no mask,
-// dropout or modifier (flash_fwd_cute.cuh).
-template <typename T, int kHeadDim>
+// dropout or modifier (flash_fwd_cute.cuh); Exp one of the policies above.
+template <typename T, int kHeadDim, class Exp>
 cudaError_t run_fwd_cute(const AttentionParams& p, cudaStream_t stream);
 // Its dynamic shared memory: more than some GPUs' per-block limit (99 KiB on sm_86 / sm_89 /
 // sm_120) at D = 256, where the dispatch picks another kernel.

@@ -3,6 +3,9 @@
 #include "attention/cuda/flash/flash_fwd_cute.cuh"
 
 namespace attn_ext::cuda {
-template cudaError_t run_fwd_cute<__nv_bfloat16, 128>(const AttentionParams&, cudaStream_t);
+template cudaError_t run_fwd_cute<__nv_bfloat16, 128, cute_fwd::ScaleFirst>(
+    const AttentionParams&, cudaStream_t);
+template cudaError_t run_fwd_cute<__nv_bfloat16, 128, cute_fwd::FoldScale>(
+    const AttentionParams&, cudaStream_t);
 template size_t fwd_cute_smem_bytes<__nv_bfloat16, 128>();
 }  // namespace attn_ext::cuda
