@@ -77,10 +77,14 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 //   FoldScale   the max over the raw scores, times scale (the same value: rounding is monotonic
 //               and scale > 0, which the dispatch requires), then one FFMA a score into
 //               exp2_ftz: 4 instructions a score, FlashAttention-2's scale_apply_exp2 under its
-//               --use_fast_math. One rounding instead of two before the exp2. Compiled, not yet
-//               run: the Hopper forward's policy, and the CuTe forward's under
-//               ATTN_EXT_CUDA_FWD_KERNEL=cute_fold until a GPU run makes it the default.
+//               --use_fast_math. One rounding instead of two before the exp2. And the output
+//               rows' rescale (D / 4 FMULs a row and thread) skipped when no row of the warp
+//               raised its max (the factors are then exactly 1: the same bits), as the max
+//               settles over a long key range. Compiled, not yet run: the Hopper forward's
+//               policy, and the CuTe forward's under ATTN_EXT_CUDA_FWD_KERNEL=cute_fold until a
+//               GPU run makes it the default.
 struct ScaleFirst {
+  static constexpr bool kSkipUnitRescale = false;
   static __device__ __forceinline__ float stored(float s, float scale) { return s * scale; }
   static __device__ __forceinline__ float row_max(float stored_max, float) { return stored_max; }
   static __device__ __forceinline__ float exp2(float stored, float, float shift) {
@@ -88,6 +92,7 @@ struct ScaleFirst {
   }
 };
 struct FoldScale {
+  static constexpr bool kSkipUnitRescale = true;
   static __device__ __forceinline__ float stored(float s, float) { return s; }
   static __device__ __forceinline__ float row_max(float stored_max, float scale) {
     return stored_max * scale;
@@ -119,12 +124,13 @@ struct RowKeys {
 // One key block's scores (raw dot products, rows x cols view) to probabilities: the log2-domain
 // scale (the Exp policy), the band / key-range mask (kMasked), the online softmax update of
 // each row, the matching rescale of the output rows. `coords` gives each score's (row, key) in
-// the block.
+// the block. Called by whole warps (the masked / unmasked choice is per block).
 template <class Exp, bool kMasked, int kBlockN, class S, class C, class O, int kRows>
 __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
                                               SoftmaxState<float> (&st)[kRows],
                                               const LocalBand& band, int64_t key_limit,
                                               float s_scale, int64_t m0, int64_t j0) {
+  float factors[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     float mx = -INFINITY;
@@ -153,8 +159,24 @@ __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
       sum += e;
     }
     st[r].sum += sum;  // this lane's share; the quad's shares are added in the epilogue
+    if constexpr (Exp::kSkipUnitRescale) {
+      factors[r] = factor;
+    } else {
 #pragma unroll
-    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= factor;
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= factor;
+    }
+  }
+  if constexpr (Exp::kSkipUnitRescale) {
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) moved |= factors[r] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= factors[r];
+      }
+    }
   }
 }
 
