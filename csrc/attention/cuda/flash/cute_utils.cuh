@@ -2,10 +2,44 @@
 // Device pieces the CuTe forward and backward (flash_fwd_cute.cuh, flash_bwd_cute.cuh) share.
 #include <cstdint>
 #include <cute/tensor.hpp>
+#include "common/mask.h"
 
 namespace attn_ext::cuda::cute_util {
 
 using namespace cute;
+
+// exp2 with denormal results flushed to zero: MUFU.EX2 alone. CUDA's exp2f (without -ftz,
+// which this build does not pass: it would change every fp32 kernel) wraps each MUFU.EX2 in a
+// range test and two multiplies so that results under 2^-126 come out denormal; here they are
+// probabilities under 2^-126 (of the row's largest in the forward, absolute in the backward),
+// which round to nothing in the 16-bit P / dS and the fp32 sums anyway. Neither CUDA C++ nor
+// CUTLASS spells this instruction (CUTLASS's own softmax epilogue writes the same line), hence
+// the one line of PTX.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Keys [lo, hi) of a key block that row i may see under the band and the key range, relative
+// to the block's first key j0 and clipped to [0, kBlockN]: the masked blocks test each score's
+// column against these (32-bit compares; the 64-bit band arithmetic is per row). The same set
+// as LocalBand::allowed(i, j0 + col) && j0 + col < key_limit.
+template <int kBlockN>
+struct RowKeys {
+  int lo, hi;
+  __device__ __forceinline__ RowKeys(const LocalBand& band, int64_t key_limit, int64_t i,
+                                     int64_t j0) {
+    const int64_t center = i + band.key_offset;
+    int64_t first = band.has_left() ? center - band.left : 0;
+    int64_t last = band.has_right() ? center + band.right + 1 : key_limit;
+    if (last > key_limit) last = key_limit;
+    first -= j0;
+    last -= j0;
+    lo = static_cast<int>(first < 0 ? 0 : (first > kBlockN ? kBlockN : first));
+    hi = static_cast<int>(last < 0 ? 0 : (last > kBlockN ? kBlockN : last));
+  }
+};
 
 // Global -> shared rows [0, rows) of a tile (cp.async), zeros past them (plain stores, made
 // visible by the barrier that precedes every read). `coords` is the copy's partition of the

@@ -34,13 +34,46 @@ namespace cute_bwd {
 using namespace cute;
 using cute_fwd::rowcol;
 using cute_util::copy_rows;
+using cute_util::exp2_ftz;
 using cute_util::gemm_ss;
+using cute_util::RowKeys;
 
 // Rows [m0, m0 + kBlockM) x keys [n0, n0 + kBlockN): true when every pair is inside the band,
 // the rows and the keys (no element test needed).
 __device__ __forceinline__ bool tile_free(const LocalBand& band, int64_t m0, int64_t m1, int64_t n0,
                                           int64_t n1, int64_t seqlen_q, int64_t seqlen_k) {
   return m1 <= seqlen_q && n1 <= seqlen_k && band.tile_unmasked(m0, m1, n0, n1);
+}
+
+// One block's P = exp2(S * scale log2 e - lse2) (lse2 as hi + lo) and dS = P (dP - delta), in
+// place of S and dP (rows x cols views): kMasked tests each score against the rows, the keys
+// and the band (cute_util::RowKeys: 32-bit column compares), the free blocks test nothing.
+template <bool kMasked, int kBlockN, class S, class DP, class C>
+__device__ __forceinline__ void probs_and_grads(S& s_rc, DP& dp_rc, C const& cs_rc,
+                                                const float* lse2, const float* lse2_lo,
+                                                const float* delta, const LocalBand& band,
+                                                int64_t seqlen_q, int64_t seqlen_k, float s_scale,
+                                                int64_t m0, int64_t n0) {
+#pragma unroll
+  for (int r = 0; r < size<0>(s_rc); ++r) {
+    const int64_t i = m0 + get<0>(cs_rc(r, 0));
+    const bool row_ok = i < seqlen_q;
+    // a row that sees no key has lse = -inf and no probability at all
+    const float hi = row_ok && lse2[i] != -INFINITY ? lse2[i] : INFINITY;
+    const float lo = row_ok ? lse2_lo[i] : 0.f;
+    const float d = row_ok ? delta[i] : 0.f;
+    const RowKeys<kBlockN> keys(band, seqlen_k, i, n0);
+#pragma unroll
+    for (int c = 0; c < size<1>(s_rc); ++c) {
+      float prob = exp2_ftz(fmaf(s_rc(r, c), s_scale, -hi) - lo);
+      if constexpr (kMasked) {
+        const int col = get<1>(cs_rc(r, c));
+        if (!row_ok || col < keys.lo || col >= keys.hi) prob = 0.f;
+      }
+      s_rc(r, c) = prob;
+      dp_rc(r, c) = prob * (dp_rc(r, c) - d);
+    }
+  }
 }
 
 }  // namespace cute_bwd
@@ -195,26 +228,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // P and dS in registers, rows x cols
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
     Tensor dp_rc = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
-    const bool free =
-        tile_free(band, m0, m0 + kBlockM, bi.n0, bi.n0 + kBlockN, p.seqlen_q, p.seqlen_k);
-#pragma unroll
-    for (int r = 0; r < size<0>(s_rc); ++r) {
-      const int64_t i = m0 + get<0>(cs_rc(r, 0));
-      const bool row_ok = i < p.seqlen_q;
-      // a row that sees no key has lse = -inf and no probability at all
-      const float hi = row_ok && lse2[i] != -INFINITY ? lse2[i] : INFINITY;
-      const float lo = row_ok ? lse2_lo[i] : 0.f;
-      const float d = row_ok ? delta[i] : 0.f;
-#pragma unroll
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        float prob = exp2f(fmaf(s_rc(r, c), s_scale, -hi) - lo);
-        if (!free) {
-          const int64_t j = bi.n0 + get<1>(cs_rc(r, c));
-          if (!row_ok || j >= p.seqlen_k || !band.allowed(i, j)) prob = 0.f;
-        }
-        s_rc(r, c) = prob;
-        dp_rc(r, c) = prob * (dp_rc(r, c) - d);
-      }
+    if (tile_free(band, m0, m0 + kBlockM, bi.n0, bi.n0 + kBlockN, p.seqlen_q, p.seqlen_k)) {
+      probs_and_grads<false, kBlockN>(s_rc, dp_rc, cs_rc, lse2, lse2_lo, delta, band, p.seqlen_q,
+                                      p.seqlen_k, s_scale, m0, bi.n0);
+    } else {
+      probs_and_grads<true, kBlockN>(s_rc, dp_rc, cs_rc, lse2, lse2_lo, delta, band, p.seqlen_q,
+                                     p.seqlen_k, s_scale, m0, bi.n0);
     }
     // both to 16 bits in shared memory: the next products read them transposed
     constexpr int kS = decltype(size(acc_s))::value;
@@ -239,11 +258,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     Tensor acc_dq = partition_fragment_C(mma_q, TileQ{});
     clear(acc_dq);
     gemm_ss(mma_q, acc_dq, rdS, rKt, tQsdS, tQsKt, cp_q_a, cp_q_b);
-    float* dq = static_cast<float*>(p.dq) + (head_rows + m0) * kHeadDim;
+    // this thread's elements of the block's dQ rows (fp32, rows of kHeadDim): compile-time
+    // offsets from one address; rows past seqlen_q add nothing (32-bit row test)
+    Tensor tdQgdQ = q_thr.partition_C(
+        make_tensor(make_gmem_ptr(static_cast<float*>(p.dq) + (head_rows + m0) * kHeadDim), TileQ{},
+                    make_stride(Int<kHeadDim>{}, _1{})));
+    const int rows_left = static_cast<int>(p.seqlen_q - m0 < kBlockM ? p.seqlen_q - m0 : kBlockM);
 #pragma unroll
     for (int e = 0; e < size(acc_dq); ++e) {
-      const int i = get<0>(cdq(e)), c = get<1>(cdq(e));
-      if (m0 + i < p.seqlen_q) atomicAdd(dq + i * kHeadDim + c, scale * acc_dq(e));
+      if (get<0>(cdq(e)) < rows_left) atomicAdd(&tdQgdQ(e), scale * acc_dq(e));
     }
   }
 

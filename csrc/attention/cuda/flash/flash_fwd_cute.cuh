@@ -30,7 +30,9 @@ namespace cute_fwd {
 
 using namespace cute;
 using cute_util::copy_rows;
+using cute_util::exp2_ftz;
 using cute_util::gemm_ss;
+using cute_util::RowKeys;
 
 // acc += A B with A already in registers (P) and B in shared memory.
 template <class Mma, class Acc, class RA, class RB, class SB, class CpB>
@@ -53,18 +55,6 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// exp2 with denormal results flushed to zero: MUFU.EX2 alone. CUDA's exp2f (without -ftz,
-// which this build does not pass: it would change every fp32 kernel) wraps each MUFU.EX2 in a
-// range test and two multiplies so that results under 2^-126 come out denormal; here they are
-// probabilities under 2^-126 of the row's largest, which round to nothing in the 16-bit P and
-// the fp32 row sum anyway. Neither CUDA C++ nor CUTLASS spells this instruction (CUTLASS's own
-// softmax epilogue writes the same line), hence the one line of PTX.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // The exp2 step of softmax_block, as policies (launch_templates.h declares them for the
@@ -99,25 +89,6 @@ struct FoldScale {
   }
   static __device__ __forceinline__ float exp2(float stored, float scale, float shift) {
     return exp2_ftz(fmaf(stored, scale, -shift));
-  }
-};
-
-// Keys [lo, hi) of a key block that row i may see under the band and the key range, relative
-// to the block's first key j0 and clipped to [0, kBlockN]: the masked blocks test each score's
-// column against these (32-bit compares; the 64-bit band arithmetic is per row).
-template <int kBlockN>
-struct RowKeys {
-  int lo, hi;
-  __device__ __forceinline__ RowKeys(const LocalBand& band, int64_t key_limit, int64_t i,
-                                     int64_t j0) {
-    const int64_t center = i + band.key_offset;
-    int64_t first = band.has_left() ? center - band.left : 0;
-    int64_t last = band.has_right() ? center + band.right + 1 : key_limit;
-    if (last > key_limit) last = key_limit;
-    first -= j0;
-    last -= j0;
-    lo = static_cast<int>(first < 0 ? 0 : (first > kBlockN ? kBlockN : first));
-    hi = static_cast<int>(last < 0 ? 0 : (last > kBlockN ? kBlockN : last));
   }
 };
 
