@@ -676,6 +676,21 @@ def test_cuda_split_kv_decode_cache_batch_idx(unverified):
 
 
 @cuda
+def test_cuda_split_kv_decode_ignores_strides_of_size_one_dims(unverified):
+    """One KV head given an odd head stride (torch leaves a size-1 dim's stride arbitrary): the
+    rows are still 16-byte aligned, so the split-KV kernel serves the call, bit for bit the
+    contiguous cache's result."""
+    q, k, v, *_, lens = _cuda_case(torch.bfloat16, 16, 128, (8, 1, 1))
+    odd_k, odd_v = (t.as_strided(t.shape, (t.stride(0), 7, t.stride(2), 1)) for t in (k, v))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = attn_ext.decode_attention(q, odd_k, odd_v, lens, return_lse=True)
+        torch.cuda.synchronize()
+    assert any("split_kv_kernel" in e.key for e in prof.key_averages())
+    dense_out, dense_lse = attn_ext.decode_attention(q, k, v, lens, return_lse=True)
+    assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)
+
+
+@cuda
 def test_cuda_split_kv_never_reads_past_lengths(unverified):
     """NaN in every row at or past a sequence's length, and in unused pages: never read."""
     q, k, v, k_pages, v_pages, table, lens = _cuda_case(torch.float16, 16, 128, (8, 2, 1))

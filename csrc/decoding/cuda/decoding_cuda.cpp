@@ -133,20 +133,25 @@ int64_t split_kv_auto_splits(int64_t blocks, int64_t capacity) {
 }
 
 // Why the split-KV kernel cannot serve p (nullptr when it can): it reads 16-byte vectors of
-// D = Dv features in bf16 / fp16 / fp32.
-const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, int64_t elem_bytes) {
+// D = Dv features in bf16 / fp16 / fp32. k_cache / v_cache: the prepared caches p points into.
+const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache) {
   if (kind == ElemKind::kFloat64) return "float64 inputs";
   if (p.head_dim != p.head_dim_v ||
       std::find(std::begin(kSplitKvHeadDims), std::end(kSplitKvHeadDims), p.head_dim) ==
           std::end(kSplitKvHeadDims))
     return "head dims other than D = Dv in {64, 128, 256}";
-  const int64_t vec = 16 / elem_bytes;  // elements per 16-byte vector
-  const auto aligned = [&](const void* ptr, int64_t batch, int64_t head, int64_t row) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && batch % vec == 0 && head % vec == 0 &&
-           row % vec == 0;
+  // Every row starts on a 16-byte boundary: the base, and the strides of the (batch or page,
+  // head, row) dims the kernel steps through. A dim of size 1 is never stepped through, and
+  // torch leaves its stride arbitrary (a view with one KV head, say).
+  const auto aligned = [](const at::Tensor& cache) {
+    const int64_t vec = 16 / cache.element_size();  // elements per 16-byte vector
+    if (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 != 0) return false;
+    for (int64_t dim = 0; dim < 3; ++dim)
+      if (cache.size(dim) > 1 && cache.stride(dim) % vec != 0) return false;
+    return true;
   };
-  if (!aligned(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride) ||
-      !aligned(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride))
+  if (!aligned(k_cache) || !aligned(v_cache))
     return "k_cache / v_cache rows that are not 16-byte aligned (pointer and strides)";
   if (p.seqlen_k >= kSplitKvMaxCapacity) return "capacities of 2^30 rows or more";
   return nullptr;
@@ -202,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   // when the opt-in is set; everything else runs the verified SIMT kernel as before, a paged
   // call that the split-KV kernel cannot serve (MLA's absorbed form, D != Dv; fp64; other head
   // dims) on its pages gathered into contiguous rows: one copy of the cache per call.
-  const char* unsupported = split_kv_unsupported(p, kind, q.element_size());
+  const char* unsupported = split_kv_unsupported(p, kind, in.k_cache, in.v_cache);
   if (paged && unsupported != nullptr) {
     return decode_attention_cuda(q, gather_pages(k_cache, *block_table),
                                  gather_pages(v_cache, *block_table), cache_seqlens, scale, causal,

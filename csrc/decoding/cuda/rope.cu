@@ -155,7 +155,8 @@ cudaError_t launch_kv_append_for(const KVAppendParams& p, ElemKind kind, void* c
     if (err != cudaSuccess) return err;
   }
   // The lengths must not move before the append kernel has read them: launched after it on
-  // the same stream. (lengths / appended are int64 copies, so the update cannot race them.)
+  // the same stream. (p.lengths may be cache_seqlens itself, an int64 contiguous tensor being
+  // used as it is; stream order alone keeps the two kernels apart.)
   if (seqlens_int64) {
     advance_lengths_kernel<int64_t, kPaged>
         <<<1, kThreads, 0, stream>>>(p, static_cast<int64_t*>(cache_seqlens));
