@@ -61,6 +61,23 @@ def find_cuda_home():
     return Path(nvcc).resolve().parent.parent
 
 
+def include_flags():
+    """-I flags of torch's headers, csrc/ and the CUTLASS headers (found by setup.py's own
+    rule), or None without the CUTLASS headers."""
+    from torch.utils import cpp_extension
+
+    sys.path.insert(0, str(ROOT))
+    from setup import cutlass_include
+
+    cutlass = cutlass_include()
+    if cutlass is None:
+        return None
+    return [f"-I{p}" for p in cpp_extension.include_paths()] + [
+        f"-I{ROOT / 'csrc'}",
+        f"-I{cutlass}",
+    ]
+
+
 def gencode(arch: str) -> list:
     num = arch.removeprefix("sm_")
     return [f"-gencode=arch=compute_{num},code=sm_{num}"]
@@ -93,22 +110,13 @@ def main(argv=None) -> int:
     if cuda_home is None:
         print("check_cuda_compile: no CUDA toolkit (nvcc) found")
         return 2
-    from torch.utils import cpp_extension
-
-    sys.path.insert(0, str(ROOT))
-    from setup import cutlass_include  # the build's own rule for finding the CuTe headers
-
-    cutlass = cutlass_include()
-    if cutlass is None:
+    includes = include_flags()
+    if includes is None:
         print(
             "check_cuda_compile: no CUTLASS headers for the CuTe kernels "
             "(pip install --no-deps nvidia-cutlass==4.2.0.0, as tools/bootstrap.sh does)"
         )
         return 1
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [
-        f"-I{ROOT / 'csrc'}",
-        f"-I{cutlass}",
-    ]
     nvcc = str(cuda_home / "bin" / "nvcc")
     cu = sorted((ROOT / "csrc").rglob("*.cu"))
     # setup.py's rule: the .cpp files of the cuda/ folders are the CUDA build's; the others
