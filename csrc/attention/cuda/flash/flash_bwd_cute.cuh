@@ -33,10 +33,10 @@ namespace cute_bwd {
 
 using namespace cute;
 using cute_fwd::rowcol;
+using cute_util::BlockKeys;
 using cute_util::copy_rows;
 using cute_util::exp2_ftz;
 using cute_util::gemm_ss;
-using cute_util::RowKeys;
 
 // Rows [m0, m0 + kBlockM) x keys [n0, n0 + kBlockN): true when every pair is inside the band,
 // the rows and the keys (no element test needed).
@@ -47,22 +47,25 @@ __device__ __forceinline__ bool tile_free(const LocalBand& band, int64_t m0, int
 
 // One block's P = exp2(S * scale log2 e - lse2) (lse2 as hi + lo) and dS = P (dP - delta), in
 // place of S and dP (rows x cols views): kMasked tests each score against the rows, the keys
-// and the band (cute_util::RowKeys: 32-bit column compares), the free blocks test nothing.
+// and the band (cute_util::BlockKeys: 32-bit row bounds and column compares), the free blocks
+// test nothing.
 template <bool kMasked, int kBlockN, class S, class DP, class C>
 __device__ __forceinline__ void probs_and_grads(S& s_rc, DP& dp_rc, C const& cs_rc,
                                                 const float* lse2, const float* lse2_lo,
                                                 const float* delta, const LocalBand& band,
                                                 int64_t seqlen_q, int64_t seqlen_k, float s_scale,
                                                 int64_t m0, int64_t n0) {
+  const BlockKeys<kBlockN> block_keys(band, seqlen_k, m0, n0);
 #pragma unroll
   for (int r = 0; r < size<0>(s_rc); ++r) {
-    const int64_t i = m0 + get<0>(cs_rc(r, 0));
+    const int row = get<0>(cs_rc(r, 0));
+    const int64_t i = m0 + row;
     const bool row_ok = i < seqlen_q;
     // a row that sees no key has lse = -inf and no probability at all
     const float hi = row_ok && lse2[i] != -INFINITY ? lse2[i] : INFINITY;
     const float lo = row_ok ? lse2_lo[i] : 0.f;
     const float d = row_ok ? delta[i] : 0.f;
-    const RowKeys<kBlockN> keys(band, seqlen_k, i, n0);
+    const auto keys = block_keys.row(row);
 #pragma unroll
     for (int c = 0; c < size<1>(s_rc); ++c) {
       float prob = exp2_ftz(fmaf(s_rc(r, c), s_scale, -hi) - lo);

@@ -29,6 +29,7 @@ namespace attn_ext::cuda {
 namespace cute_fwd {
 
 using namespace cute;
+using cute_util::BlockKeys;
 using cute_util::copy_rows;
 using cute_util::exp2_ftz;
 using cute_util::gemm_ss;
@@ -70,11 +71,13 @@ __device__ __forceinline__ float quad_sum(float x) {
 //               --use_fast_math. One rounding instead of two before the exp2. And the output
 //               rows' rescale (D / 4 FMULs a row and thread) skipped when no row of the warp
 //               raised its max (the factors are then exactly 1: the same bits), as the max
-//               settles over a long key range. Compiled, not yet run: the Hopper forward's
+//               settles over a long key range. The masked blocks' key bounds from BlockKeys
+//               (32-bit per row: fewer live registers). Compiled, not yet run: the Hopper forward's
 //               policy, and the CuTe forward's under ATTN_EXT_CUDA_FWD_KERNEL=cute_fold until a
 //               GPU run makes it the default.
 struct ScaleFirst {
   static constexpr bool kSkipUnitRescale = false;
+  static constexpr bool kBlockKeyBounds = false;
   static __device__ __forceinline__ float stored(float s, float scale) { return s * scale; }
   static __device__ __forceinline__ float row_max(float stored_max, float) { return stored_max; }
   static __device__ __forceinline__ float exp2(float stored, float, float shift) {
@@ -83,6 +86,7 @@ struct ScaleFirst {
 };
 struct FoldScale {
   static constexpr bool kSkipUnitRescale = true;
+  static constexpr bool kBlockKeyBounds = true;
   static __device__ __forceinline__ float stored(float s, float) { return s; }
   static __device__ __forceinline__ float row_max(float stored_max, float scale) {
     return stored_max * scale;
@@ -102,11 +106,19 @@ __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
                                               const LocalBand& band, int64_t key_limit,
                                               float s_scale, int64_t m0, int64_t j0) {
   float factors[kRows];
+  const BlockKeys<kBlockN> block_keys(band, key_limit, m0, j0);  // kBlockKeyBounds
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     float mx = -INFINITY;
     if constexpr (kMasked) {
-      const RowKeys<kBlockN> keys(band, key_limit, m0 + get<0>(coords(r, 0)), j0);
+      const int row = get<0>(coords(r, 0));
+      const auto keys = [&] {
+        if constexpr (Exp::kBlockKeyBounds) {
+          return block_keys.row(row);
+        } else {
+          return RowKeys<kBlockN>(band, key_limit, m0 + row, j0);
+        }
+      }();
 #pragma unroll
       for (int c = 0; c < size<1>(s); ++c) {
         const int col = get<1>(coords(r, c));
