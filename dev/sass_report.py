@@ -97,11 +97,6 @@ def main(argv=None) -> int:
         sys.exit("sass_report: no CUDA toolkit (nvcc) or no CUTLASS headers found")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        stub = tmp / "stub" / "c10" / "cuda" / "impl"
-        stub.mkdir(parents=True)
-        (stub / "cuda_cmake_macros.h").write_text(
-            "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
-        )
         cubin = tmp / "out.cubin"
         cmd = [
             str(cuda_home / "bin" / "nvcc"),
@@ -114,7 +109,6 @@ def main(argv=None) -> int:
             "-v",
             *ccc.NVCC_FLAGS,
             *includes,
-            f"-I{tmp / 'stub'}",
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

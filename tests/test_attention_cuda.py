@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import attn_ext
 from attn_ext.testing.attention import attention_reference, window_keep
+from attn_ext.testing.harness import cuda_kernel_names
 from attn_ext.testing.numerics import (
     assert_error_rule,
     assert_lse_close,
@@ -373,14 +374,6 @@ TC_FWD_CASES = [
 ]
 
 
-def cuda_kernels_run(fn):
-    """The names of the CUDA kernels fn() launched (torch.profiler's CUDA activity)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.key for e in prof.key_averages()]
-
-
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", TC_FWD_CASES, ids=str)
 def test_cute_fold_forward(dtype, case, monkeypatch):
@@ -392,7 +385,7 @@ def test_cute_fold_forward(dtype, case, monkeypatch):
     B, H, Hkv, Sq, Sk, D, kw = case
     q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
     check_vs_truth(q, k, v, **kw)
-    names = cuda_kernels_run(lambda: attn_ext.attention(q, k, v, **kw))
+    names = cuda_kernel_names(lambda: attn_ext.attention(q, k, v, **kw))
     assert any("flash_fwd_cute" in n and "FoldScale" in n for n in names), names
 
 
@@ -404,7 +397,7 @@ def test_cute_fold_forward_keeps_its_scale_rule(scale, monkeypatch):
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
     q, k, v = make_qkv(1, 4, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV)
     check_vs_truth(q, k, v, scale=scale, causal=True)
-    names = cuda_kernels_run(lambda: attn_ext.attention(q, k, v, scale=scale))
+    names = cuda_kernel_names(lambda: attn_ext.attention(q, k, v, scale=scale))
     assert any("flash_fwd_cute" in n and "ScaleFirst" in n for n in names), names
 
 

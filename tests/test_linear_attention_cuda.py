@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import attn_ext
+from attn_ext.testing.harness import cuda_kernel_names
 from attn_ext.testing.linear import (
     FEATURE_MAPS,
     final_state,
@@ -114,10 +115,7 @@ def _check_forward(q, k, v, causal, feature_map="elu+1", initial_state=None):
 
 def _fused_kernels_run(fn):
     """The names of the fused kernels that fn() launched (torch.profiler's CUDA activity)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages()]
+    names = cuda_kernel_names(fn)
     return {k for k in KERNELS + BWD_KERNELS if any(k in n for n in names)}
 
 

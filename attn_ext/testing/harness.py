@@ -71,6 +71,15 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def cuda_kernel_names(fn: Callable[[], object]) -> List[str]:
+    """The names of the CUDA kernels that fn() launched (torch.profiler's CUDA activity): how the
+    GPU tests and dev/ checks tell which kernel served a call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
 def call_seconds(fn: Callable[[], object], device, clock: Callable[[], float] = time.perf_counter):
     """(seconds, result) of one call of ``fn``, the device synchronized before and after."""
     sync(device)

@@ -24,7 +24,9 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // Keys [lo, hi) of a key block that row i may see under the band and the key range, relative
 // to the block's first key j0 and clipped to [0, kBlockN]: the masked blocks test each score's
 // column against these (32-bit compares; the 64-bit band arithmetic is per row). The same set
-// as LocalBand::allowed(i, j0 + col) && j0 + col < key_limit.
+// as LocalBand::allowed(i, j0 + col) && j0 + col < key_limit. BlockKeys below computes the same
+// bounds with fewer registers; this one stays for the verified ScaleFirst forward (its SASS
+// unchanged) and goes with it.
 template <int kBlockN>
 struct RowKeys {
   int lo, hi;

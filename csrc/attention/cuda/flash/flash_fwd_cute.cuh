@@ -106,7 +106,8 @@ __device__ __forceinline__ void softmax_block(S& s, C const& coords, O& o,
                                               const LocalBand& band, int64_t key_limit,
                                               float s_scale, int64_t m0, int64_t j0) {
   float factors[kRows];
-  const BlockKeys<kBlockN> block_keys(band, key_limit, m0, j0);  // kBlockKeyBounds
+  // used by masked blocks under kBlockKeyBounds; elsewhere unused and compiled away
+  const BlockKeys<kBlockN> block_keys(band, key_limit, m0, j0);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     float mx = -INFINITY;
