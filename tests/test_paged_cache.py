@@ -18,10 +18,13 @@ ops = torch.ops.attn_ext
 
 PAGE_SIZES = [1, 16, 64, 256]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
-# The rows a key tile of the CPU decode kernel spans (FlashTraits::kDecodeBlockN). Smaller
-# pages are gathered into whole tiles, pages a multiple of it are read a tile at a time: either
-# way the tiles are the contiguous kernel's (other sizes cut tiles at page ends).
+# The rows a key tile of the CPU decode kernel spans (FlashTraits::kDecodeBlockN). Row blocks
+# of more than DECODE_ROWS_IN_PLACE rows multiply with BLAS: there, smaller pages are gathered
+# into whole tiles and pages a multiple of it are read a tile at a time, so the tiles are the
+# contiguous kernel's (other sizes cut tiles at page ends). Smaller row blocks (decode_rows.h)
+# read every page size in place, in the contiguous kernel's tiles.
 DECODE_TILE = 256
+DECODE_ROWS_IN_PLACE = 8
 
 
 def _lengths(page_size):
@@ -96,19 +99,54 @@ BITWISE_CASES = [(ps, -1) for ps in (1, 16, 64, DECODE_TILE, 2 * DECODE_TILE)] +
 @pytest.mark.parametrize("page_size,window_left", BITWISE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 2, 0])
 def test_paged_decode_bitwise_where_tiles_coincide(page_size, window_left, num_splits):
-    """Pages smaller than the kernel's key tile or a multiple of it: the same tiles, the same
-    sums, bit for bit."""
+    """Row blocks on BLAS (GQA 4 x 3 queries = 12 rows), pages smaller than the kernel's key
+    tile or a multiple of it: the same tiles, the same sums, bit for bit."""
     lengths = [0, 1, page_size - 1, page_size + 1, 3 * page_size + 7]
-    B, H, Hkv, D = len(lengths), 8, 2, 64
+    B, H, Hkv, D, Sq = len(lengths), 8, 2, 64, 3
+    assert H // Hkv * Sq > DECODE_ROWS_IN_PLACE
     L = -(-max(lengths) // page_size) * page_size
     k, v = rand((B, Hkv, L, D), torch.float32, "cpu"), rand((B, Hkv, L, D), torch.float32, "cpu")
     k_pages, v_pages, table = page_out(k, v, page_size)
     lens = torch.tensor(lengths, dtype=torch.int32)
-    q = rand((B, H, 1, D), torch.float32, "cpu")
+    q = rand((B, H, Sq, D), torch.float32, "cpu")
     kw = dict(num_splits=num_splits, return_lse=True, window_left=window_left)
     out, lse = attn_ext.decode_attention(q, k_pages, v_pages, lens, block_table=table, **kw)
     ref_out, ref_lse = attn_ext.decode_attention(q, k, v, lens, **kw)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+# (group, new tokens): every row count the in-place products are instantiated for, and 9 rows
+# (BLAS) beside them.
+FEW_ROWS = [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (3, 2), (7, 1), (8, 1), (4, 2), (9, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,sq", FEW_ROWS, ids=lambda x: str(x))
+@pytest.mark.parametrize("page_size,window_left", [(1, -1), (16, -1), (48, 300), (384, -1)])
+def test_paged_decode_few_rows_any_page_size(dtype, group, sq, page_size, window_left):
+    """Row blocks of at most 8 rows read the cache rows in place: any page size (48 and 384 cut
+    BLAS's tiles at page ends) gives the contiguous cache's bits, and both meet the error rule.
+    D 44 and Dv 41 leave features past the 8-lane chunks (and past the 16-wide chunks of
+    blocks of up to 4 rows); lengths span splits, tiles and pages."""
+    lengths = [700, 1, 0, 2 * page_size + 3]
+    B, Hkv, D, Dv = len(lengths), 2, 44, 41
+    H = group * Hkv
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    k_pages, v_pages, table = page_out(k, v, page_size)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, sq, D), dtype, "cpu", layout="bshd")
+    for num_splits in (1, 3):
+        kw = dict(num_splits=num_splits, return_lse=True, window_left=window_left)
+        out, lse = attn_ext.decode_attention(q, k_pages, v_pages, lens, block_table=table, **kw)
+        c_out, c_lse = attn_ext.decode_attention(q, k, v, lens, **kw)
+        if group * sq <= DECODE_ROWS_IN_PLACE or page_size in (1, 16):
+            assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
+        ref_out, ref_lse = decode_reference(q, k, v, lens, window_left=window_left)
+        t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, window_left=window_left)
+        assert_error_rule(out, ref_out, t_out, name="paged decode out")
+        assert_error_rule(c_out, ref_out, t_out, name="decode out")
+        assert_lse_close(lse, ref_lse, t_lse, name="paged decode lse")
 
 
 def test_paged_decode_reads_flash_attn_pages_in_place():

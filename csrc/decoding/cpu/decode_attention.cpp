@@ -3,11 +3,12 @@
 // The G = H / Hkv query heads that share a KV head are one row block, so every cache row is
 // read once per block. Short batches split the key sequence: each split keeps its own
 // online-softmax state, and the partial results are merged by SoftmaxState::merge.
-// A paged cache is read through its block table. Pages of at least a key tile are read in
-// place, tiles cut at page ends; smaller pages are gathered into the tile buffer (bf16 / fp16
-// tiles are converted into it anyway), so the GEMMs keep the contiguous kernel's tiles and the
-// result is the contiguous cache's, bit for bit. (Cutting 16-row tiles instead ran at the same
-// speed on the 2-core build machine: the scattered pages' reads, not the copy, cost the time.)
+// A paged cache is read through its block table, and gives the contiguous cache's result bit
+// for bit. Blocks of at most kMaxDecodeRows rows (the common decode step: G * Sq small) run
+// the products of decode_rows.h on the cache rows in place, a key tile being a list of row
+// pointers. Larger blocks multiply with BLAS: pages of at least a key tile are read in place,
+// tiles cut at page ends; smaller pages are gathered into the tile buffer (bf16 / fp16 tiles
+// are converted into it anyway), so the GEMMs keep the contiguous kernel's tiles.
 #include <algorithm>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include "common/cpu/vec_math.h"
 #include "attention/score_mod.h"
 #include "attention/cpu/tile_mask.h"
+#include "decoding/cpu/decode_rows.h"
 
 namespace attn_ext::cpu {
 namespace {
@@ -55,6 +57,61 @@ const acc_t* gather_tile(const PageTable& pages, const scalar_t* base, int64_t p
   return buf;
 }
 
+// Pointers to rows [j0, j0 + n) of sequence b's K and V at KV head hk, page by page.
+template <typename scalar_t>
+void tile_rows(const DecodeParams& p, int64_t b, int64_t hk, int64_t j0, int64_t n,
+               const scalar_t** k_rows, const scalar_t** v_rows) {
+  for (int64_t r = 0; r < n;) {
+    const CacheSlot slot = p.key_slot(b, j0 + r);
+    const int64_t run = p.pages.paged() ? std::min(n - r, p.pages.page_size - slot.row) : n - r;
+    const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                            p.k_row_stride, slot.block, hk, slot.row);
+    const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
+                            p.v_row_stride, slot.block, hk, slot.row);
+    for (int64_t i = 0; i < run; ++i) {
+      k_rows[r + i] = k + i * p.k_row_stride;
+      v_rows[r + i] = v + i * p.v_row_stride;
+    }
+    r += run;
+  }
+}
+
+// Whether blocks of m rows run decode_rows.h's kernels (float accumulation, AVX2 builds).
+template <typename acc_t>
+constexpr bool decode_rows_in_place(int64_t m) {
+#ifdef ATTN_EXT_AVX2
+  return std::is_same_v<acc_t, float> && m <= avx2::kMaxDecodeRows;
+#else
+  return (void)m, false;
+#endif
+}
+
+// S = Q K^T and O += P V for a block of m rows on rows in place (decode_rows.h); only
+// blocks that decode_rows_in_place admits come here.
+template <typename scalar_t, typename acc_t>
+void scores_in_place(int64_t m, const acc_t* q, int64_t d, const scalar_t* const* keys, int64_t n,
+                     acc_t* s, int64_t lds, const scalar_t* const* values, int64_t dv) {
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<acc_t, float>)
+    return avx2::dispatch_decode_rows(m, [&](auto rows) {
+      avx2::decode_scores<decltype(rows)::value>(q, d, keys, n, d, s, lds, values, dv);
+    });
+#endif
+  TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
+}
+
+template <typename scalar_t, typename acc_t>
+void pv_in_place(int64_t m, const acc_t* p, int64_t ldp, const scalar_t* const* values, int64_t n,
+                 int64_t dv, acc_t* o) {
+#ifdef ATTN_EXT_AVX2
+  if constexpr (std::is_same_v<acc_t, float>)
+    return avx2::dispatch_decode_rows(m, [&](auto rows) {
+      avx2::decode_pv<decltype(rows)::value>(p, ldp, values, n, dv, o, dv);
+    });
+#endif
+  TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
+}
+
 template <typename scalar_t>
 void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
@@ -67,12 +124,14 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
-  const bool gather = p.pages.paged() && p.pages.page_size < kN;
-  const bool buffered = Traits::kConvert || gather;
+  const bool in_place = decode_rows_in_place<acc_t>(kM);
+  const bool gather = !in_place && p.pages.paged() && p.pages.page_size < kN;
+  const bool buffered = !in_place && (Traits::kConvert || gather);
 
   at::parallel_for(0, p.batch * p.kv_heads * num_m * splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
     Buffer<acc_t> k_buf(buffered ? kN * D : 0), v_buf(buffered ? kN * Dv : 0);
+    std::vector<const scalar_t*> k_rows(in_place ? kN : 0), v_rows(in_place ? kN : 0);
     std::vector<SoftmaxState<acc_t>> state(kM);
 
     for (int64_t task = begin; task < end; ++task) {
@@ -103,9 +162,13 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
       for (int64_t j0 = j_begin, n = 0; j0 < j_end; j0 += n) {
         n = std::min(kN, j_end - j0);
-        const acc_t *kt, *vt;
+        acc_t* s = s_buf.get();
+        const acc_t *kt = nullptr, *vt = nullptr;
         int64_t ldk = D, ldv = Dv;
-        if (gather) {
+        if (in_place) {
+          tile_rows(p, b, hk, j0, n, k_rows.data(), v_rows.data());
+          scores_in_place(m, q_buf.get(), D, k_rows.data(), n, s, kN, v_rows.data(), Dv);
+        } else if (gather) {
           const auto* k = static_cast<const scalar_t*>(p.k) + hk * p.k_head_stride;
           const auto* v = static_cast<const scalar_t*>(p.v) + hk * p.v_head_stride;
           kt = gather_tile(p.pages, k, p.k_batch_stride, p.k_row_stride, b, j0, n, D, k_buf.get());
@@ -120,8 +183,8 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
           kt = load_tile(k, p.k_row_stride, n, D, k_buf.get(), &ldk);
           vt = load_tile(v, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         }
-        acc_t* s = s_buf.get();
-        gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
+        if (!in_place)
+          gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
         // Scores to the log2 domain (see scale_row_max), modifiers (per head: a row block
         // spans G heads), band edges masked, rows' maxima.
         const bool band_partial = !band.tile_unmasked(i_begin, i_end, j0, j0 + n);
@@ -148,7 +211,10 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
           state[rr].sum += exp2_shift_sum(sr, n, state[rr].shift());
           if (factor != acc_t(1)) scale_row(o_buf.get() + rr * Dv, Dv, factor);
         }
-        gemm(false, false, m, Dv, n, acc_t(1), s, kN, vt, ldv, acc_t(1), o_buf.get(), Dv);
+        if (in_place)
+          pv_in_place(m, s, kN, v_rows.data(), n, Dv, o_buf.get());
+        else
+          gemm(false, false, m, Dv, n, acc_t(1), s, kN, vt, ldv, acc_t(1), o_buf.get(), Dv);
       }
 
       // ---- epilogue: the final result, or this split's partial for the merge

@@ -1,0 +1,145 @@
+#pragma once
+// The decode step's two products for a block of few query rows (a KV head's G query heads
+// times the new tokens, G * Sq <= kMaxDecodeRows), computed on the cache rows where they lie:
+// each key tile is a list of row pointers, so a contiguous cache and a paged one of any page
+// size run the same arithmetic in the same order and give the same bits.
+//
+// Why not BLAS: with a few query rows the step only streams the cache, and the paged cache's
+// rows are scattered. Gathering 16-row pages into a tile for the GEMM cost 1.26-1.33x the
+// contiguous step (docs/performance.md, "Paged cache (CPU)"): the copy waits on DRAM, then the
+// GEMM reads the copy. Here each row is read once, straight into the FMAs; bf16 / fp16 rows
+// are widened in registers instead of into a buffer.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <c10/util/Exception.h>
+
+#include "common/cpu/vec_math.h"
+
+#ifdef ATTN_EXT_AVX2
+#include "attention/cpu/avx2_block_products.h"
+
+namespace attn_ext::cpu::avx2 {
+
+// Rows per block that take these kernels: up to 8 accumulators, one per query row, plus the
+// key (or value) vectors and a broadcast fit AVX2's 16 registers. Larger blocks reuse each
+// cache row enough for the GEMM's packing to pay.
+constexpr int64_t kMaxDecodeRows = 8;
+// Value rows per pass of P V: each pass walks the output columns in register-sized chunks
+// over the same rows, so the rows (32 x 512 B of fp32 at D = 128) stay in L1 between chunks.
+constexpr int64_t kPvRowRun = 32;
+
+constexpr int64_t kCacheLine = 64;
+
+// Asks for the lines of a row into L2 (no wait for them).
+inline void prefetch_row_l2(const void* row, int64_t bytes) {
+  const char* c = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += kCacheLine) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// s[r * lds + j] = q_r . keys[j][0..d) for r < M, j < n: per (r, j), 8 lanes of FMAs over
+// d in order (lane = feature mod 8), summed by hsum, then the tail features in order.
+// Meanwhile value row j (dv features) is prefetched into L2 for decode_pv: its DRAM reads then
+// overlap these FMAs instead of following them (fp32 contiguous step, B 1, ctx 16k, Zen 3:
+// 15.2 -> 9.5 ms; prefetching the key rows ahead as well did not help).
+template <int M, typename scalar_t>
+inline void decode_scores(const float* q, int64_t ldq, const scalar_t* const* keys, int64_t n,
+                          int64_t d, float* s, int64_t lds, const scalar_t* const* values,
+                          int64_t dv) {
+  const int64_t d8 = d / kWidth * kWidth;
+  const int64_t value_bytes = dv * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* k = keys[j];
+    prefetch_row_l2(values[j], value_bytes);
+    __m256 acc[M];
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d8; c += kWidth) {
+      const __m256 kv = load8(k + c);
+      ATTN_EXT_UNROLL_ROWS
+      for (int r = 0; r < M; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + c), kv, acc[r]);
+    }
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < M; ++r) {
+      float t = hsum(acc[r]);
+      for (int64_t c = d8; c < d; ++c) t = std::fma(q[r * ldq + c], static_cast<float>(k[c]), t);
+      s[r * lds + j] = t;
+    }
+  }
+}
+
+// Columns [c, c + 8 W) of o_r += sum_j p[r * ldp + j] * values[j] over rows [j0, j1), one FMA
+// per (r, j, column) in j order.
+template <int M, int W, typename scalar_t>
+inline void decode_pv_chunk(const float* p, int64_t ldp, const scalar_t* const* values, int64_t j0,
+                            int64_t j1, int64_t c, float* o, int64_t ldo) {
+  __m256 acc[M][W];
+  ATTN_EXT_UNROLL_ROWS
+  for (int r = 0; r < M; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm256_loadu_ps(o + r * ldo + c + w * kWidth);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 v[W];
+    for (int w = 0; w < W; ++w) v[w] = load8(values[j] + c + w * kWidth);
+    ATTN_EXT_UNROLL_ROWS
+    for (int r = 0; r < M; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * ldp + j);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(pr, v[w], acc[r][w]);
+    }
+  }
+  ATTN_EXT_UNROLL_ROWS
+  for (int r = 0; r < M; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + r * ldo + c + w * kWidth, acc[r][w]);
+}
+
+// o[r * ldo + c] += sum_j p[r * ldp + j] * values[j][c] for r < M, j < n, c < dv; every
+// element's sum runs in j order (so the chunking below changes no bits).
+template <int M, typename scalar_t>
+inline void decode_pv(const float* p, int64_t ldp, const scalar_t* const* values, int64_t n,
+                      int64_t dv, float* o, int64_t ldo) {
+  // Two vectors per row while M x 2 accumulators leave registers for the values.
+  constexpr int kWide = M <= 4 ? 2 : 1;
+  const int64_t d8 = dv / kWidth * kWidth;
+  for (int64_t j0 = 0; j0 < n; j0 += kPvRowRun) {
+    const int64_t j1 = std::min(n, j0 + kPvRowRun);
+    int64_t c = 0;
+    for (; c + kWide * kWidth <= d8; c += kWide * kWidth)
+      decode_pv_chunk<M, kWide>(p, ldp, values, j0, j1, c, o, ldo);
+    for (; c < d8; c += kWidth) decode_pv_chunk<M, 1>(p, ldp, values, j0, j1, c, o, ldo);
+    for (; c < dv; ++c)
+      for (int r = 0; r < M; ++r) {
+        float t = o[r * ldo + c];
+        for (int64_t j = j0; j < j1; ++j)
+          t = std::fma(p[r * ldp + j], static_cast<float>(values[j][c]), t);
+        o[r * ldo + c] = t;
+      }
+  }
+}
+
+// Calls f(std::integral_constant<int, m>) for 1 <= m <= kMaxDecodeRows.
+template <typename F>
+inline void dispatch_decode_rows(int64_t m, F&& f) {
+  switch (m) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 7:
+      return f(std::integral_constant<int, 7>{});
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+  }
+  TORCH_CHECK(false, "decode_attention: row block of ", m, " rows, expected 1 to ", kMaxDecodeRows);
+}
+
+}  // namespace attn_ext::cpu::avx2
+#endif
