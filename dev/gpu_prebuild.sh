@@ -59,7 +59,12 @@ fi
 VENV=${PREBUILD_VENV:-/tmp/attn_ext_prebuild_venv}
 CLONE=${PREBUILD_CLONE:-/tmp/attn_ext_prebuild_src}
 if [ ! -x "$VENV/bin/python" ]; then
-  py=$(command -v "python$PY_VERSION" || ls ~/.pyenv/versions/"$PY_VERSION".*/bin/python 2>/dev/null | tail -1)
+  # The first candidate that runs: pyenv's shim for python3.12 exists whether or not that
+  # version is selected, and fails when it is not.
+  py=
+  for c in "$(command -v "python$PY_VERSION")" $(ls ~/.pyenv/versions/"$PY_VERSION".*/bin/python 2>/dev/null); do
+    [ -n "$c" ] && "$c" -c '' 2>/dev/null && { py=$c; break; }
+  done
   [ -n "$py" ] || { echo "gpu_prebuild: no Python $PY_VERSION here"; exit 1; }
   "$py" -m venv "$VENV"
   # torch with its CUDA libraries (import torch loads them), the build tools, CUTLASS headers.
