@@ -13,12 +13,14 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <c10/util/Exception.h>
 
 #include "common/cpu/vec_math.h"
 
 #ifdef ATTN_EXT_AVX2
 #include "attention/cpu/avx2_block_products.h"
+#include "attention/cpu/row_tiles.h"
 
 namespace attn_ext::cpu::avx2 {
 
@@ -117,28 +119,13 @@ inline void decode_pv(const float* p, int64_t ldp, const scalar_t* const* values
   }
 }
 
-// Calls f(std::integral_constant<int, m>) for 1 <= m <= kMaxDecodeRows.
+// Calls f(Rows<m>{}) for 1 <= m <= kMaxDecodeRows (row_tiles.h's dispatch on the row count).
 template <typename F>
 inline void dispatch_decode_rows(int64_t m, F&& f) {
-  switch (m) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 5:
-      return f(std::integral_constant<int, 5>{});
-    case 6:
-      return f(std::integral_constant<int, 6>{});
-    case 7:
-      return f(std::integral_constant<int, 7>{});
-    case 8:
-      return f(std::integral_constant<int, 8>{});
-  }
-  TORCH_CHECK(false, "decode_attention: row block of ", m, " rows, expected 1 to ", kMaxDecodeRows);
+  TORCH_CHECK(m >= 1 && m <= kMaxDecodeRows, "decode_attention: row block of ", m,
+              " rows, expected 1 to ", kMaxDecodeRows);
+  auto kernel = [&f](auto rows, int64_t /*r0*/) { f(rows); };
+  attn_ext::cpu::detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, kMaxDecodeRows>{});
 }
 
 }  // namespace attn_ext::cpu::avx2
