@@ -19,10 +19,11 @@ Environment switches:
                             headers of the installed nvidia-cutlass package (tools/bootstrap.sh
                             installs it where nvcc is found). Without them the CuTe forward
                             (flash_fwd_cute.cuh) is left out of a CUDA build
-  TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs'; with
-                            none visible "8.0+PTX;9.0a"). The Hopper forward
-                            (flash_fwd_hopper.cuh: wgmma, setmaxnreg) is compiled only when the
-                            list names 9.0a (plain 9.0 has neither instruction)
+  TORCH_CUDA_ARCH_LIST      e.g. "9.0a": GPU architectures (default: the visible GPUs', an H100's
+                            as 9.0a; with none visible "8.0+PTX;9.0a"). The Hopper forward
+                            (flash_fwd_hopper.cuh: wgmma, setmaxnreg; the default on 9.x) is
+                            compiled only when the list names 9.0a (plain 9.0 has neither
+                            instruction)
   MAX_JOBS           parallel compile jobs (ninja), e.g. 2 on a 2-core machine
 """
 
@@ -164,22 +165,33 @@ def _cpu_isa_flags():
 
 
 def _cuda_arch_list():
-    """TORCH_CUDA_ARCH_LIST as given; unset, the architectures of the visible GPUs (torch's own
-    default, with PTX of the newest); with no GPU visible (a build machine), A100 and H100
-    machine code plus A100 PTX, which the driver compiles for any newer GPU at load."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return os.environ["TORCH_CUDA_ARCH_LIST"]
-    if torch.cuda.is_available():
-        return None
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0+PTX;9.0a"
+    """TORCH_CUDA_ARCH_LIST as given; unset, the architectures of the visible GPUs, with PTX of
+    the newest (torch's own default) except that compute capability 9.0 builds as 9.0a: the
+    Hopper forward, the default there, needs sm_90a's wgmma, and 9.0a code runs only on 9.0
+    (so no PTX for it); with no GPU visible (a build machine), A100 and H100 machine code plus
+    A100 PTX, which the driver compiles for any newer GPU at load."""
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        if torch.cuda.is_available():
+            caps = sorted(
+                {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+            )
+            archs = [
+                f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "")
+                for major, minor in caps
+            ]
+            if not archs[-1].endswith("a"):
+                archs[-1] += "+PTX"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0+PTX;9.0a"
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def _builds_sm90a():
     """Whether the architectures include sm_90a (TORCH_CUDA_ARCH_LIST's "9.0a", with or without
-    +PTX): unset with a GPU visible, torch picks plain 9.0 for an H100, which has no wgmma."""
+    +PTX): plain 9.0 has no wgmma."""
     arch = _cuda_arch_list()
-    return arch is not None and re.search(r"(^|[;\s])9\.0a(\+PTX)?($|[;\s])", arch) is not None
+    return re.search(r"(^|[;\s])9\.0a(\+PTX)?($|[;\s])", arch) is not None
 
 
 def _runtime_link_args():
@@ -211,7 +223,7 @@ def _extension(cuda):
     )
     if cuda:
         cxx.append("-DATTN_EXT_WITH_CUDA")
-        arch = _cuda_arch_list() or "the visible GPUs' architectures"
+        arch = _cuda_arch_list()
         instantiations, defines = _cuda_attention_selection()
         nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-DATTN_EXT_WITH_CUDA"] + defines
         if cutlass_include() is not None:

@@ -230,9 +230,9 @@ class PagedKVCache:
     other way (a block_table edited by hand) is written by whichever sequence appends into it,
     and every sharer sees the write: copy-on-write is the caller's business.
 
-    On CUDA the paged kernels are compiled but have not yet run on a GPU: they need
-    ``ATTN_EXT_UNVERIFIED_CUDA=1`` (the ops raise ``NotImplementedError`` otherwise) and serve
-    bf16 / fp16 / fp32 with ``head_dim == head_dim_v`` in {64, 128, 256}.
+    On CUDA the paged kernels read the pages in place for bf16 / fp16 / fp32 with ``head_dim ==
+    head_dim_v`` in {64, 128, 256}; other decode calls gather the pages into contiguous rows
+    first (one copy of the cache per call).
     """
 
     def __init__(

@@ -105,9 +105,11 @@ def decode_attention(
     B); ``cache_leftpad`` (B,) int32 (or int64), sequence b's keys are cache rows
     ``[cache_leftpad[b], cache_seqlens[b])`` (its queries still sit at ``cache_seqlens[b] - Sq +
     i``; the keys before are never seen). The CPU op checks their values; a CUDA op cannot read
-    them without a sync and clamps them into range instead. (On CUDA ``window_right``, the score
-    modifiers and these two raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: their kernel
-    code has not yet run on a GPU.)
+    them without a sync and clamps them into range instead. (On CUDA, where the SIMT kernel runs
+    the call (float64, head dims other than ``D == Dv`` in {64, 128, 256}, rows not 16-byte
+    aligned), ``window_right``, the score modifiers and these two raise until
+    ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in: that kernel code has not yet run on a GPU. The
+    split-KV kernel, which serves the other calls, runs them by default.)
 
     Paged cache (``block_table`` (B, max_pages) int32 on the cache's device, rows contiguous):
     k_cache (num_pages, Hkv, page_size, D) and v_cache (num_pages, Hkv, page_size, Dv) (vLLM /
@@ -115,8 +117,10 @@ def decode_attention(
     place); row ``t`` of sequence ``b`` is row ``t % page_size`` of page ``block_table[b, t //
     page_size]``, so each sequence holds up to ``max_pages * page_size`` rows and two sequences
     may share a page. Not together with ``cache_batch_idx``. The CPU op checks that every entry
-    covering ``[0, cache_seqlens[b])`` is a page of the cache; :class:`attn_ext.PagedKVCache`
-    manages the pages. (Not yet on CUDA.)
+    covering ``[0, cache_seqlens[b])`` is a page of the cache (a CUDA op clamps the entries into
+    the cache instead); :class:`attn_ext.PagedKVCache` manages the pages. On CUDA the split-KV
+    kernel reads the pages in place; a call it does not serve gathers them into contiguous rows
+    for the SIMT kernel (one copy of the cache per call).
 
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.

@@ -56,14 +56,17 @@ Differences from FlashAttention, by design:
   ops (in fp32, fp64 for fp64 inputs) before appending through ``kv_cache_append`` (with
   ``cache_batch_idx`` by indexed writes: the op does not know it). With ``block_table`` on the
   CPU, ``kv_cache_append`` and ``decode_attention`` read and write the pages in place through
-  the table; on CUDA (whose paged kernels are not written yet) and in the varlen functions the
+  the table; on CUDA (not yet routed through the CUDA paged ops) and in the varlen functions the
   rows are written by index and the used pages gathered into a dense ``(B, max length, Hkv, D)``
   copy (varlen: the used tokens, packed): correct, not fast. The largest length is read on the
   host, as FlashAttention's paged check does. On CUDA out-of-range block indices are clamped,
   not checked (no sync).
 - On CUDA, the varlen functions, ``softcap``, ``alibi_slopes`` and ``flash_attn_with_kvcache``'s
   ``cache_batch_idx`` / ``cache_leftpad`` / right windows run on kernel code that has not yet
-  run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in.
+  run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in. (In
+  ``flash_attn_with_kvcache`` only where ``decode_attention`` runs its SIMT kernel: float64,
+  head dims other than ``D == Dv`` in {64, 128, 256}, rows not 16-byte aligned; its split-KV
+  kernel runs them by default.)
 """
 
 from typing import Optional, Tuple, Union

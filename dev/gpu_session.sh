@@ -30,10 +30,10 @@
 # bench:    bench_attention_cuda (D 64/128), bench_kv_compression, then what bench-short runs:
 #           bench_decode (steps only) and bench_spatial. Notes and timings of past calls:
 #           dev/gpu_notes.md
-# decode:   issue 21's split-KV decode kernel and paged cache (compiled, never run; needs build
-#           first): their tests with ATTN_EXT_UNVERIFIED_CUDA=1, compute-sanitizer memcheck and
-#           racecheck on the paged cases (tools/sanitize_cuda.py --paged), bench_decode GB/s
-#           of the SIMT kernel (opt-in off) against the split-KV kernel contiguous and paged
+# decode:   issue 21's split-KV decode kernel and paged cache (the default since they ran green
+#           on an H100, 2026-11-27; needs build first): their tests, compute-sanitizer memcheck
+#           and racecheck on the paged cases (tools/sanitize_cuda.py --paged), bench_decode GB/s
+#           of the split-KV kernel contiguous and paged against SDPA
 # spatial:  issue 28's vectorized spatial kernels (csrc/spatial/cuda/spatial_vec.cu; compiled,
 #           never run; after build): tests/test_spatial.py as it is (its vectorized tests opt in)
 #           and again with ATTN_EXT_UNVERIFIED_CUDA=1 (every CUDA case on the new kernels),
@@ -158,19 +158,17 @@ for phase in "$@"; do
       cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log
       tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
     decode)
-      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step decode_tests 200 $PY -m pytest \
+      OMP_NUM_THREADS=1 step decode_tests 200 $PY -m pytest \
         tests/test_paged_cache.py tests/test_decoding.py -q -n 14 -p no:cacheprovider -rfE
       grep -E "passed|failed" "$OUT/decode_tests.log" | tail -1 >> "$SUMMARY"
       for tool in memcheck racecheck; do
         step "decode_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --paged
         grep -E "SUMMARY|NON-FINITE" "$OUT/decode_$tool.log" | head -3 >> "$SUMMARY"
       done
-      bench="$PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 8192 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10"
-      step decode_bench_simt 80 $bench --candidates attn_ext --out "$OUT/decode_simt"
-      ATTN_EXT_UNVERIFIED_CUDA=1 step decode_bench_split_kv 120 $bench --candidates attn_ext paged16 paged256 --out "$OUT/decode_split_kv"
-      grep -hE "GB/s|^\|" "$OUT"/decode_simt/decode_cuda.md "$OUT"/decode_split_kv/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
+      step decode_bench 200 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 8192 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext paged16 paged256 sdpa --out "$OUT/decode_bench"
+      grep -hE "GB/s|^\|" "$OUT"/decode_bench/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
       cat "$OUT"/decode_*.log > "$OUT/decode.log"; rm -f "$OUT"/decode_*.log
-      tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_simt decode_split_kv && rm -rf "$OUT"/decode_simt "$OUT"/decode_split_kv ;;
+      tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_bench && rm -rf "$OUT"/decode_bench ;;
     spatial)  # in priority order: what the deadline cuts is the least needed
       OMP_NUM_THREADS=1 step spatial_tests 120 $PY -m pytest tests/test_spatial.py tests/test_temporal.py \
         -q -n 14 -p no:cacheprovider -rfE

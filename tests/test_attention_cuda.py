@@ -316,12 +316,9 @@ def deterministic_algorithms():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cute", [False, True], ids=["default", "cute_opt_in"])
-def test_backward_is_deterministic(dtype, cute, monkeypatch, deterministic_algorithms):
-    """Under torch.use_deterministic_algorithms, identical bits twice: the CuTe backward (opt-in
-    until verified) adds dQ by atomics, so it yields to the generic kernel there."""
-    if cute:
-        monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+def test_backward_is_deterministic(dtype, deterministic_algorithms):
+    """Under torch.use_deterministic_algorithms, identical bits twice: the CuTe backward (the
+    default for bf16 / fp16) adds dQ by atomics, so it yields to the generic kernel there."""
     q, k, v = make_qkv(2, 8, 2, 300, 300, 64, dtype=dtype, device=DEV)
     g = torch.randn(2, 8, 300, 64, device=DEV).to(dtype)
     a = autograd_grads(lambda x, y, z: attn_ext.attention(x, y, z, causal=True), [q, k, v], g)
@@ -347,10 +344,9 @@ CUTE_BWD_CASES = [
 
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", CUTE_BWD_CASES, ids=str)
-def test_cute_backward(dtype, case, monkeypatch):
-    """The CuTe backward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green here) by the suite's
+def test_cute_backward(dtype, case):
+    """The CuTe backward (the default since it ran green on an H100, 2026-11-27) by the suite's
     error rule against the reference's gradients and float64."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     B, H, Hkv, Sq, Sk, D, kw = case
     q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
     check_grads(q, k, v, **kw)
@@ -376,12 +372,11 @@ TC_FWD_CASES = [
 
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", TC_FWD_CASES, ids=str)
-def test_cute_fold_forward(dtype, case, monkeypatch):
-    """The CuTe forward with its FoldScale exp2 step (ATTN_EXT_CUDA_FWD_KERNEL=cute_fold, with
-    ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green here) by the suite's error rule, out and
-    lse; the profiler says that kernel ran."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
-    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
+def test_cute_forward(dtype, case, monkeypatch):
+    """The CuTe forward with its FoldScale exp2 step (ATTN_EXT_CUDA_FWD_KERNEL=cute: on compute
+    capability 9.x the default is the Hopper kernel) by the suite's error rule, out and lse;
+    the profiler says that kernel ran."""
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute")
     B, H, Hkv, Sq, Sk, D, kw = case
     q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
     check_vs_truth(q, k, v, **kw)
@@ -390,24 +385,14 @@ def test_cute_fold_forward(dtype, case, monkeypatch):
 
 
 @pytest.mark.parametrize("scale", [-0.125, 0.0])
-def test_cute_fold_forward_keeps_its_scale_rule(scale, monkeypatch):
+def test_cute_forward_keeps_its_scale_rule(scale, monkeypatch):
     """FoldScale takes the row max over unscaled scores, which is the scaled max only for
-    scale > 0: other scales run the default exp2 step, with the same results."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
-    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
+    scale > 0: other scales run the ScaleFirst exp2 step, with the same results."""
+    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute")
     q, k, v = make_qkv(1, 4, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV)
     check_vs_truth(q, k, v, scale=scale, causal=True)
     names = cuda_kernel_names(lambda: attn_ext.attention(q, k, v, scale=scale))
     assert any("flash_fwd_cute" in n and "ScaleFirst" in n for n in names), names
-
-
-def test_cute_fold_forward_needs_its_opt_in(monkeypatch):
-    """ATTN_EXT_CUDA_FWD_KERNEL=cute_fold without ATTN_EXT_UNVERIFIED_CUDA=1 is a clear error."""
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, device=DEV)
-    monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "cute_fold")
-    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
-    with pytest.raises(RuntimeError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
-        attn_ext.attention(q, k, v)
 
 
 def on_hopper():
@@ -419,10 +404,9 @@ def on_hopper():
 @pytest.mark.parametrize("layout", ["contiguous", "bshd"])
 @pytest.mark.parametrize("case", TC_FWD_CASES, ids=str)
 def test_hopper_forward(dtype, layout, case, monkeypatch):
-    """The sm_90a forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper, with ATTN_EXT_UNVERIFIED_CUDA=1
-    until it has run green here) by the suite's error rule, out and lse, on contiguous
-    (B, H, S, D) inputs and (B, S, H, D) views (the TMA descriptors from other strides)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    """The sm_90a forward (the default on compute capability 9.x) by the suite's error rule, out
+    and lse, on contiguous (B, H, S, D) inputs and (B, S, H, D) views (the TMA descriptors from
+    other strides)."""
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
     B, H, Hkv, Sq, Sk, D, kw = case
     q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV, layout=layout)
@@ -432,27 +416,27 @@ def test_hopper_forward(dtype, layout, case, monkeypatch):
 @pytest.mark.skipif(not on_hopper(), reason="the Hopper forward runs on compute capability 9.x")
 def test_hopper_forward_falls_back_on_expanded_batch(monkeypatch):
     """Stride-0 (expanded) batches are not TMA-legal: the sm_80 kernel serves them."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
     q, k, v = make_qkv(2, 4, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV, layout="expand_b")
     check_vs_truth(q, k, v, causal=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_hopper_forward_needs_its_opt_in(monkeypatch):
-    """ATTN_EXT_CUDA_FWD_KERNEL=hopper without ATTN_EXT_UNVERIFIED_CUDA=1 (or off compute
-    capability 9.x) is a clear error, never a silent change of kernel."""
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, device=DEV)
+def test_forward_kernel_choice(monkeypatch):
+    """Unset, ATTN_EXT_CUDA_FWD_KERNEL runs the Hopper forward on compute capability 9.x and the
+    CuTe forward elsewhere (the profiler says which); =hopper off 9.x and unknown values are
+    clear errors, never a silent change of kernel."""
+    q, k, v = make_qkv(1, 2, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.delenv("ATTN_EXT_CUDA_FWD_KERNEL", raising=False)
+    names = cuda_kernel_names(lambda: attn_ext.attention(q, k, v, causal=True))
+    expected = "flash_fwd_hopper" if on_hopper() else "flash_fwd_cute"
+    assert any(expected in n for n in names), names
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "hopper")
-    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
-    with pytest.raises(RuntimeError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
-        attn_ext.attention(q, k, v)
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     if not on_hopper():
         with pytest.raises(RuntimeError, match="needs a device of compute capability 9.x"):
             attn_ext.attention(q, k, v)
     monkeypatch.setenv("ATTN_EXT_CUDA_FWD_KERNEL", "wgmma")
-    with pytest.raises(RuntimeError, match="expected 'cute' \\(default\\), 'cute_fold', 'mma' or"):
+    with pytest.raises(RuntimeError, match="expected 'hopper', 'cute' or 'mma'"):
         attn_ext.attention(q, k, v)
 
 

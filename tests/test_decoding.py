@@ -421,8 +421,8 @@ def _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=300):
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("kind", FA_DECODE_KINDS)
 def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind, monkeypatch):
-    """On CUDA this is what verifies the kernel code of these arguments, off by default until
-    it has run green (csrc/common/cuda/unverified.h)."""
+    """On CUDA (D = 32, Dv = 24: the SIMT kernel) this is what verifies the kernel code of
+    these arguments, off by default there until it has run green (csrc/common/cuda/unverified.h)."""
     monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     _check_fa_case(device, dtype, num_splits, sq, kind, H=8, Hkv=2, D=32, Dv=24)
 

@@ -1,9 +1,8 @@
 """The paged KV cache (issue 21, item 4): ``kv_cache_append``, ``latent_cache_append`` and
 ``decode_attention`` through a ``block_table``, against the contiguous cache holding the same
 rows, :class:`attn_ext.PagedKVCache`'s page allocation, and MLA's
-:class:`attn_ext.PagedLatentKVCache` under :class:`attn_ext.nn.MultiHeadLatentAttention`. On
-CUDA (skipped without a GPU) the paged kernels run only with ATTN_EXT_UNVERIFIED_CUDA=1 until
-they have run green on a GPU."""
+:class:`attn_ext.PagedLatentKVCache` under :class:`attn_ext.nn.MultiHeadLatentAttention`, on the
+CPU and on CUDA (skipped without a GPU)."""
 
 import pytest
 import torch
@@ -618,21 +617,15 @@ def test_paged_latent_cache_pages_fork_and_rows():
 
 # ----------------------------------------------------------------------------------------- CUDA
 # The split-KV decode kernel and the paged append (csrc/decoding/cuda/decode_split_kv.cu,
-# rope.cu) are compiled but off by default until they have run green on a GPU: the paged ops
-# need ATTN_EXT_UNVERIFIED_CUDA=1, which also routes the contiguous decode to the new kernel
-# where it serves the call (bf16 / fp16 / fp32, D = Dv in {64, 128, 256}). Checked against the
-# float64 truth and the same-dtype reference, as on the CPU.
+# rope.cu): the split-KV kernel serves the paged and the contiguous decode where it can (bf16 /
+# fp16 / fp32, D = Dv in {64, 128, 256}). Checked against the float64 truth and the same-dtype
+# reference, as on the CPU.
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (H, Hkv, Sq): G * Sq rows per KV head of 1 (MHA), 4 (one small block), 8, and 64 (eight
 # blocks of eight rows).
 CUDA_GROUPS = [(4, 4, 1), (8, 2, 1), (8, 1, 1), (16, 1, 4)]
-
-
-@pytest.fixture
-def unverified(monkeypatch):
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
 
 
 def _cuda_case(dtype, page_size, head_dim, groups, extra=None, seed=0):
@@ -663,7 +656,7 @@ def _check_cuda_decode(out, lse, q, k, v, lens, **kw):
 @pytest.mark.parametrize("page_size", [16, 48, 256])
 @pytest.mark.parametrize("groups", CUDA_GROUPS, ids=lambda g: "H{}_Hkv{}_Sq{}".format(*g))
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
-def test_cuda_split_kv_decode(unverified, dtype, head_dim, page_size, groups, num_splits):
+def test_cuda_split_kv_decode(dtype, head_dim, page_size, groups, num_splits):
     """Paged and contiguous caches through the one kernel, against the float64 truth; the
     paged result equals the contiguous one bit for bit (the same keys in the same order)."""
     q, k, v, k_pages, v_pages, table, lens = _cuda_case(dtype, page_size, head_dim, groups)
@@ -688,7 +681,7 @@ def test_cuda_split_kv_decode(unverified, dtype, head_dim, page_size, groups, nu
     ids=["window", "noncausal_window_softcap", "sinks_alibi", "leftpad"],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_cuda_split_kv_decode_band_and_modifiers(unverified, dtype, paged, extra, num_splits):
+def test_cuda_split_kv_decode_band_and_modifiers(dtype, paged, extra, num_splits):
     q, k, v, k_pages, v_pages, table, lens = _cuda_case(dtype, 16, 64, (8, 2, 3))
     kw = {}
     for name, val in extra.items():
@@ -706,7 +699,7 @@ def test_cuda_split_kv_decode_band_and_modifiers(unverified, dtype, paged, extra
 
 
 @cuda
-def test_cuda_split_kv_decode_cache_batch_idx(unverified):
+def test_cuda_split_kv_decode_cache_batch_idx():
     q, k, v, *_, lens = _cuda_case(torch.bfloat16, 16, 128, (8, 2, 1))
     idx = torch.randperm(k.size(0), device="cuda").to(torch.int32)
     lens_b = lens[idx.long()]
@@ -715,7 +708,7 @@ def test_cuda_split_kv_decode_cache_batch_idx(unverified):
 
 
 @cuda
-def test_cuda_split_kv_decode_ignores_strides_of_size_one_dims(unverified):
+def test_cuda_split_kv_decode_ignores_strides_of_size_one_dims():
     """One KV head given an odd head stride (torch leaves a size-1 dim's stride arbitrary): the
     rows are still 16-byte aligned, so the split-KV kernel serves the call, bit for bit the
     contiguous cache's result."""
@@ -731,7 +724,7 @@ def test_cuda_split_kv_decode_ignores_strides_of_size_one_dims(unverified):
 
 
 @cuda
-def test_cuda_split_kv_never_reads_past_lengths(unverified):
+def test_cuda_split_kv_never_reads_past_lengths():
     """NaN in every row at or past a sequence's length, and in unused pages: never read."""
     q, k, v, k_pages, v_pages, table, lens = _cuda_case(torch.float16, 16, 128, (8, 2, 1))
     poisoned_k, poisoned_v = k.clone(), v.clone()
@@ -754,7 +747,7 @@ def test_cuda_split_kv_never_reads_past_lengths(unverified):
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("rope", [False, True])
-def test_cuda_paged_append_matches_cpu(unverified, dtype, page_size, rope):
+def test_cuda_paged_append_matches_cpu(dtype, page_size, rope):
     k0, v0, k_pages, v_pages, table, lens, k_new, v_new, new_lengths = _append_case(
         dtype, page_size
     )
@@ -772,7 +765,7 @@ def test_cuda_paged_append_matches_cpu(unverified, dtype, page_size, rope):
 
 @cuda
 @pytest.mark.parametrize("case", ["overflow", "bad_entry"])
-def test_cuda_paged_append_that_does_not_fit_writes_nothing(unverified, case):
+def test_cuda_paged_append_that_does_not_fit_writes_nothing(case):
     """The GPU op cannot raise without a sync: an append that would overflow, or whose rows
     land in a table entry outside the cache, writes nothing and leaves the lengths."""
     k, v, table, lens = (t.cuda() for t in _bad_table_setup())
@@ -789,7 +782,7 @@ def test_cuda_paged_append_that_does_not_fit_writes_nothing(unverified, case):
 
 
 @cuda
-def test_cuda_paged_cache_matches_cpu(unverified):
+def test_cuda_paged_cache_matches_cpu():
     """PagedKVCache on the GPU: appends, a fork and decode steps give the CPU cache's results."""
     caches = [
         attn_ext.PagedKVCache(
@@ -817,28 +810,20 @@ def test_cuda_paged_cache_matches_cpu(unverified):
 
 
 @cuda
-def test_cuda_paged_ops_need_the_opt_in(monkeypatch):
-    """Off by default: a clear NotImplementedError saying how to enable the kernels, after
-    validation (a bad table still gets the validation's message)."""
-    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
+def test_cuda_paged_append_validates_the_table():
+    """A table of the wrong dtype gets the validation's message on CUDA too (the entries the GPU
+    op cannot check without a sync: test_cuda_paged_append_that_does_not_fit_writes_nothing)."""
     k, v, table, lens = (t.cuda() for t in _bad_table_setup())
-    q = torch.randn(2, 4, 1, 8, device="cuda")
     new = torch.zeros(2, 2, 1, 8, device="cuda")
-    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
-        attn_ext.decode_attention(q, k, v, lens, block_table=table)
-    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
-        ops.kv_cache_append(k, v, lens, new, new, block_table=table)
     with pytest.raises(RuntimeError, match="block_table must be int32"):
         ops.kv_cache_append(k, v, lens, new, new, block_table=table.long())
-    with pytest.raises(NotImplementedError, match="ATTN_EXT_UNVERIFIED_CUDA=1"):
-        ops.latent_cache_append(k, lens, new[..., :4], new[..., :4], block_table=table)
 
 
 @cuda
 @pytest.mark.parametrize(
     "dtype,head_dim", [(torch.float64, 64), (torch.float32, 48), (torch.bfloat16, 512)]
 )
-def test_cuda_paged_decode_unsupported_shapes(unverified, dtype, head_dim):
+def test_cuda_paged_decode_unsupported_shapes(dtype, head_dim):
     """What the split-KV kernel does not serve (fp64, head dims outside {64, 128, 256}, D != Dv)
     runs the SIMT kernel on the gathered pages: the same bits as the contiguous call on the
     same rows (pages out of table order, an unused entry of -1 past a short sequence)."""
@@ -857,7 +842,7 @@ def test_cuda_paged_decode_unsupported_shapes(unverified, dtype, head_dim):
 
 
 @cuda
-def test_cuda_paged_latent_cache_matches_cpu(unverified):
+def test_cuda_paged_latent_cache_matches_cpu():
     """MLA decoding through PagedLatentKVCache on the GPU gives the CPU's (the latent append
     through the table, then the absorbed decode: D != Dv, the SIMT kernel on gathered pages)."""
     m = _mla(

@@ -14,10 +14,11 @@ The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append 
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
 and spatial_gate (+ backward, both layouts).
-The paged cache on CUDA (issue 21, unverified): PagedKVCache appends across page ends, a fork,
-decode through the block table with the split-KV kernel (every dtype and head dim it serves,
-one and several splits, several queries, a window), a table entry out of range (clamped by
-decode, refused by append). ``--paged`` runs these cases only.
+The paged cache on CUDA (issue 21; clean under memcheck and racecheck on an H100, 2026-11-27):
+PagedKVCache appends across page ends, a fork, decode through the block table with the split-KV
+kernel (every dtype and head dim it serves, one and several splits, several queries, a window),
+a table entry out of range (clamped by decode, refused by append). ``--paged`` runs these cases
+only.
 The vectorized spatial kernels (issue 28, unverified: csrc/spatial/cuda/spatial_vec.cu) through
 the CBAM spatial gate's forward and backward and the pooling's own backward: every dtype, both
 layouts, sizes on the 16-byte path and off it, a misaligned storage offset, grids that stride:
@@ -224,7 +225,6 @@ def decoding_cases():
 
 def paged_cases():
     """The split-KV decode kernel and the paged append (decoding/cuda/decode_split_kv.cu)."""
-    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256):

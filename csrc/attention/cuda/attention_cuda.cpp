@@ -36,57 +36,55 @@ size_t check_supported(const char* op, const AttentionParams& p, ElemKind kind, 
   return static_cast<size_t>(max_smem);
 }
 
-// Varlen batches and the score modifiers run on kernels that compile but have not yet run on
-// a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h).
+// Varlen batches and the score modifiers run on the generic kernels' second instantiation,
+// whose tests passed on an H100 (2026-11-26 and 27) but whose memcheck / synccheck runs are not
+// recorded: off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h).
 void check_verified(const char* op, const AttentionParams& p) {
   if (p.varlen()) require_verified_or_opt_in(op, "the varlen kernel");
   if (has_score_mods(p)) require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
 }
 
 // The forward kernel ATTN_EXT_CUDA_FWD_KERNEL asks for, read at each call:
-//   cute (default)  the CuTe forward (flash/flash_fwd_cute.cuh) where it serves the inputs (ran
-//                   green on an H100, 2026-11-26: dev/gpu_notes.md);
-//   cute_fold       the CuTe forward with its FoldScale exp2 step (one FFMA and a flush-to-zero
-//                   exp2 a score instead of eight instructions: flash_fwd_cute.cuh) where
-//                   scale > 0. Compiled but never run on a GPU: it needs
-//                   ATTN_EXT_UNVERIFIED_CUDA=1 too, until a GPU run makes it the default;
-//   mma             the older tensor-core kernel instead, for comparisons (dev/cute_fwd_check.py);
-//   hopper          the sm_90a forward (flash/flash_fwd_hopper.cuh: TMA, wgmma, warp
-//                   specialization) where it serves the inputs, else the CuTe forward. Compiled
-//                   but never run on a GPU: it needs ATTN_EXT_UNVERIFIED_CUDA=1 too and a device
-//                   of compute capability 9.x, and a build for 9.0a (TORCH_CUDA_ARCH_LIST),
-//                   without which its kernels are not built and the CuTe forward runs. Its own
-//                   switch, so the other gated kernels (the CuTe backward) are verified apart.
+//   (unset)  the Hopper forward on a device of compute capability 9.x, else the CuTe forward;
+//   hopper   the sm_90a forward (flash/flash_fwd_hopper.cuh: TMA, wgmma, warp specialization)
+//            where this build has it (TORCH_CUDA_ARCH_LIST with 9.0a) and it serves the inputs,
+//            else the CuTe forward; needs compute capability 9.x. Ran green on an H100
+//            (2026-11-27: tests, memcheck / racecheck / synccheck, no spills) at 1.6-2.0x the
+//            CuTe forward (dev/gpu_notes.md);
+//   cute     the CuTe forward (flash/flash_fwd_cute.cuh) where it serves the inputs;
+//   mma      the older tensor-core kernel instead, for comparisons (dev/cute_fwd_check.py).
+int device_major() {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                        c10::cuda::current_device()));
+  return major;
+}
+
+constexpr int kHopperMajor = 9;  // sm_90a's wgmma / TMA exist on compute capability 9.x only
+
 FwdKernel requested_fwd_kernel(const char* op) {
   const char* v = std::getenv("ATTN_EXT_CUDA_FWD_KERNEL");
-  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "cute") == 0)
-    return FwdKernel::kCute;
+  if (v == nullptr || std::strcmp(v, "") == 0)
+    return device_major() == kHopperMajor ? FwdKernel::kHopper : FwdKernel::kCute;
+  if (std::strcmp(v, "cute") == 0) return FwdKernel::kCute;
   if (std::strcmp(v, "mma") == 0) return FwdKernel::kMma;
-  if (std::strcmp(v, "cute_fold") == 0) {
-    require_verified_or_opt_in(
-        op, "the CuTe forward's FoldScale step (ATTN_EXT_CUDA_FWD_KERNEL=cute_fold)");
-    return FwdKernel::kCuteFold;
-  }
-  TORCH_CHECK(
-      std::strcmp(v, "hopper") == 0,
-      "ATTN_EXT_CUDA_FWD_KERNEL: expected 'cute' (default), 'cute_fold', 'mma' or 'hopper', "
-      "got '",
-      v, "'");
-  require_verified_or_opt_in(op, "the Hopper forward (ATTN_EXT_CUDA_FWD_KERNEL=hopper)");
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TORCH_CHECK(major == 9, op,
+  TORCH_CHECK(std::strcmp(v, "hopper") == 0,
+              "ATTN_EXT_CUDA_FWD_KERNEL: expected 'hopper', 'cute' or 'mma' (unset: 'hopper' on "
+              "compute capability 9.x, else 'cute'), got '",
+              v, "'");
+  const int major = device_major();
+  TORCH_CHECK(major == kHopperMajor, op,
               ": ATTN_EXT_CUDA_FWD_KERNEL=hopper needs a device of compute capability 9.x, got ",
               major, ".x");
   return FwdKernel::kHopper;
 }
 
-// The CuTe backward (flash/flash_bwd_cute.cuh) compiles but has not yet run on a GPU: off
-// unless ATTN_EXT_UNVERIFIED_CUDA=1. Its dQ sums are ordered by atomics, so under
-// torch.use_deterministic_algorithms the generic (deterministic) kernel runs instead.
+// The CuTe backward (flash/flash_bwd_cute.cuh; ran green on an H100 2026-11-27: its tests and
+// racecheck; bf16 52-177 TFLOP/s, where the generic kernel measured 2.9 on 2026-11-23). Its dQ
+// sums are ordered by atomics, so under torch.use_deterministic_algorithms the generic
+// (deterministic) kernel runs instead.
 bool cute_backward_enabled() {
-  return unverified_cuda_enabled() && !at::globalContext().deterministicAlgorithms();
+  return !at::globalContext().deterministicAlgorithms();
 }
 
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {

@@ -34,10 +34,9 @@ const char* attention_cuda_unsupported(const AttentionParams& p, ElemKind kind, 
                                        size_t max_smem);
 // The forward kernel a call asks for (attention_cuda.cpp reads ATTN_EXT_CUDA_FWD_KERNEL).
 enum class FwdKernel {
-  kCute,      // the CuTe tensor-core forward (the default)
-  kCuteFold,  // the same with its FoldScale exp2 step where scale > 0 (not yet run on a GPU)
-  kMma,       // the older tensor-core forward, for comparisons
-  kHopper,    // the sm_90a forward (the caller checked compute capability 9.x)
+  kCute,    // the CuTe tensor-core forward (the default below compute capability 9.x)
+  kMma,     // the older tensor-core forward, for comparisons
+  kHopper,  // the sm_90a forward (the default on 9.x; the caller checked the device)
 };
 
 // The forward: out, lse. With kHopper, the Hopper kernel where this build has it and it serves

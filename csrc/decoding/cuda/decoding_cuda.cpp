@@ -60,17 +60,12 @@ void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions
       launch_rope(r.params, elem_kind(kOp, x.scalar_type()), c10::cuda::getCurrentCUDAStream()));
 }
 
-// The paged kernels (issue 21) have not yet run on a GPU: a block_table needs
-// ATTN_EXT_UNVERIFIED_CUDA=1 (NotImplementedError otherwise, saying so). Checked after
-// validation, so a bad table gets the CPU op's messages first; the argument is tested, not
-// PageTable::paged(), because an empty table is still a paged call.
-bool paged_call(const char* op, const std::optional<at::Tensor>& block_table) {
-  if (!block_table.has_value() || !block_table->defined()) return false;
-  TORCH_CHECK_NOT_IMPLEMENTED(unverified_cuda_enabled(), op,
-                              ": block_table on CUDA runs kernels that are compiled but have not "
-                              "yet run on a GPU (issue 21); set ATTN_EXT_UNVERIFIED_CUDA=1 to use "
-                              "them (dev/gpu_notes.md lists the runs left)");
-  return true;
+// Whether a block_table was passed: the argument is tested, not PageTable::paged(), because an
+// empty table is still a paged call. The paged kernels (issue 21) need no opt-in since they ran
+// green on an H100 (2026-11-27: tests/test_paged_cache.py, tests/test_decoding.py and
+// compute-sanitizer's memcheck / racecheck over tools/sanitize_cuda.py --paged).
+bool paged_call(const std::optional<at::Tensor>& block_table) {
+  return block_table.has_value() && block_table->defined();
 }
 
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
@@ -83,7 +78,6 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim, block_table,
                                        /*check_values=*/false);
-  paged_call(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
@@ -99,7 +93,6 @@ void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, cons
   PreparedAppend r =
       prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
                             rope_interleaved, block_table, /*check_values=*/false);
-  paged_call(kOp, block_table);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
@@ -173,11 +166,12 @@ at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table) 
       .reshape({batch, heads, pages * page_size, d});
 }
 
-// window_right, the score modifiers and FlashAttention's with_kvcache arguments run on kernel
-// code that has not yet run on a GPU: off unless ATTN_EXT_UNVERIFIED_CUDA=1
-// (common/cuda/unverified.h). Checked after validation, so bad inputs get the CPU op's
-// messages. The verified path's band ends at the query (causal: window_right 0, whatever the
-// caller passed; window_right = 0 without causal is the same band) or at the sequence's end.
+// On the SIMT kernel, window_right, the score modifiers and FlashAttention's with_kvcache
+// arguments are still off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h); the
+// split-KV kernel's code for them ran green on an H100 (2026-11-27) and needs no opt-in.
+// Checked after validation, so bad inputs get the CPU op's messages. The verified path's band
+// ends at the query (causal: window_right 0, whatever the caller passed; window_right = 0
+// without causal is the same band) or at the sequence's end.
 void check_verified(const char* op, const DecodeParams& p) {
   if (p.window_right > 0) require_verified_or_opt_in(op, "window_right");
   if (p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
@@ -200,13 +194,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
                      {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
                       sinks, cache_batch_idx, cache_leftpad, block_table},
                      /*check_values=*/false);
-  const bool paged = paged_call(kOp, block_table);
+  const bool paged = paged_call(block_table);
   DecodeParams& p = in.params;
   const ElemKind kind = elem_kind(kOp, q.scalar_type());
-  // The split-KV kernel (unverified): the paged calls and the contiguous ones it can serve
-  // when the opt-in is set; everything else runs the verified SIMT kernel as before, a paged
-  // call that the split-KV kernel cannot serve (MLA's absorbed form, D != Dv; fp64; other head
-  // dims) on its pages gathered into contiguous rows: one copy of the cache per call.
+  // The split-KV kernel serves every call it can, paged or contiguous (the default since it ran
+  // green on an H100, 2026-11-27); everything else runs the SIMT kernel, a paged call that the
+  // split-KV kernel cannot serve (MLA's absorbed form, D != Dv; fp64; other head dims) on its
+  // pages gathered into contiguous rows: one copy of the cache per call.
   const char* unsupported = split_kv_unsupported(p, kind, in.k_cache, in.v_cache);
   if (paged && unsupported != nullptr) {
     return decode_attention_cuda(q, gather_pages(k_cache, *block_table),
@@ -214,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
                                  window_left, window_right, num_splits, softcap, alibi_slopes,
                                  sinks, cache_batch_idx, cache_leftpad, std::nullopt);
   }
-  const bool split_kv = unverified_cuda_enabled() && unsupported == nullptr;
+  const bool split_kv = unsupported == nullptr;
   if (!split_kv) check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,

@@ -23,15 +23,15 @@ using linear::LinearAttentionParams;
 using linear::LinearInputs;
 
 // The routing, in one place (both ops call it). The fused kernels (linear_attention_fwd.cu,
-// linear_attention_bwd.cu) are compiled but have not yet run on a GPU, so they serve a call
-// only with ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h), on CUDA tensors (the CPU
-// suite redispatches CPU tensors to this key to test the composite), in a build that has them
-// (CUTLASS headers found), for the inputs they support: linear_attention_fwd_supported (bf16 /
-// fp16 / fp32, D in {64, 128}, Dv a multiple of 64, 16-byte aligned rows) and, for the
-// backward, linear_attention_bwd_supported (causal, Dv in {64, 128}). Everything else runs the
-// ATen composite, which is the verified CUDA implementation: with the gate closed this is
-// exactly the behaviour before the kernels existed, not a silent substitute for a failing
-// kernel.
+// linear_attention_bwd.cu) passed their tests and memcheck on an H100 (2026-11-27); racecheck
+// and their speed are still to run, so they serve a call only with ATTN_EXT_UNVERIFIED_CUDA=1
+// (common/cuda/unverified.h), on CUDA tensors (the CPU suite redispatches CPU tensors to this key
+// to test the composite), in a build that has them (CUTLASS headers found), for the inputs they
+// support: linear_attention_fwd_supported (bf16 / fp16 / fp32, D in {64, 128}, Dv a multiple of 64,
+// 16-byte aligned rows) and, for the backward, linear_attention_bwd_supported (causal, Dv in {64,
+// 128}). Everything else runs the ATen composite, which is the verified CUDA implementation: with
+// the gate closed this is exactly the behaviour before the kernels existed, not a silent substitute
+// for a failing kernel.
 bool gate_open(const at::Tensor& q) {
   return unverified_cuda_enabled() && q.is_cuda() && linear_attention_kernels_built();
 }

