@@ -18,6 +18,7 @@
 #include "common/cuda/elem_kind.h"
 #include "attention/cuda/attention_launch.h"
 #include "common/constants.h"
+#include "common/cuda/sm_count.h"
 #include "common/cuda/unverified.h"
 
 namespace attn_ext::cuda {
@@ -54,10 +55,7 @@ void check_verified(const char* op, const AttentionParams& p) {
 //   cute     the CuTe forward (flash/flash_fwd_cute.cuh) where it serves the inputs;
 //   mma      the older tensor-core kernel instead, for comparisons (dev/cute_fwd_check.py).
 int device_major() {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        c10::cuda::current_device()));
-  return major;
+  return compute_capability_major(c10::cuda::current_device());
 }
 
 constexpr int kHopperMajor = 9;  // sm_90a's wgmma / TMA exist on compute capability 9.x only
