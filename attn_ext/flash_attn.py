@@ -477,12 +477,6 @@ def _page_index(fn, block_table, pages, lengths):
     return blocks.clamp(0, max(num_blocks - 1, 0))
 
 
-def _page_rows(k_pages, blocks, rows):
-    """(page, slot) of each cache row index in rows (B, n)."""
-    page_size = k_pages.size(1)
-    return blocks.gather(1, rows // page_size), rows % page_size
-
-
 # ------------------------------------------------------------------------ with_kvcache
 def _rotate(x, cos, sin, positions, interleaved):
     """FlashAttention's rotary embedding from tables: x (B, S, H, D), cos / sin (S_ro, rd / 2),
@@ -601,11 +595,11 @@ def flash_attn_with_kvcache(
     s_new = 0 if k is None else k.size(1)
     if paged:
         _check_block_table(fn, block_table, k_cache, v_cache, B, lens + s_new)
-        blocks = _page_index(fn, block_table, k_cache, lens + s_new)
-    # The CPU ops read and write the (num_blocks, Hkv, page_size, D) view of the pages through
-    # the table (whose rows they need contiguous); on CUDA the pages are gathered below.
-    paged_ops = paged and dev.type == "cpu"
-    table = block_table.contiguous() if paged_ops else None
+        _page_index(fn, block_table, k_cache, lens + s_new)  # the CPU's range check (no sync)
+    # The ops read and write the (num_blocks, Hkv, page_size, D) view of the pages through the
+    # table (whose rows they need contiguous), on the CPU and on CUDA: nothing is gathered and
+    # no length is read on the host.
+    table = block_table.contiguous() if paged else None
     left, right = (int(w) for w in window_size)
     lens_after = lens
     if k is not None:
@@ -615,14 +609,11 @@ def flash_attn_with_kvcache(
             q_steps = torch.arange(sq, device=dev) if causal or (left, right) != NO_WINDOW else 0
             q_pos = (lens.long()[:, None] + q_steps).expand(B, sq)
             q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        if (paged and not paged_ops) or cache_batch_idx is not None:
-            # kv_cache_append writes sequence b at cache row b of a dense cache; these caches
-            # place it elsewhere, so the rows are written by index.
+        if cache_batch_idx is not None:
+            # kv_cache_append writes sequence b at cache row b of a dense cache; this cache
+            # places it at row cache_batch_idx[b], so the rows are written by index.
             rows = lens.long()[:, None] + torch.arange(s_new, device=dev)  # (B, S_new)
-            if paged:
-                where = _page_rows(k_cache, blocks, rows)
-            else:
-                where = (cache_batch_idx.long()[:, None].expand_as(rows), rows)
+            where = (cache_batch_idx.long()[:, None].expand_as(rows), rows)
             with torch.no_grad():  # not differentiable, as in FlashAttention
                 k_cache[where] = k
                 v_cache[where] = v
@@ -640,11 +631,6 @@ def flash_attn_with_kvcache(
                     v.transpose(1, 2),
                     block_table=table,
                 )
-    if paged and not paged_ops:  # the rows up to the longest sequence, page by page
-        longest = int(lens_after.max()) if B > 0 else 0
-        rows = torch.arange(longest, device=dev).expand(B, longest)
-        where = _page_rows(k_cache, blocks, rows)
-        k_cache, v_cache = k_cache[where], v_cache[where]
     out, lse = decode_attention(
         q.transpose(1, 2),
         k_cache.transpose(1, 2),

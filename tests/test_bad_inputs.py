@@ -505,6 +505,24 @@ def test_mismatched_shapes(device, name, label):
     assert_refused(name, edit(valid(name, device)), arg)
 
 
+# Bad lengths that only the values of a device tensor reveal (max_seqlen_q too small needs
+# cu_seqlens_q's values too). A CUDA op cannot read them without synchronizing, so there the
+# kernels clamp instead of refusing (README, "What bad input gets"); the CPU ops refuse them.
+DEVICE_VALUE_LENGTHS = {
+    ("decode_attention", "negative"),
+    ("decode_attention", "past_cache"),
+    ("tpa_decode_attention", "negative"),
+    ("tpa_decode_attention", "past_cache"),
+    ("attention_varlen", "decreasing"),
+    ("attention_varlen", "past_total"),
+    ("attention_varlen", "negative_start"),
+    ("attention_varlen", "max_too_small"),
+}
+# The ops whose CUDA kernels clamp each sequence's length into [0, cache capacity]: the result
+# is the reference's at the clamped lengths.
+CLAMPED_CACHE_LENGTHS = {"decode_attention", "tpa_decode_attention"}
+
+
 @pytest.mark.parametrize("name, label", cases("bad_lengths"))
 def test_bad_lengths(device, name, label):
     if device == "cuda" and name in ("kv_cache_append", "latent_cache_append"):
@@ -512,7 +530,23 @@ def test_bad_lengths(device, name, label):
         # overflow through KVCache's host-side lengths (tests/test_decoding.py).
         pytest.skip("value checks of device lengths are the cache classes' job on CUDA")
     arg, edit = OPS[name].bad_lengths[label]
-    assert_refused(name, edit(valid(name, device)), arg)
+    args = edit(valid(name, device))
+    if device == "cpu" or (name, label) not in DEVICE_VALUE_LENGTHS:
+        assert_refused(name, args, arg)
+        return
+    # CUDA, lengths on the device: no error, no fault (the synchronize below surfaces an
+    # illegal address), finite results; the decode ops give the clamped lengths' result
+    # (float64: equal to the reference up to summation order).
+    args = edit(valid(name, device, torch.float64))
+    got = tensors(OPS[name].call(**valid_copy(args)))
+    torch.cuda.synchronize()
+    assert all(t.isfinite().all() for t in got)
+    if name in CLAMPED_CACHE_LENGTHS:
+        # decode: k_cache (B, Hkv, L, D); tpa: a_k (B, L, R, H)
+        capacity = args["k_cache"].shape[2] if name == "decode_attention" else args["a_k"].shape[1]
+        clamped = {**args, "cache_seqlens": args["cache_seqlens"].clamp(0, capacity)}
+        want = tensors(OPS[name].reference(**valid_copy(clamped)))[0]
+        torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
 
 
 def strided_last_dim(x):

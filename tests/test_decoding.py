@@ -420,10 +420,9 @@ def _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=300):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("kind", FA_DECODE_KINDS)
-def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind, monkeypatch):
+def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind):
     """On CUDA (D = 32, Dv = 24: the SIMT kernel) this is what verifies the kernel code of
-    these arguments, off by default there until it has run green (csrc/common/cuda/unverified.h)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    these arguments there (on by default since it ran green on an H100, 2026-11-27)."""
     _check_fa_case(device, dtype, num_splits, sq, kind, H=8, Hkv=2, D=32, Dv=24)
 
 
@@ -436,19 +435,15 @@ FA_SHAPES = [(4, 4, 64, 64), (8, 1, 128, 128), (6, 2, 96, 40), (3, 3, 8, 16)]
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("shape", FA_SHAPES, ids=lambda s: "H{}_Hkv{}_D{}_Dv{}".format(*s))
 @pytest.mark.parametrize("kind,num_splits", [("everything", 1), ("everything_noncausal", 4)])
-def test_decode_flash_attn_arguments_shapes(
-    device, dtype, sq, shape, kind, num_splits, monkeypatch
-):
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+def test_decode_flash_attn_arguments_shapes(device, dtype, sq, shape, kind, num_splits):
     H, Hkv, D, Dv = shape
     _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=160)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_rows_without_keys(device, num_splits, monkeypatch):
+def test_decode_rows_without_keys(device, num_splits):
     """A row that sees no key (length 0, all keys before cache_leftpad, or a query before the
     first key) gives out 0 exactly and lse = its head's sink (-inf without sinks)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
     k, v, _ = _filled_cache(device, 3, 2, 64, 16, 16, torch.float32, [0])
     q = torch.randn(3, 4, 4, 16, device=device)
     lens = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)
@@ -468,8 +463,7 @@ def test_decode_rows_without_keys(device, num_splits, monkeypatch):
         assert torch.isfinite(lse[~empty]).all() and out[~empty].abs().sum() > 0
 
 
-def test_decode_flash_attn_empty_batch(device, monkeypatch):
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+def test_decode_flash_attn_empty_batch(device):
     q = torch.randn(0, 4, 2, 8, device=device)
     idx = torch.zeros(0, dtype=torch.int32, device=device)
     for rows in (0, 3):  # an empty cache, or one with rows nobody reads

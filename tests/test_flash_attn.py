@@ -25,13 +25,6 @@ from attn_ext.testing.numerics import (
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 
 
-@pytest.fixture(autouse=True)
-def _unverified_cuda(monkeypatch):
-    """On a GPU these tests are what verifies the varlen / score-modifier CUDA kernels, which
-    are off by default until they have run green (csrc/common/cuda/unverified.h)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
-
-
 # (name, kwargs, alibi kind): every option flash_attn_func takes
 OPTIONS = [
     ("plain", {}, None),

@@ -108,10 +108,9 @@ def test_inference_mode_and_no_grad_equal_grad_mode():
         assert got.is_inference() and torch.equal(got, want)
 
 
-def test_autocast_behaves_like_sdpa(device, monkeypatch):
+def test_autocast_behaves_like_sdpa(device):
     """Inside torch.autocast the attention ops run at the autocast dtype as SDPA does (q, k, v
     cast, differentiably: the fp32 leaves get fp32 gradients)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")  # the CUDA varlen kernel, see unverified.h
     dtype = torch.bfloat16 if device == "cpu" else torch.float16
     q, k, v = (torch.randn(2, 4, 37, 32, device=device, requires_grad=True) for _ in range(3))
     with torch.autocast(device, dtype=dtype):

@@ -557,7 +557,11 @@ def _alibi_attention(kind, heads, head_dim, seq):
         def qkv(hidden):
             return attn._reshape(attn.query_key_value(hidden))
 
-        return qkv, attn.dense, eager, mb._get_alibi_slopes(heads, torch.device("cpu"))
+        # The slopes from BLOOM's own alibi tensor (B * H, 1, S) = slope_h * position, read at
+        # position 1: build_alibi_tensor is public in every supported transformers version
+        # (the private _get_alibi_slopes is not in 4.x).
+        positions = mb.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)
+        return qkv, attn.dense, eager, positions.view(heads, 2)[:, 1]
     from transformers.models.mpt import modeling_mpt as mm
 
     cfg = transformers.MptConfig(d_model=heads * head_dim, n_heads=heads, max_seq_len=seq)

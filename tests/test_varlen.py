@@ -28,13 +28,6 @@ from attn_ext.testing.numerics import (
 ops = torch.ops.attn_ext
 
 
-@pytest.fixture(autouse=True)
-def _unverified_cuda(monkeypatch):
-    """On a GPU these tests are what verifies the varlen / score-modifier CUDA kernels, which
-    are off by default until they have run green (csrc/common/cuda/unverified.h)."""
-    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
-
-
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in ALL_DTYPES]
 
 # Sequence lengths (q, k): empty sequences, one token, Sq != Sk both ways, many short + one
@@ -452,15 +445,3 @@ def test_compile_varlen_without_recompiles(device):
         frames = counter.frame_count if frames is None else frames
         assert counter.frame_count == frames, "recompiled for a new batch of lengths"
     torch._dynamo.reset()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
-def test_cuda_gate_names_the_feature(monkeypatch):
-    """Off by default on CUDA: a clear error naming the feature, never a silent fallback."""
-    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
-    q = torch.randn(5, 2, 16, device="cuda")
-    c = torch.tensor([0, 5], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="the varlen kernel on CUDA is compiled but has not"):
-        attn_ext.attention_varlen(q, q, q, c, c, 5, 5)
-    with pytest.raises(RuntimeError, match="softcap / alibi_slopes / sinks on CUDA"):
-        attn_ext.attention(q[None], q[None], q[None], softcap=2.0)

@@ -8,8 +8,7 @@ attention with softcap / ALiBi / sinks, attention_varlen (empty and one-token se
 sequence longer than the max_seqlen passed (16, 0), GQA, causal window, dropout, tokens past
 the last offset), forward and
 backward, and decode_attention with window_right / softcap / ALiBi / sinks / cache_batch_idx /
-cache_leftpad (also out of range: the GPU op clamps them), through the kernels that are off by
-default (ATTN_EXT_UNVERIFIED_CUDA=1 set here).
+cache_leftpad (also out of range: the GPU op clamps them).
 The decoding and compression ops: rope / rope_ / rope backward, kv_cache_append (left padding,
 rope on the way in), latent_cache_append, decode_attention (split and unsplit, window, empty
 sequences, several queries), tpa_expand (+ backward, rope), tpa_decode_attention, channel_pool
@@ -115,8 +114,7 @@ def run_case(name, dtype, B, H, Hkv, Sq, Sk, D, Dv, opts):
 
 
 def modifier_and_varlen_cases():
-    """The unverified kernels (varlen, score modifiers); see common/cuda/unverified.h."""
-    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    """The varlen kernel and the score modifiers (the generic kernels' second instantiation)."""
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         q, k, v = (

@@ -150,22 +150,31 @@ def _sliding_window_of(mask_function: Callable, local_size: Optional[int]) -> Op
     return local_size
 
 
+def _qualname_starts(fn, prefix: str) -> bool:
+    return getattr(fn, "__qualname__", "").startswith(prefix)
+
+
 def _packed_sequence_ids(mask_function: Callable, local_size: Optional[int]):
-    """The (B, S) sequence ids if ``mask_function`` is transformers' packed-sequence form
+    """The (B, S) sequence ids if ``mask_function`` is transformers' packed-sequence form of the
+    causal or sliding-window causal mask; None otherwise. Two forms: transformers 5
     (``packed_sequence_compatibility_function``: ``and_masks(packed_sequence_mask_function(ids),
-    remap_positions_for_packed_sequence(base, position_ids))``) of the causal or sliding-window
-    causal mask; None otherwise."""
+    remap_positions_for_packed_sequence(base, position_ids))``) and 4.x
+    (``and_masks(base, packed_sequence_mask_function(ids))``, positions not remapped: the same
+    mask, as causality and the window only compare positions within one sequence)."""
     if _compiling():
         return None
     parts = _closure(mask_function, "mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2:
         return None
-    same_sequence, remapped = parts
-    if not getattr(same_sequence, "__qualname__", "").startswith("packed_sequence_mask_function."):
+    packed = "packed_sequence_mask_function."
+    if _qualname_starts(parts[0], packed):
+        same_sequence, base = parts
+    elif _qualname_starts(parts[1], packed):
+        base, same_sequence = parts
+    else:
         return None
-    if not getattr(remapped, "__qualname__", "").startswith("remap_positions_for_packed_sequence."):
-        return None
-    base = _closure(remapped, "mask_function")
+    if _qualname_starts(base, "remap_positions_for_packed_sequence."):
+        base = _closure(base, "mask_function")
     if base is not causal_mask_function and _sliding_window_of(base, local_size) is None:
         return None
     ids = _closure(same_sequence, "packed_sequence_mask")

@@ -37,8 +37,10 @@ Factors probabilities(const PreparedTpaDecode& in) {
   const at::Tensor visible = at::arange(p.tokens, idx).view({1, 1, -1}) <= last.unsqueeze(2);
   s.masked_fill_(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
   f.lse = at::logsumexp(s, -1);
-  const at::Tensor finite = at::isfinite(f.lse).unsqueeze(-1);
-  f.p = at::where(finite, (s - f.lse.unsqueeze(-1)).exp_(), at::zeros({}, s.options()));
+  // Only a row that sees no token (lse -inf) gives 0: a NaN or inf score propagates as the
+  // reference's softmax does, so a non-finite input is never turned into a finite output.
+  const at::Tensor empty = at::isneginf(f.lse).unsqueeze(-1);
+  f.p = at::where(empty, at::zeros({}, s.options()), (s - f.lse.unsqueeze(-1)).exp_());
   return f;
 }
 

@@ -87,6 +87,22 @@ at::Tensor unchunked(const at::Tensor& x, int64_t length) {
   return x.reshape({x.size(0), x.size(1), x.size(2) * x.size(3), x.size(4)}).narrow(2, 0, length);
 }
 
+// Along the chunk dimension (2) of (B, H, N, D, Dp): the sum of the chunks before each one, and
+// of the chunks after it. Formed from the shifted cumulative sum, never as (inclusive sum - own
+// term): with an infinite state that difference is inf - inf = NaN where the quadratic form
+// (and the CPU kernel) give inf.
+at::Tensor exclusive_prefix(const at::Tensor& x) {
+  const int64_t n = x.size(2);
+  if (n == 0) return x;
+  return at::constant_pad_nd(at::cumsum(x.narrow(2, 0, n - 1), 2), {0, 0, 0, 0, 1, 0});
+}
+at::Tensor exclusive_suffix(const at::Tensor& x) {
+  const int64_t n = x.size(2);
+  if (n == 0) return x;
+  const at::Tensor later = x.narrow(2, 1, n - 1).flip(2);
+  return at::constant_pad_nd(at::cumsum(later, 2).flip(2), {0, 0, 0, 0, 0, 1});
+}
+
 struct Forward {
   at::Tensor nd;      // (B, H, Sq, Dp): phi(q) S' per row, numerator and denominator
   at::Tensor final;   // (B, H, D, Dp)
@@ -103,7 +119,7 @@ Forward forward(const LinearAttentionParams& p, const Operands& o) {
   const int64_t L = p.seqlen_q, n = (L + kCausalChunk - 1) / kCausalChunk;
   const at::Tensor q_c = chunked(o.phiq, n), k_c = chunked(o.phik, n), v_c = chunked(o.v1, n);
   const at::Tensor states = at::matmul(k_c.transpose(-1, -2), v_c);  // padded rows add 0
-  f.prefix = o.init.unsqueeze(2) + (at::cumsum(states, 2) - states);
+  f.prefix = o.init.unsqueeze(2) + exclusive_prefix(states);
   f.final = o.init + states.sum(2);
   const at::Tensor a = at::tril(at::matmul(q_c, k_c.transpose(-1, -2)));  // keys j <= i
   f.nd = unchunked(at::matmul(a, v_c) + at::matmul(q_c, f.prefix), L);
@@ -172,8 +188,7 @@ linear_attention_backward_composite(const at::Tensor& grad_out, const at::Tensor
     // between chunks: chunk m's state reaches every later chunk's prefix and the final state
     const at::Tensor dprefix = at::matmul(q_c.transpose(-1, -2), dnd_c);  // (B, H, N, D, Dp)
     const at::Tensor total = dprefix.sum(2);
-    const at::Tensor dstate =
-        grad_final.unsqueeze(2) + (total.unsqueeze(2) - at::cumsum(dprefix, 2));
+    const at::Tensor dstate = grad_final.unsqueeze(2) + exclusive_suffix(dprefix);
     dk_c = dk_c + at::matmul(v_c, dstate.transpose(-1, -2));
     dv_c = dv_c + at::matmul(k_c, dstate);
     dphiq = unchunked(dq_c, L);

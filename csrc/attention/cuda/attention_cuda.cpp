@@ -19,7 +19,6 @@
 #include "attention/cuda/attention_launch.h"
 #include "common/constants.h"
 #include "common/cuda/sm_count.h"
-#include "common/cuda/unverified.h"
 
 namespace attn_ext::cuda {
 namespace {
@@ -35,14 +34,6 @@ size_t check_supported(const char* op, const AttentionParams& p, ElemKind kind, 
               ", Sq=", p.seqlen_q, ", Sk=", p.seqlen_k, ", D=", p.head_dim, ", Dv=", p.head_dim_v,
               ")");
   return static_cast<size_t>(max_smem);
-}
-
-// Varlen batches and the score modifiers run on the generic kernels' second instantiation,
-// whose tests passed on an H100 (2026-11-26 and 27) but whose memcheck / synccheck runs are not
-// recorded: off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h).
-void check_verified(const char* op, const AttentionParams& p) {
-  if (p.varlen()) require_verified_or_opt_in(op, "the varlen kernel");
-  if (has_score_mods(p)) require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
 }
 
 // The forward kernel ATTN_EXT_CUDA_FWD_KERNEL asks for, read at each call:
@@ -87,7 +78,6 @@ bool cute_backward_enabled() {
 
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
   AttentionParams& p = in.params;
-  check_verified(op, p);
   const ElemKind kind = elem_kind(op, in.q.scalar_type());
   auto [out, lse] = allocate_outputs(p, in.q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -113,7 +103,6 @@ at::Tensor sink_grads(const AttentionBwdParams& p, const at::Tensor& ws, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
     const char* op, PreparedBackward& in, const std::optional<at::Tensor>& sinks) {
   AttentionBwdParams& p = in.params;
-  check_verified(op, p);
   const at::Tensor& q = in.in.q;
   const ElemKind kind = elem_kind(op, q.scalar_type());
   Grads g = allocate_grads(p, q);

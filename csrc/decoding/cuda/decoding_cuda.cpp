@@ -12,8 +12,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "common/cuda/unverified.h"
-
 #include "decoding/decode_inputs.h"
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
@@ -166,20 +164,6 @@ at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table) 
       .reshape({batch, heads, pages * page_size, d});
 }
 
-// On the SIMT kernel, window_right, the score modifiers and FlashAttention's with_kvcache
-// arguments are still off unless ATTN_EXT_UNVERIFIED_CUDA=1 (common/cuda/unverified.h); the
-// split-KV kernel's code for them ran green on an H100 (2026-11-27) and needs no opt-in.
-// Checked after validation, so bad inputs get the CPU op's messages. The verified path's band
-// ends at the query (causal: window_right 0, whatever the caller passed; window_right = 0
-// without causal is the same band) or at the sequence's end.
-void check_verified(const char* op, const DecodeParams& p) {
-  if (p.window_right > 0) require_verified_or_opt_in(op, "window_right");
-  if (p.softcap != 0.0 || p.alibi_slopes != nullptr || p.sinks != nullptr)
-    require_verified_or_opt_in(op, "softcap / alibi_slopes / sinks");
-  if (p.batch_idx != nullptr || p.leftpad != nullptr)
-    require_verified_or_opt_in(op, "cache_batch_idx / cache_leftpad");
-}
-
 std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_seqlens, std::optional<double> scale, bool causal, int64_t window_left,
@@ -209,7 +193,6 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
                                  sinks, cache_batch_idx, cache_leftpad, std::nullopt);
   }
   const bool split_kv = unsupported == nullptr;
-  if (!split_kv) check_verified(kOp, p);
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
               " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
