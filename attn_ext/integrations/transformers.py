@@ -313,11 +313,19 @@ def attn_ext_attention_forward(
     mask = attention_mask
     varlen = dict(is_causal=is_causal, window=window, scaling=scaling, dropout=dropout, mods=mods)
     packed_ids = mask is not None and mask.dim() == 2 and _is_sequence_ids(mask)
-    if (mask is None or packed_ids) and position_bias is None and query.size(-2) == key.size(-2):
-        # Padding-free batches, in FlashAttention 2's order: its varlen kwargs, then the
-        # sequence ids of attn_ext_mask, then restarting position_ids.
-        if all(kwargs.get(k) is not None for k in _FLASH_VARLEN_KWARGS) and not _paged(cache):
-            return _flash_kwargs_varlen(query, key, value, kwargs, **varlen)
+    flash_varlen = all(kwargs.get(k) is not None for k in _FLASH_VARLEN_KWARGS)
+    aligned_prefill = position_bias is None and query.size(-2) == key.size(-2)
+    mask_allows_kwargs = mask is None or packed_ids or mask.dim() == 4
+    if flash_varlen and aligned_prefill and not _paged(cache) and mask_allows_kwargs:
+        # FlashAttention 2's varlen kwargs: every token is real and the kwargs say where each
+        # document starts. A 4-D mask beside them is the causal mask transformers < 5.2 builds
+        # under torch.compile (the queries' offset unread, attn_ext_mask cannot call it
+        # aligned): it would mix the documents, so the kwargs win, as in FlashAttention 2's
+        # own path, which never gets a 4-D mask.
+        return _flash_kwargs_varlen(query, key, value, kwargs, **varlen)
+    if (mask is None or packed_ids) and aligned_prefill:
+        # Padding-free batches without those kwargs: the sequence ids of attn_ext_mask, then
+        # restarting position_ids.
         if mask is None:
             mask = _sequence_ids_from_positions(kwargs.get("position_ids"), query)
         if mask is not None:

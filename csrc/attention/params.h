@@ -80,10 +80,19 @@ struct SeqBounds {
   int64_t key_offset;         // query i sits at key position i + key_offset
 };
 
+C10_HOST_DEVICE inline int64_t clamp_offset(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Varlen offsets are clamped into [0, total] and made non-decreasing: the GPU ops cannot check
+// them without a sync, so offsets out of order or past the tokens select the wrong rows but
+// never rows outside q, k, v (the CPU ops refuse such offsets: there this changes nothing).
 C10_HOST_DEVICE inline SeqBounds seq_bounds(const AttentionParams& p, int64_t b) {
   if (!p.varlen()) return {0, p.seqlen_q, 0, p.seqlen_k, p.key_offset};
-  const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
-  const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+  const int64_t q0 = clamp_offset(p.cu_seqlens_q[b], 0, p.total_q);
+  const int64_t q1 = clamp_offset(p.cu_seqlens_q[b + 1], q0, p.total_q);
+  const int64_t k0 = clamp_offset(p.cu_seqlens_k[b], 0, p.total_k);
+  const int64_t k1 = clamp_offset(p.cu_seqlens_k[b + 1], k0, p.total_k);
   return {q0, q1 - q0, k0, k1 - k0, (k1 - k0) - (q1 - q0)};  // bottom-right per sequence
 }
 

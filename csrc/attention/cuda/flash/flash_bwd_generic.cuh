@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(GenericBwdTraits::kThreads)
     const int64_t token = row % p.total_q;
     h = row / p.total_q;
     b = sequence_of_token(p, token);
-    i = token - p.cu_seqlens_q[b];
-    if (p.batch == 0 || i < 0 || i >= p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]) {
+    const SeqBounds s = p.batch == 0 ? SeqBounds{} : seq_bounds(p, b);  // clamped offsets
+    i = token - s.q_begin;
+    if (p.batch == 0 || i < 0 || i >= s.seqlen_q) {
       // a token outside every sequence (offsets the op cannot check): no probability at all,
       // so that it adds nothing to a sink's gradient; no other kernel reads its row
       if (lane == 0) {
