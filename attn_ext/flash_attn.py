@@ -459,22 +459,26 @@ def _check_block_table(fn, block_table, k_pages, v_pages, batch, lengths):
         )
 
 
+def _check_page_range(fn, block_table, pages, lengths):
+    """On the CPU, the blocks that hold keys must be in range; on CUDA nothing is checked (that
+    would sync): the kernels and _page_index clamp every entry, so a bad index reads a wrong
+    page but never out of bounds."""
+    if pages.device.type != "cpu":
+        return
+    num_blocks, page_size = pages.size(0), pages.size(1)
+    used = torch.arange(block_table.size(1)) * page_size < lengths.long()[:, None].cpu()
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        _fail(
+            fn, f"block_table[{b}, {j}] must be in [0, {num_blocks}), got {int(block_table[b, j])}"
+        )
+
+
 def _page_index(fn, block_table, pages, lengths):
-    """block_table as int64 indices into pages: on the CPU the blocks that hold keys are
-    checked to be in range; on CUDA (no sync) every entry is clamped into range, so a bad index
-    reads a wrong page but never out of bounds."""
-    blocks = block_table.long()
-    num_blocks = pages.size(0)
-    if pages.device.type == "cpu":
-        page_size = pages.size(1)
-        used = torch.arange(blocks.size(1)) * page_size < lengths.long()[:, None].cpu()
-        bad = used & ((blocks < 0) | (blocks >= num_blocks))
-        if bool(bad.any()):
-            b, j = (int(i) for i in bad.nonzero()[0])
-            _fail(
-                fn, f"block_table[{b}, {j}] must be in [0, {num_blocks}), got {int(blocks[b, j])}"
-            )
-    return blocks.clamp(0, max(num_blocks - 1, 0))
+    """block_table as int64 indices into pages, checked (_check_page_range) and clamped."""
+    _check_page_range(fn, block_table, pages, lengths)
+    return block_table.long().clamp(0, max(pages.size(0) - 1, 0))
 
 
 # ------------------------------------------------------------------------ with_kvcache
@@ -595,7 +599,7 @@ def flash_attn_with_kvcache(
     s_new = 0 if k is None else k.size(1)
     if paged:
         _check_block_table(fn, block_table, k_cache, v_cache, B, lens + s_new)
-        _page_index(fn, block_table, k_cache, lens + s_new)  # the CPU's range check (no sync)
+        _check_page_range(fn, block_table, k_cache, lens + s_new)
     # The ops read and write the (num_blocks, Hkv, page_size, D) view of the pages through the
     # table (whose rows they need contiguous), on the CPU and on CUDA: nothing is gathered and
     # no length is read on the host.
