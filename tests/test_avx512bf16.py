@@ -1,6 +1,6 @@
-"""The bf16 forward on AVX512-BF16 (ATTN_EXT_CPU_KERNELS=avx512bf16, or auto on a CPU with
-AVX512-BF16 and no AMX tiles, such as AMD Zen 4; see
-csrc/attention/cpu/avx512bf16_block_products.h).
+"""The bf16 forward on AVX512-BF16 (ATTN_EXT_CPU_KERNELS=avx512bf16, meant for CPUs with
+AVX512-BF16 and no AMX tiles such as AMD Zen 4, where auto does not take it until measured; see
+csrc/attention/cpu/avx512bf16_block_products.h and block_kernels.cpp).
 
 Same operands and the same one rounding as the AMX path (P rounded to bf16 before P V; bf16
 products exact in fp32), so the same checks as tests/test_amx.py on its cases plus head dims

@@ -1,7 +1,9 @@
 """The CPU flash kernels' block products are chosen per CPU (AVX-512 where it has it, else
 AVX2; ATTN_EXT_CPU_KERNELS pins the choice). Both sum every output element with the same
 fused multiply-adds in the same order, so forward and backward must agree bit for bit; the
-rest of the suite checks whichever set this CPU picks against the references."""
+rest of the suite checks whichever set this CPU picks against the references. The wide sources
+(AVX-512, AVX512-BF16, AMX) also run here on any x86-64 CPU through scalar stand-ins for their
+intrinsics (the second half of this file)."""
 
 import os
 import platform
@@ -82,14 +84,22 @@ def test_avx512_choice_without_avx512_raises(tmp_path):
     assert "ATTN_EXT_CPU_KERNELS=avx512, but this CPU reports no AVX-512F" in proc.stderr
 
 
-# ---- the AVX-512 source on any x86-64 CPU: compiled against scalar stand-ins for its
-# intrinsics (tests/avx512_emulation.h) next to the AVX2 kernels, and compared bit for bit on
-# every row remainder, panel-pair tail and partial-panel width. What this cannot check is the
-# intrinsics themselves; test_avx512_products_match_avx2_bitwise does that on AVX-512 CPUs.
+# ---- the wide sources on any x86-64 CPU: the AVX-512 block products and row passes, and the
+# bf16-operand products (AVX512-BF16 and AMX) with their packing, compiled against scalar
+# stand-ins for their intrinsics (tests/avx512_emulation.h) next to the AVX2 kernels. The
+# AVX-512 fp32 products and row passes are compared with AVX2 bit for bit on every row
+# remainder, panel-pair tail and partial-panel width; the bf16 products, whose roundings are
+# their own, against float64 sums of the same bf16 operands, and their packed layouts element
+# by element. What this cannot check is the instructions themselves: the tests on CPUs with
+# them do (test_avx512_products_match_avx2_bitwise, tests/test_amx.py, tests/test_avx512bf16.py).
 
 _WRAPPER = r"""
 #include "attention/cpu/avx2_block_products.h"
 #include "attention/cpu/avx512_block_products.h"
+#include "attention/cpu/avx512_softmax_rows.h"
+#include "attention/cpu/amx_block_products.h"
+#include "attention/cpu/avx512bf16_block_products.h"
+#include "common/cpu/vec_math.h"
 using namespace attn_ext::cpu;
 extern "C" {
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* dst) {
@@ -113,8 +123,73 @@ void atb(int wide, const float* a, int64_t lda, int64_t m, int64_t n, const floa
          int64_t stride, int64_t dc, float* c, int64_t ldc) {
   (wide ? avx512::atb_tile : avx2::atb_tile)(a, lda, m, n, bp, stride, dc, c, ldc);
 }
+float row_max_(int wide, const float* x, int64_t n) {
+  return wide ? avx512::row_max(x, n) : row_max<float>(x, n);
+}
+float exp2_shift_sum_(int wide, float* x, int64_t n, float shift) {
+  return wide ? avx512::exp2_shift_sum(x, n, shift) : exp2_shift_sum<float>(x, n, shift);
+}
+void exp2_scale_shift2_(int wide, float* x, int64_t n, float a, float hi, float lo) {
+  (wide ? avx512::exp2_scale_shift2 : exp2_scale_shift2<float>)(x, n, a, hi, lo);
+}
+void softmax_grad_row_(int wide, const float* p, float* dp, int64_t n, float delta) {
+  (wide ? avx512::softmax_grad_row : softmax_grad_row<float>)(p, dp, n, delta);
+}
+void scale_row_(int wide, float* x, int64_t n, float a) {
+  (wide ? avx512::scale_row : scale_row<float>)(x, n, a);
+}
+float exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_t* dst,
+                          int64_t n_pad) {
+  return avx512::exp2_shift_sum_bf16(x, n, scale, shift, dst, n_pad);
+}
+void amx_pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst) {
+  amx::pack_keys(k, ld, n, d, dst);
+}
+void amx_pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst) {
+  amx::pack_values(v, ld, n, dv, dst);
+}
+void amx_round_rows(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
+                    int64_t ldd) {
+  amx::round_rows(src, ld, m, n, dst, ldd);
+}
+void amx_pack_row_pairs(const float* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst) {
+  amx::pack_row_pairs(src, ld, m, n, dst);
+}
+void amx_pad_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
+                  int64_t ldd, int64_t rows) {
+  amx::pad_rows(src, ld, m, n, dst, ldd, rows);
+}
+void amx_transpose_rows(const uint16_t* src, int64_t ld, int64_t m, int64_t n, uint16_t* dst,
+                        int64_t ldd, int64_t rows) {
+  amx::transpose_rows(src, ld, m, n, dst, ldd, rows);
+}
+// set 0: AVX512-BF16, 1: AMX (tiles configured for the call, as a worker holds them).
+void bf16_scores(int set, const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt,
+                 int64_t n, int64_t d, float scale, float* s, int64_t lds) {
+  if (!set) return avx512bf16::scores(q, ldq, m, kt, n, d, scale, s, lds);
+  amx::ThreadTiles tiles;
+  amx::scores(q, ldq, m, kt, n, d, scale, s, lds);
+}
+void amx_scores_unscaled(const uint16_t* q, int64_t ldq, int64_t m, const uint16_t* kt,
+                         int64_t n, int64_t d, float* s, int64_t lds) {
+  amx::ThreadTiles tiles;
+  amx::scores_unscaled(q, ldq, m, kt, n, d, s, lds);
+}
+void bf16_pv(int set, const uint16_t* p, int64_t ldp, int64_t m, const uint16_t* vt, int64_t n,
+             int64_t dv, const float* factor, float* o, int64_t ldo, uint16_t* v_tail) {
+  if (!set) return avx512bf16::pv(p, ldp, m, vt, n, dv, factor, o, ldo);
+  amx::ThreadTiles tiles;
+  amx::pv(p, ldp, m, vt, n, dv, factor, o, ldo, v_tail);
+}
 }
 """
+
+_WIDE_SOURCES = (
+    "avx512_block_products.cpp",
+    "avx512_softmax_rows.cpp",
+    "avx512bf16_block_products.cpp",
+    "amx_block_products.cpp",
+)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +212,6 @@ def emulated(tmp_path_factory):
         cxx,
         "-O2",
         "-std=c++17",
-        "-shared",
         "-fPIC",
         "-mavx2",
         "-mfma",
@@ -147,15 +221,30 @@ def emulated(tmp_path_factory):
         f"-I{csrc}",
     ]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [
-        os.path.join(csrc, "attention", "cpu", "avx512_block_products.cpp"),
-        str(work / "wrapper.cpp"),
-        "-o",
-        str(lib),
+    sources = [os.path.join(csrc, "attention", "cpu", name) for name in _WIDE_SOURCES]
+    sources.append(str(work / "wrapper.cpp"))
+    # One compiler per source, side by side (~75 s in one process on a 2-core machine).
+    jobs = [
+        subprocess.Popen(
+            [*cmd, "-c", src, "-o", str(work / f"{i}.o")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, src in enumerate(sources)
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for job in jobs:
+        _, err = job.communicate()
+        assert job.returncode == 0, err[-4000:]
+    objects = [str(work / f"{i}.o") for i in range(len(sources))]
+    proc = subprocess.run(
+        [cxx, "-shared", *objects, "-o", str(lib)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib))
+    emu = ctypes.CDLL(str(lib))
+    for name in ("row_max_", "exp2_shift_sum_", "exp2_shift_sum_bf16"):
+        getattr(emu, name).restype = ctypes.c_float
+    return emu
 
 
 def _ptr(t):
@@ -282,6 +371,287 @@ def test_emulated_avx512_atb_matches_avx2(emulated):
                         _i(dc + 1),
                     )
                 assert torch.equal(out[0], out[1]), f"atb m={m} n={n} dc={dc}"
+
+
+def _f(x):
+    import ctypes
+
+    return ctypes.c_float(x)
+
+
+def _bits(t):
+    """float32 values as the bit patterns a float tensor holds (NaN payloads and signed zeros
+    compared too)."""
+    return t.contiguous().view(torch.int32)
+
+
+def _row_inputs(n, g):
+    """A score row: normal values, a masked (-inf) key, one far below the row max (exp2 under
+    the normal range) and one equal to it."""
+    x = torch.randn(n, generator=g) * 6
+    if n > 2:
+        x[n // 3] = float("-inf")
+        x[n // 2] = -300.0
+        x[-1] = x.max()
+    return x
+
+
+_ROW_LENGTHS = (*range(0, 41), 47, 48, 63, 64, 65, 127, 255, 256, 257)
+
+
+def test_emulated_avx512_row_passes_match_avx2(emulated):
+    """The five row passes on 16 lanes return AVX2's bits (avx512_softmax_rows.h), for every
+    length up to 40 (each 16-lane body, 8-lane step and scalar tail) and a few longer rows."""
+    g = torch.Generator().manual_seed(5)
+    for n in _ROW_LENGTHS:
+        x = _row_inputs(n, g)
+        p = torch.rand(n, generator=g)
+        maxes = [emulated.row_max_(wide, _ptr(x), _i(n)) for wide in (0, 1)]
+        assert _bits(torch.tensor(maxes))[0] == _bits(torch.tensor(maxes))[1], f"row_max n={n}"
+        shift = maxes[0] if n else 0.0
+        rows, sums = [], []
+        for wide in (0, 1):
+            y = x.clone()
+            sums.append(emulated.exp2_shift_sum_(wide, _ptr(y), _i(n), _f(shift)))
+            rows.append(y)
+        assert torch.equal(_bits(rows[0]), _bits(rows[1])), f"exp2_shift_sum n={n}"
+        assert _bits(torch.tensor(sums)).unique().numel() == 1, f"exp2_shift_sum's sum n={n}"
+        for fn, args in (
+            ("exp2_scale_shift2_", (_f(0.7), _f(1.25), _f(-3e-8))),
+            ("scale_row_", (_f(0.37),)),
+        ):
+            rows = []
+            for wide in (0, 1):
+                y = x.clone()
+                getattr(emulated, fn)(wide, _ptr(y), _i(n), *args)
+                rows.append(y)
+            assert torch.equal(_bits(rows[0]), _bits(rows[1])), f"{fn} n={n}"
+        rows = []
+        for wide in (0, 1):
+            dp = x.clone()
+            emulated.softmax_grad_row_(wide, _ptr(p), _ptr(dp), _i(n), _f(0.3))
+            rows.append(dp)
+        assert torch.equal(_bits(rows[0]), _bits(rows[1])), f"softmax_grad_row n={n}"
+
+
+def _bf16_round(x):
+    """The bf16 roundings of the instructions: nearest even, and values under the normal range
+    flushed to zero (torch's conversion keeps bf16 denormals)."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(x.abs() < tiny, torch.zeros_like(x), x).to(torch.bfloat16)
+
+
+def test_emulated_bf16_row_pass(emulated):
+    """exp2_shift_sum_bf16 (the amx / avx512bf16 sets' fused row pass): 2^(x * scale - shift)
+    rounded to bf16 into dst with zeros up to n_pad, x left alone, the fp32 sum returned. Its
+    exp2 is its own (relative error < 1.5e-7), so each value must be the bf16 rounding of the
+    true value or a neighbour when the true value lies within 2e-7 of a rounding boundary, and
+    the sum within 1e-6 relative of float64's."""
+    g = torch.Generator().manual_seed(6)
+    scale, shift = 0.125, 0.5
+    for n in _ROW_LENGTHS:
+        if n == 0:
+            continue
+        n_pad = (n + 31) // 32 * 32
+        x = _row_inputs(n, g) * 8  # scaled back by `scale`
+        x_before = x.clone()
+        dst = torch.full((n_pad + 3,), -1, dtype=torch.int16)
+        total = emulated.exp2_shift_sum_bf16(
+            _ptr(x), _i(n), _f(scale), _f(shift), _ptr(dst), _i(n_pad)
+        )
+        assert torch.equal(_bits(x), _bits(x_before)), f"x changed, n={n}"
+        assert (dst[n:n_pad] == 0).all() and (dst[n_pad:] == -1).all(), f"padding n={n}"
+        truth = torch.exp2(x.double() * scale - shift)
+        got = dst[:n].view(torch.bfloat16).double()
+        lo = _bf16_round((truth * (1 - 2e-7)).float()).double()
+        hi = _bf16_round((truth * (1 + 2e-7)).float()).double()
+        under_normal = truth < 2.0**-126  # zeroed, never computed
+        ok = torch.where(under_normal, got == 0, (got >= lo) & (got <= hi))
+        assert ok.all(), f"n={n}: {got[~ok][:4].tolist()} vs {truth[~ok][:4].tolist()}"
+        expected = truth.where(~under_normal, torch.zeros_like(truth)).sum().item()
+        assert abs(total - expected) <= 1e-6 * expected, f"sum n={n}: {total} vs {expected}"
+
+
+def _bf16_bits(x):
+    return x.to(torch.bfloat16).contiguous().view(torch.int16)
+
+
+def _from_bits(bits):
+    return bits.view(torch.bfloat16).float()
+
+
+def _round_up(n, to):
+    return (n + to - 1) // to * to
+
+
+def test_emulated_amx_packing_layouts(emulated):
+    """The bf16 operand layouts shared by the AMX and AVX512-BF16 products
+    (amx_block_products.h), element by element against their definitions, on whole tiles (the
+    register transposes) and every kind of partial tile, zeros past the data included."""
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 15, 16, 17, 31, 32, 33, 64, 77):
+        for d in (1, 16, 31, 32, 33, 64, 80):
+            src = torch.randn(n, d + 5, generator=g)
+            bits = _bf16_bits(src)
+            # pack_keys: per block of 16 keys and chunk of 32 features, row t = feature pair t of
+            # the 16 keys, (2t, 2t + 1) adjacent.
+            kp = torch.full((_round_up(n, 32) * _round_up(d, 32),), -1, dtype=torch.int16)
+            emulated.amx_pack_keys(_ptr(bits), _i(d + 5), _i(n), _i(d), _ptr(kp))
+            full = torch.zeros(_round_up(n, 32), _round_up(d, 32), dtype=torch.int16)
+            full[:n, :d] = bits[:, :d]
+            ref = full.view(-1, 16, _round_up(d, 32) // 32, 16, 2).permute(0, 2, 3, 1, 4)
+            assert torch.equal(kp, ref.reshape(-1)), f"pack_keys n={n} d={d}"
+            # pack_values: per chunk of 32 keys and block of 16 features, row t = key pair t of
+            # the 16 features.
+            vp = torch.full((_round_up(n, 32) * _round_up(d, 16),), -1, dtype=torch.int16)
+            emulated.amx_pack_values(_ptr(bits), _i(d + 5), _i(n), _i(d), _ptr(vp))
+            full = torch.zeros(_round_up(n, 32), _round_up(d, 16), dtype=torch.int16)
+            full[:n, :d] = bits[:, :d]
+            ref = full.view(-1, 16, 2, _round_up(d, 16) // 16, 16).permute(0, 3, 1, 4, 2)
+            assert torch.equal(vp, ref.reshape(-1)), f"pack_values n={n} d={d}"
+            # pack_row_pairs: pack_values' layout of bf16(src) for fp32 rows.
+            rp = torch.full_like(vp, -1)
+            emulated.amx_pack_row_pairs(_ptr(src), _i(d + 5), _i(n), _i(d), _ptr(rp))
+            full = torch.zeros(_round_up(n, 32), _round_up(d, 16), dtype=torch.int16)
+            full[:n, :d] = _bf16_bits(_bf16_round(src[:, :d]))
+            ref = full.view(-1, 16, 2, _round_up(d, 16) // 16, 16).permute(0, 3, 1, 4, 2)
+            assert torch.equal(rp, ref.reshape(-1)), f"pack_row_pairs n={n} d={d}"
+            # round_rows: bf16 rows padded with zeros to 32 columns and 16 rows.
+            ldd = _round_up(d, 32) + 8
+            rr = torch.full((_round_up(n, 16), ldd), -1, dtype=torch.int16)
+            emulated.amx_round_rows(_ptr(src), _i(d + 5), _i(n), _i(d), _ptr(rr), _i(ldd))
+            ref = torch.zeros(_round_up(n, 16), _round_up(d, 32), dtype=torch.int16)
+            ref[:n, :d] = _bf16_bits(_bf16_round(src[:, :d]))
+            assert torch.equal(rr[:, : _round_up(d, 32)], ref), f"round_rows n={n} d={d}"
+            assert (rr[:, _round_up(d, 32) :] == -1).all(), f"round_rows wrote past n_pad n={n}"
+            # pad_rows: bf16 rows copied, zero to ldd and to `rows` rows.
+            ldd, rows = _round_up(d, 32), _round_up(n, 16) + 16
+            pr = torch.full((rows + 1, ldd), -1, dtype=torch.int16)
+            emulated.amx_pad_rows(_ptr(bits), _i(d + 5), _i(n), _i(d), _ptr(pr), _i(ldd), _i(rows))
+            ref = torch.zeros(rows, ldd, dtype=torch.int16)
+            ref[:n, :d] = bits[:, :d]
+            assert torch.equal(pr[:rows], ref) and (pr[rows] == -1).all(), f"pad_rows n={n} d={d}"
+            # transpose_rows: dst[c][r] = src[r][c], zero to ldd columns and `rows` rows.
+            ldd, rows = _round_up(n, 32), _round_up(d, 16)
+            tr = torch.full((rows + 1, ldd), -1, dtype=torch.int16)
+            emulated.amx_transpose_rows(
+                _ptr(bits), _i(d + 5), _i(n), _i(d), _ptr(tr), _i(ldd), _i(rows)
+            )
+            ref = torch.zeros(rows, ldd, dtype=torch.int16)
+            ref[:d, :n] = bits[:, :d].t()
+            assert torch.equal(tr[:rows], ref) and (tr[rows] == -1).all(), f"transpose n={n} d={d}"
+
+
+_BF16_SETS = {"avx512bf16": 0, "amx": 1}
+_BF16_ROWS = (1, 5, 12, 13, 16, 17, 25, 31, 32, 33, 48, 70)
+
+
+def _assert_sum_close(got, terms_abs, exact, what):
+    """fp32 sums of exact products: recursive summation of k terms errs by at most about
+    k * 2^-24 times the sum of their magnitudes; a wrong operand errs by a whole term."""
+    k = terms_abs.shape[-1] if terms_abs.dim() else 1
+    bound = (k + 2) * 2.0**-24 * terms_abs.sum(-1) + 1e-30
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"{what}: max err / bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("kernels", sorted(_BF16_SETS))
+def test_emulated_bf16_scores(emulated, kernels):
+    """scale * Q K^T on bf16 operands (amx::scores / avx512bf16::scores) against the float64
+    products of the same bf16 values, over every micro-tile remainder, key counts ending mid
+    tile and head dims ending mid pair and mid chunk; columns past n untouched. On AMX,
+    scores_unscaled's whole tiles hold the same sums, bit for bit."""
+    import ctypes
+
+    g = torch.Generator().manual_seed(8)
+    scale = 0.37
+    for d in (1, 7, 32, 33, 64, 80, 128):
+        dp = _round_up(d, 32)
+        for n in (1, 16, 17, 31, 32, 33, 77):
+            k = _bf16_round(torch.randn(n, d, generator=g)).float()
+            k_bits = _bf16_bits(k)  # held: ctypes keeps only the address
+            kt = torch.zeros(_round_up(n, 32) * dp, dtype=torch.int16)
+            emulated.amx_pack_keys(_ptr(k_bits), _i(d), _i(n), _i(d), _ptr(kt))
+            for m in _BF16_ROWS:
+                q = _bf16_round(torch.randn(m, d, generator=g)).float()
+                qb = torch.zeros(_round_up(m, 16), dp + 4, dtype=torch.int16)
+                emulated.amx_round_rows(_ptr(q), _i(d), _i(m), _i(d), _ptr(qb), _i(dp + 4))
+                lds = _round_up(n, 16) + 3
+                s = torch.full((m, lds), 12345.0)
+                emulated.bf16_scores(
+                    _BF16_SETS[kernels],
+                    _ptr(qb),
+                    _i(dp + 4),
+                    _i(m),
+                    _ptr(kt),
+                    _i(n),
+                    _i(d),
+                    ctypes.c_float(scale),
+                    _ptr(s),
+                    _i(lds),
+                )
+                terms = q.double()[:, None, :] * k.double()[None, :, :]
+                _assert_sum_close(
+                    s[:, :n] / scale, terms.abs(), terms.sum(-1), f"{kernels} m={m} n={n} d={d}"
+                )
+                assert (s[:, n:] == 12345.0).all(), f"{kernels}: wrote past n={n}"
+                if kernels == "amx":
+                    whole = torch.full((_round_up(m, 16), lds), 12345.0)
+                    emulated.amx_scores_unscaled(
+                        _ptr(qb), _i(dp + 4), _i(m), _ptr(kt), _i(n), _i(d), _ptr(whole), _i(lds)
+                    )
+                    assert torch.equal(whole[:m, :n] * scale, s[:, :n]), f"unscaled m={m} n={n}"
+                    assert (whole[m:, : _round_up(n, 16)] == 0).all(), f"unscaled rows m={m}"
+
+
+@pytest.mark.parametrize("kernels", sorted(_BF16_SETS))
+@pytest.mark.parametrize("with_factor", [False, True])
+def test_emulated_bf16_pv(emulated, kernels, with_factor):
+    """O = O * factor + P V on bf16 operands (amx::pv / avx512bf16::pv) against float64, with
+    keys ending mid pair and mid chunk, value widths ending mid block: the values of keys past n
+    (packed, but never seen by these rows) are NaN and must reach no output."""
+    g = torch.Generator().manual_seed(9 + with_factor)
+    for dv in (1, 8, 16, 17, 32, 40, 48, 80):
+        for n in (1, 2, 15, 31, 32, 33, 64, 77):
+            n_packed = _round_up(n + 1, 32)  # a longer sequence's packed values
+            v = _bf16_round(torch.randn(n_packed, dv, generator=g)).float()
+            v[n:] = float("nan")
+            v_bits = _bf16_bits(v)  # held: ctypes keeps only the address
+            vt = torch.zeros(n_packed * _round_up(dv, 16), dtype=torch.int16)
+            emulated.amx_pack_values(_ptr(v_bits), _i(dv), _i(n_packed), _i(dv), _ptr(vt))
+            v_tail = torch.zeros(32 * _round_up(dv, 16), dtype=torch.int16)
+            for m in _BF16_ROWS:
+                p = _bf16_round(torch.rand(m, n, generator=g)).float()
+                ldp = _round_up(n, 32) + 2
+                pb = torch.zeros(_round_up(m, 16), ldp, dtype=torch.int16)
+                emulated.amx_round_rows(_ptr(p), _i(n), _i(m), _i(n), _ptr(pb), _i(ldp))
+                factor = torch.rand(m, generator=g) if with_factor else None
+                o0 = torch.randn(m, dv + 3, generator=g)
+                o = o0.clone()
+                emulated.bf16_pv(
+                    _BF16_SETS[kernels],
+                    _ptr(pb),
+                    _i(ldp),
+                    _i(m),
+                    _ptr(vt),
+                    _i(n),
+                    _i(dv),
+                    _ptr(factor) if factor is not None else None,
+                    _ptr(o),
+                    _i(dv + 3),
+                    _ptr(v_tail),
+                )
+                what = f"{kernels} m={m} n={n} dv={dv}"
+                assert torch.equal(o[:, dv:], o0[:, dv:]), f"{what}: wrote past dv"
+                assert torch.isfinite(o[:, :dv]).all(), f"{what}: a value past n was read"
+                terms = p.double()[:, None, :] * v[:n].double().t()[None, :, :]
+                base = o0[:, :dv].double() * (factor.double()[:, None] if with_factor else 1)
+                _assert_sum_close(
+                    o[:, :dv],
+                    torch.cat([terms.abs(), base.abs()[..., None]], -1),
+                    terms.sum(-1) + base,
+                    what,
+                )
 
 
 def test_reports_the_kernels_it_runs():

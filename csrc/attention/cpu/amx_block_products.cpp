@@ -23,6 +23,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) to check its tiling and packing on CPUs without them.
+#include ATTN_EXT_AVX512_EMULATION
+#else
 #if defined(__clang__)
 #pragma clang attribute push(                                                              \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"))), \
@@ -36,6 +41,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace attn_ext::cpu::amx {
@@ -456,11 +462,13 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
 
 }  // namespace attn_ext::cpu::amx
 
+#ifndef ATTN_EXT_AVX512_EMULATION
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif
 #endif
 
 #endif  // ATTN_EXT_AMX_PRODUCTS

@@ -23,6 +23,13 @@
 
 #include "common/cpu/vec_math.h"
 
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) on CPUs without AVX-512, with no target attributes.
+#include ATTN_EXT_AVX512_EMULATION
+#define ATTN_EXT_ROW_PASS_TARGET(isa)
+#else
+#define ATTN_EXT_ROW_PASS_TARGET(isa) __attribute__((target(isa)))
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
 #else
@@ -34,6 +41,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace attn_ext::cpu::avx512 {
@@ -155,7 +163,7 @@ constexpr float kExp2NormalFloor = -126.f;
 // unordered-true). Lanes below kExp2NormalFloor are zeroed by the instruction's mask, never
 // computed: vscalefps takes a microcode assist on a denormal result, which ran a block of such
 // lanes 10x slower (dev/row_pass_bench, OFFSET=110).
-__attribute__((target("avx512f,avx512dq,fma"))) inline __m512 exp2_unit(__m512 x) {
+ATTN_EXT_ROW_PASS_TARGET("avx512f,avx512dq,fma") inline __m512 exp2_unit(__m512 x) {
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(kExp2UnitPoly[0]);
   for (int i = 1; i < kExp2UnitPolyTerms; ++i)
@@ -169,9 +177,9 @@ __attribute__((target("avx512f,avx512dq,fma"))) inline __m512 exp2_unit(__m512 x
 // 32 values a step, rounded by one vcvtne2ps2bf16 into one 64-byte store, summed in two
 // accumulators; the rest in masked 16-lane steps. With exp2_unit, 1.4-1.7x the rate of
 // exp2_shift_sum's form (dev/row_pass_bench, dev/cpu_forward_experiments.md "bf16 row pass").
-__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,fma"))) float
-exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_t* dst,
-                    int64_t n_pad) {
+ATTN_EXT_ROW_PASS_TARGET("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,fma")
+float exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_t* dst,
+                          int64_t n_pad) {
   const __m512 av = _mm512_set1_ps(scale), sv = _mm512_set1_ps(shift);
   __m512 acc_lo = _mm512_setzero_ps(), acc_hi = _mm512_setzero_ps();
   int64_t j = 0;
@@ -195,11 +203,14 @@ exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, uint16_
 
 }  // namespace attn_ext::cpu::avx512
 
+#undef ATTN_EXT_ROW_PASS_TARGET
+#ifndef ATTN_EXT_AVX512_EMULATION
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif
 #endif
 
 #endif  // ATTN_EXT_AVX512_PRODUCTS

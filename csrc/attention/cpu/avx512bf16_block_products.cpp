@@ -22,12 +22,18 @@
 
 #include "attention/cpu/row_tiles.h"
 
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) to check its tiling and packing on CPUs without them.
+#include ATTN_EXT_AVX512_EMULATION
+#else
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512bf16,fma"))), \
                              apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,fma")
+#endif
 #endif
 
 namespace attn_ext::cpu::avx512bf16 {
@@ -204,10 +210,12 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
 
 }  // namespace attn_ext::cpu::avx512bf16
 
+#ifndef ATTN_EXT_AVX512_EMULATION
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC pop_options
+#endif
 #endif
 
 #endif  // ATTN_EXT_AVX512BF16_PRODUCTS

@@ -78,14 +78,15 @@ bool cpu_has_amx() {
 // kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check) and
 // through scalar stand-ins for their intrinsics (tests/test_cpu_kernels.py); avx2 is the fallback
 // to pin. The AMX and AVX512-BF16 bf16 kernels are checked against float64 and torch's bf16 flash
-// kernel (tests/test_amx.py, tests/test_avx512bf16.py); AMX ran 2.0-2.9x the AVX-512 bf16 forward
-// and 1.6-2.4x its forward+backward on a Sapphire Rapids VM (docs/performance.md, 2026-11-26),
-// so it comes first where both run;
-// avx512 pins the fp32-P products. AVX512-BF16 (avx512bf16) runs only when pinned: it is meant for
-// AMD Zen 4/5 (no AMX; issue 27), where its speed is not measured yet, and on that Intel VM
-// vdpbf16ps issued at a quarter of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA
-// against avx512's 0.45x, so auto would have made CPUs slower on no evidence; a Zen 4 measurement
-// with it faster than avx512 puts it between amx and avx512.
+// kernel where the CPU has them (tests/test_amx.py, tests/test_avx512bf16.py), and their products
+// and packing through the same stand-ins everywhere else (tests/test_cpu_kernels.py); AMX
+// ran 2.0-2.9x the AVX-512 bf16 forward and 1.6-2.4x its forward+backward on a Sapphire Rapids VM
+// (docs/performance.md, 2026-11-26), so it comes first where both run; avx512 pins the fp32-P
+// products. AVX512-BF16 (avx512bf16) runs only when pinned: it is meant for AMD Zen 4/5 (no AMX;
+// issue 27), where its speed is not measured yet, and on that Intel VM vdpbf16ps issued at a
+// quarter of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA against avx512's 0.45x,
+// so auto would have made CPUs slower on no evidence; a Zen 4 measurement with it faster than
+// avx512 puts it between amx and avx512.
 const BlockKernels* choose() {
   const char* env = std::getenv("ATTN_EXT_CPU_KERNELS");
   const std::string want = env && *env ? env : "auto";
