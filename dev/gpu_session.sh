@@ -152,7 +152,7 @@ for phase in "$@"; do
         step bench_attention 240 $PY benchmarks/bench_attention_cuda.py --head-dims 64 128 --seqlens 512 2048 4096 8192 16384 --out "$OUT/results"
         step bench_kv 90 $PY benchmarks/bench_kv_compression.py --device cuda --batch 64 --contexts 8192 --out "$OUT/results"
       fi
-      step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext sdpa --out "$OUT/results"
+      step bench_decode 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 4096 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext sdpa sdpa_nocudnn --out "$OUT/results"
       step bench_spatial 90 $PY benchmarks/bench_spatial.py --device cuda --no-memory --min-repeats 3 --max-repeats 5 --target-time 0.3 --out "$OUT/results"
       # tables, PNGs and history.csv in one archive: few files come back
       cat "$OUT"/bench_*.log > "$OUT/bench.log"; rm -f "$OUT"/bench_*.log
@@ -165,7 +165,7 @@ for phase in "$@"; do
         step "decode_$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --paged
         grep -E "SUMMARY|NON-FINITE" "$OUT/decode_$tool.log" | head -3 >> "$SUMMARY"
       done
-      step decode_bench 200 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 8192 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext paged16 paged256 sdpa --out "$OUT/decode_bench"
+      step decode_bench 200 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch 1 16 64 --prompts 8192 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext paged16 paged256 sdpa sdpa_nocudnn --out "$OUT/decode_bench"
       grep -hE "GB/s|^\|" "$OUT"/decode_bench/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
       cat "$OUT"/decode_*.log > "$OUT/decode.log"; rm -f "$OUT"/decode_*.log
       tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_bench && rm -rf "$OUT"/decode_bench ;;
