@@ -30,9 +30,13 @@ then:
   ``--new-tokens`` reads of it), up to ``--gen-max-context`` (above: "skip").
 
 Ratios ``<candidate> / attn_ext`` (> 1: attn_ext faster; for the paged caches, the cost of
-paging). On CUDA also the
-achieved bandwidth of a step (bytes of K and V read / time) against the device's measured copy
-bandwidth. Timing and output: ``attn_ext.testing.harness`` (``decode_<device>.md``).
+paging). On CUDA also the achieved bandwidth (bytes of K and V read / time) against the
+device's measured copy bandwidth, of a step and of the kernel alone: ``kernel`` replays a CUDA
+graph of ``--graph-reps`` attention calls at context P (no append) per timed call, so its time
+per call leaves out the host's launch and dispatch overhead, which decides a step's wall time at
+batch 1 (each timed step synchronizes before and after). Graphed: attn_ext, the paged caches
+and ``sdpa_nocudnn`` (cuDNN's per-shape plan cannot be captured). Timing and output:
+``attn_ext.testing.harness`` (``decode_<device>.md``).
 
     python benchmarks/bench_decode.py --quick
     python benchmarks/bench_decode.py                      # CPU: prompts 512..32k
@@ -57,6 +61,8 @@ CUDA_ONLY = ("sdpa_nocudnn",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Distinct new tokens cycled through by the steps (enough that no step reuses its predecessor's).
 NEW_TOKEN_POOL = 8
+# The candidates timed as CUDA graphs of attention calls (``kernel``): those whose calls capture.
+GRAPHED = ("attn_ext", "paged16", "paged256", "sdpa_nocudnn")
 
 
 class DocCache:
@@ -90,8 +96,13 @@ class SdpaCache:
         self.k[:, :, L : L + 1].copy_(k_new)
         self.v[:, :, L : L + 1].copy_(v_new)
         self.length = L + 1
+        return self.read(q)
+
+    def read(self, q):
+        """Attention of q over the cache as it is (no append)."""
+        L = self.length
         return F.scaled_dot_product_attention(
-            q, self.k[:, :, : L + 1], self.v[:, :, : L + 1], enable_gqa=True
+            q, self.k[:, :, :L], self.v[:, :, :L], enable_gqa=True
         )
 
 
@@ -100,9 +111,9 @@ class SdpaNoCudnnCache(SdpaCache):
 
     BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    def step(self, q, k_new, v_new):
+    def read(self, q):
         with sdpa_kernel(self.BACKENDS):
-            return super().step(q, k_new, v_new)
+            return super().read(q)
 
 
 class AttnExtCache:
@@ -113,6 +124,9 @@ class AttnExtCache:
 
     def step(self, q, k_new, v_new):
         self.cache.append(k_new, v_new)
+        return self.cache.attend(q)
+
+    def read(self, q):
         return self.cache.attend(q)
 
 
@@ -137,6 +151,9 @@ class PagedCache:
 
     def step(self, q, k_new, v_new):
         self.cache.append(k_new, v_new)
+        return self.cache.attend(q)
+
+    def read(self, q):
         return self.cache.attend(q)
 
 
@@ -175,6 +192,49 @@ def generation(name, prompt, new, n_new, max_len):
     return run
 
 
+def reader(cache, q):
+    """A zero-argument call of one attention read of the cache at its current length."""
+    return lambda: cache.read(q)
+
+
+def kernel_timing(bench, args, names, prompt, new, max_len, params):
+    """The ``kernel`` timing of one cell (CUDA): each candidate in ``names`` on a fresh cache
+    holding the prompt, ``--graph-reps`` reads per CUDA graph; per-call times (ms) and the
+    bytes of K and V read per call / time (GB/s). (None, {}) when nothing is graphed."""
+    if not names:
+        return None, {}
+    reps = args.graph_reps
+    calls, notes = {}, {}
+    for n in names:
+        try:
+            calls[n] = harness.cuda_graph_replay(
+                reader(MAKERS[n](*prompt, max_len), new[0][0]), reps
+            )
+        except Exception as e:  # a candidate whose call does not capture: reported, not fatal
+            notes[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    timing = bench.time(calls)
+    del calls  # the graphs and their caches: the whole generations need the memory next
+    per_call = harness.Timing(
+        rounds=[{n: t / reps for n, t in r.items()} for r in timing.rounds],
+        results=timing.results,
+        errors={**timing.errors, **notes},
+    )
+    k, v = prompt
+    read_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+    gbps = {
+        n: {"gbps": read_bytes / per_call.median_s(n) / 1e9} for n in names if per_call.median_s(n)
+    }
+    bench.record_timing(
+        per_call,
+        "attn_ext" if "attn_ext" in names else None,
+        gbps,
+        mode="kernel",
+        graph_reps=reps,
+        **params,
+    )
+    return per_call, gbps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,6 +261,12 @@ def main(argv=None):
         help="whole generations only for prompts up to this length",
     )
     ap.add_argument(
+        "--graph-reps",
+        type=int,
+        default=20,
+        help="attention calls per CUDA graph of the kernel timing (CUDA; 0: no kernel timing)",
+    )
+    ap.add_argument(
         "--candidates",
         nargs="+",
         default=None,
@@ -221,6 +287,7 @@ def main(argv=None):
         args.candidates or [c for c in CANDIDATES if device.type == "cuda" or c not in CUDA_ONLY]
     )
     others = [n for n in names if n != "attn_ext"]
+    graphed = [n for n in names if n in GRAPHED] if bw and args.graph_reps > 0 else []
 
     cells = [(B, P) for B in args.batch for P in args.prompts]
     bar = harness.progress(len(cells), "decode")
@@ -250,6 +317,7 @@ def main(argv=None):
         bench.record_timing(
             step, "attn_ext" if "attn_ext" in names else None, gbps, mode="step", **params
         )
+        kernel, kernel_gbps = kernel_timing(bench, args, graphed, prompt, new, max_len, params)
         res = step.results
         # against the first reference that ran ("-" without one: the paged caches are not one)
         ref = next((n for n in ("sdpa", "doc") if n in res), None)
@@ -280,6 +348,12 @@ def main(argv=None):
         if bw:
             g = gbps.get("attn_ext", {}).get("gbps")
             row += [harness.fmt(g, ".0f"), harness.fmt(g and 100 * g / bw, ".0f") + "%"]
+        for n in graphed:
+            t = kernel.ms(n) if kernel else None
+            row.append(harness.fmt(t and 1e3 * t, ".1f", kernel.errors.get(n, "-")[:24]))
+        for n in graphed:
+            g = kernel_gbps.get(n, {}).get("gbps")
+            row.append(harness.fmt(g and 100 * g / bw, ".0f") + "%")
         rows.append(row + [harness.fmt(diff, ".1e")])
         bar.update(1)
     bar.close()
@@ -289,12 +363,19 @@ def main(argv=None):
         cols += [f"{c} {kind} (ms)" for c in names] + [f"{c}/attn_ext {kind}" for c in others]
     if bw:
         cols += ["attn_ext GB/s", "% of copy bw"]
+    cols += [f"{c} kernel (us)" for c in graphed] + [f"{c} kernel % of copy bw" for c in graphed]
     head = (
         f"H={H}, Hkv={Hkv}, D={D}, {params['dtype']}; one new token per step. `step` = median ms "
         f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} "
         "new tokens "
         "after the prompt. Ratios > 1: attn_ext faster."
         + (f" Copy bandwidth {bw:.0f} GB/s." if bw else "")
+        + (
+            f" `kernel` = us of one attention read at context P, from CUDA graphs of "
+            f"{args.graph_reps} reads (no launch overhead; no append)."
+            if graphed
+            else ""
+        )
     )
     bench.finish(
         f"Decode benchmark ({device.type})",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attn_ext.testing import harness
 
@@ -169,3 +170,18 @@ def test_quick_driver_run_writes_table_history_and_plot(tmp_path):
     assert all(float(r["ratio"]) > 0 for r in steps if r["candidate"] != "attn_ext")
     pytest.importorskip("matplotlib")
     assert (tmp_path / "decode_cpu.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_runs_the_captured_calls():
+    """cuda_graph_replay's call replays all `reps` calls on the tensors they captured: a graph
+    of three in-place increments adds three per replay, and the result is the last call's."""
+    x = torch.zeros(4, device="cuda")
+    replay = harness.cuda_graph_replay(lambda: x.add_(1.0), 3)
+    after_warmup = x.clone()  # the warm-up calls ran for real (CUDA_GRAPH_WARMUP of them)
+    assert torch.equal(after_warmup, torch.full_like(x, float(harness.CUDA_GRAPH_WARMUP)))
+    out = replay()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, after_warmup + 6.0)
+    assert out.data_ptr() == x.data_ptr()

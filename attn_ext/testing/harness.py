@@ -60,6 +60,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 # every cache, small enough for any GPU.
 COPY_BYTES = 1 << 30
 COPY_REPEATS = 5
+# Calls run on a side stream before a CUDA graph captures fn (lazy initialization, workspaces).
+CUDA_GRAPH_WARMUP = 3
 
 
 # --------------------------------------------------------------------------- timing
@@ -78,6 +80,30 @@ def cuda_kernel_names(fn: Callable[[], object]) -> List[str]:
         fn()
         torch.cuda.synchronize()
     return [e.key for e in prof.key_averages()]
+
+
+def cuda_graph_replay(fn: Callable[[], object], reps: int) -> Callable[[], object]:
+    """A zero-argument call that replays one CUDA graph of ``reps`` back-to-back calls of fn and
+    returns the last call's result: timed, its time / reps is the device time of one call without
+    the host's launch and dispatch overhead (which decides a small call's wall time: a decode step
+    at batch 1). fn must be capturable (no host synchronization); it is warmed up on a side stream
+    first, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(CUDA_GRAPH_WARMUP):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
 
 
 def call_seconds(fn: Callable[[], object], device, clock: Callable[[], float] = time.perf_counter):
