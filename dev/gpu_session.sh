@@ -13,6 +13,9 @@
 #           wheels the phases install, fetched here before the first call (.whl/ is ignored by
 #           git; pass it in the device tool's carry):
 #             pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0 fla-core==0.6.0 einops==0.8.2
+# clamp:    the varlen offsets clamp (5b729db; after build): test_bad_inputs, test_varlen_cuda and
+#           test_linear_attention, then compute-sanitizer memcheck on test_bad_inputs' CUDA
+#           varlen cases (bad offsets and lengths)
 # cute:     dev/cute_fwd_check.py (the CuTe forward's two exp2 steps, ScaleFirst and the
 #           gated FoldScale, vs the older kernel: errors, bits, kernel names, timing against
 #           torch's flash backend), then the CUDA attention and varlen tests with
@@ -104,6 +107,14 @@ for phase in "$@"; do
       OMP_NUM_THREADS=1 step pytest 400 $PY -m pytest tests -q -n 14 -p no:cacheprovider --timeout 300 -rfE \
         --deselect tests/test_cuda_build.py::test_cuda_sources_compile
       grep -E "passed|failed" "$OUT/pytest.log" | tail -1 >> "$SUMMARY" ;;
+    clamp)  # the varlen offsets clamp of 5b729db (never run on a GPU; after build): the files
+      # whose CUDA cases hit the illegal address on 2026-11-27, then memcheck on the varlen cases
+      OMP_NUM_THREADS=1 step clamp_tests 150 $PY -m pytest tests/test_bad_inputs.py tests/test_varlen_cuda.py \
+        tests/test_linear_attention.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/clamp_tests.log" | tail -1 >> "$SUMMARY"
+      step clamp_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest \
+        tests/test_bad_inputs.py -q -p no:cacheprovider -k "cuda and varlen"
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/clamp_memcheck.log" | tail -2 >> "$SUMMARY" ;;
     cute)
       step cute_check 200 $PY dev/cute_fwd_check.py
       grep -E "FAIL|NOT CUTE|CUTE CHECK" "$OUT/cute_check.log" | head -20 >> "$SUMMARY"
