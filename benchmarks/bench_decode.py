@@ -117,6 +117,8 @@ class SdpaNoCudnnCache(SdpaCache):
 
 
 class AttnExtCache:
+    """attn_ext.KVCache (preallocated); its step and read serve PagedCache too."""
+
     def __init__(self, k, v, max_len):
         B, Hkv, P, D = k.shape
         self.cache = attn_ext.KVCache(B, Hkv, max_len, D, v.size(3), dtype=k.dtype, device=k.device)
@@ -124,13 +126,13 @@ class AttnExtCache:
 
     def step(self, q, k_new, v_new):
         self.cache.append(k_new, v_new)
-        return self.cache.attend(q)
+        return self.read(q)
 
     def read(self, q):
         return self.cache.attend(q)
 
 
-class PagedCache:
+class PagedCache(AttnExtCache):
     """attn_ext.PagedKVCache with room for max_len rows per sequence, pages in order of need."""
 
     def __init__(self, k, v, max_len, page_size):
@@ -148,13 +150,6 @@ class PagedCache:
             device=k.device,
         )
         self.cache.append(k, v)
-
-    def step(self, q, k_new, v_new):
-        self.cache.append(k_new, v_new)
-        return self.cache.attend(q)
-
-    def read(self, q):
-        return self.cache.attend(q)
 
 
 def paged(page_size):
@@ -211,7 +206,7 @@ def kernel_timing(bench, args, names, prompt, new, max_len, params):
                 reader(MAKERS[n](*prompt, max_len), new[0][0]), reps
             )
         except Exception as e:  # a candidate whose call does not capture: reported, not fatal
-            notes[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            notes[n] = harness.error_text(e)
     timing = bench.time(calls)
     del calls  # the graphs and their caches: the whole generations need the memory next
     per_call = harness.Timing(
@@ -349,7 +344,7 @@ def main(argv=None):
             g = gbps.get("attn_ext", {}).get("gbps")
             row += [harness.fmt(g, ".0f"), harness.fmt(g and 100 * g / bw, ".0f") + "%"]
         for n in graphed:
-            t = kernel.ms(n) if kernel else None
+            t = kernel.ms(n)
             row.append(harness.fmt(t and 1e3 * t, ".1f", kernel.errors.get(n, "-")[:24]))
         for n in graphed:
             g = kernel_gbps.get(n, {}).get("gbps")

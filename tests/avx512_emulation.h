@@ -379,15 +379,15 @@ inline void tile_dpbf16ps(int c, int a, int b) {
   const int pairs = s.colsb[a] / 4, cols = s.colsb[c] / 4;
   if (s.rows[b] != pairs || s.colsb[b] != s.colsb[c] || s.rows[a] != s.rows[c]) std::abort();
   for (int m = 0; m < s.rows[c]; ++m) {
-    float acc[16], x[16];
+    float acc[16];
     uint16_t ah[32], bh[32];
     std::memcpy(acc, s.data[c][m], sizeof(acc));
     std::memcpy(ah, s.data[a][m], sizeof(ah));
     for (int k = 0; k < pairs; ++k) {
       std::memcpy(bh, s.data[b][k], sizeof(bh));
       for (int n = 0; n < cols; ++n) {
-        x[n] = ftz(acc[n] + bf16_in(ah[2 * k]) * bf16_in(bh[2 * n]));
-        acc[n] = ftz(x[n] + bf16_in(ah[2 * k + 1]) * bf16_in(bh[2 * n + 1]));
+        const float even = ftz(acc[n] + bf16_in(ah[2 * k]) * bf16_in(bh[2 * n]));
+        acc[n] = ftz(even + bf16_in(ah[2 * k + 1]) * bf16_in(bh[2 * n + 1]));
       }
     }
     std::memcpy(s.data[c][m], acc, sizeof(acc));

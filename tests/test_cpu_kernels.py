@@ -263,8 +263,8 @@ _ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 14, 15, 16, 25, 37, 128)
 _COLS = (1, 8, 16, 17, 24, 31, 32, 33, 40, 48, 80, 128)
 
 
-def _round16(n):
-    return (n + 15) // 16 * 16
+def _round_up(n, to):
+    return (n + to - 1) // to * to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -277,9 +277,9 @@ def test_key_panels_layout(emulated, dtype):
     for d in (1, 7, 8, 13, 64, 72):
         for n in (1, 15, 16, 17, 40, 64):
             k = torch.randn(n, d + 3, generator=g).to(dtype)
-            kp = torch.full((_round16(n) * d,), float("nan"))
+            kp = torch.full((_round_up(n, 16) * d,), float("nan"))
             pack(_ptr(k), _i(d + 3), _i(n), _i(d), _ptr(kp))
-            ref = torch.zeros(_round16(n), d)
+            ref = torch.zeros(_round_up(n, 16), d)
             ref[:n] = k[:, :d].float()
             ref = ref.view(-1, 16, d).transpose(1, 2).reshape(-1)
             assert torch.equal(kp, ref), f"n={n} d={d}"
@@ -287,16 +287,15 @@ def test_key_panels_layout(emulated, dtype):
 
 @pytest.mark.parametrize("d", [5, 64])
 def test_emulated_avx512_scores_match_avx2(emulated, d):
-    import ctypes
 
     g = torch.Generator().manual_seed(d)
     for n in (1, 16, 17, 32, 33, 77, 256):
         k = torch.randn(n, d + 2, generator=g)  # rows with a stride wider than d
-        kp = torch.empty(_round16(n) * d)
+        kp = torch.empty(_round_up(n, 16) * d)
         emulated.pack_keys(_ptr(k), _i(d + 2), _i(n), _i(d), _ptr(kp))
         for m in _ROWS:
             q = torch.randn(m, d + 1, generator=g)
-            lds = _round16(n) + 5
+            lds = _round_up(n, 16) + 5
             out = [torch.full((m, lds), 12345.0) for _ in range(2)]
             for wide in (0, 1):
                 emulated.scores(
@@ -307,7 +306,7 @@ def test_emulated_avx512_scores_match_avx2(emulated, d):
                     _ptr(kp),
                     _i(n),
                     _i(d),
-                    ctypes.c_float(0.37),
+                    _f(0.37),
                     _ptr(out[wide]),
                     _i(lds),
                 )
@@ -320,8 +319,8 @@ def test_emulated_avx512_pv_matches_avx2(emulated, with_factor):
     for n in (1, 17, 100):
         for dv in _COLS:
             v = torch.randn(n, dv, generator=g)
-            stride = _round16(n) * 16
-            vp = torch.zeros(_round16(dv) // 16 * stride)
+            stride = _round_up(n, 16) * 16
+            vp = torch.zeros(_round_up(dv, 16) // 16 * stride)
             emulated.pack_values(_ptr(v), _i(dv), _i(n), _i(dv), _ptr(vp), _i(stride))
             for m in _ROWS:
                 p = torch.rand(m, n + 3, generator=g)
@@ -350,8 +349,8 @@ def test_emulated_avx512_atb_matches_avx2(emulated):
     for m in (1, 9, 64):  # the reduction length
         for dc in _COLS:
             b = torch.randn(m, dc, generator=g)
-            stride = _round16(m) * 16
-            bp = torch.zeros(_round16(dc) // 16 * stride)
+            stride = _round_up(m, 16) * 16
+            bp = torch.zeros(_round_up(dc, 16) // 16 * stride)
             emulated.pack_values(_ptr(b), _i(dc), _i(m), _i(dc), _ptr(bp), _i(stride))
             for n in _ROWS:  # output rows
                 a = torch.randn(m, n + 2, generator=g)
@@ -452,7 +451,7 @@ def test_emulated_bf16_row_pass(emulated):
     for n in _ROW_LENGTHS:
         if n == 0:
             continue
-        n_pad = (n + 31) // 32 * 32
+        n_pad = _round_up(n, 32)
         x = _row_inputs(n, g) * 8  # scaled back by `scale`
         x_before = x.clone()
         dst = torch.full((n_pad + 3,), -1, dtype=torch.int16)
@@ -476,12 +475,10 @@ def _bf16_bits(x):
     return x.to(torch.bfloat16).contiguous().view(torch.int16)
 
 
-def _from_bits(bits):
-    return bits.view(torch.bfloat16).float()
-
-
-def _round_up(n, to):
-    return (n + to - 1) // to * to
+def _value_tiles(full):
+    """pack_values' layout of a zero-padded (round_up(n, 32), round_up(dv, 16)) block: per chunk
+    of 32 keys and block of 16 features, row t = key pair t of the 16 features."""
+    return full.view(-1, 16, 2, full.size(1) // 16, 16).permute(0, 3, 1, 4, 2).reshape(-1)
 
 
 def test_emulated_amx_packing_layouts(emulated):
@@ -501,21 +498,18 @@ def test_emulated_amx_packing_layouts(emulated):
             full[:n, :d] = bits[:, :d]
             ref = full.view(-1, 16, _round_up(d, 32) // 32, 16, 2).permute(0, 2, 3, 1, 4)
             assert torch.equal(kp, ref.reshape(-1)), f"pack_keys n={n} d={d}"
-            # pack_values: per chunk of 32 keys and block of 16 features, row t = key pair t of
-            # the 16 features.
+            # pack_values
             vp = torch.full((_round_up(n, 32) * _round_up(d, 16),), -1, dtype=torch.int16)
             emulated.amx_pack_values(_ptr(bits), _i(d + 5), _i(n), _i(d), _ptr(vp))
             full = torch.zeros(_round_up(n, 32), _round_up(d, 16), dtype=torch.int16)
             full[:n, :d] = bits[:, :d]
-            ref = full.view(-1, 16, 2, _round_up(d, 16) // 16, 16).permute(0, 3, 1, 4, 2)
-            assert torch.equal(vp, ref.reshape(-1)), f"pack_values n={n} d={d}"
+            assert torch.equal(vp, _value_tiles(full)), f"pack_values n={n} d={d}"
             # pack_row_pairs: pack_values' layout of bf16(src) for fp32 rows.
             rp = torch.full_like(vp, -1)
             emulated.amx_pack_row_pairs(_ptr(src), _i(d + 5), _i(n), _i(d), _ptr(rp))
             full = torch.zeros(_round_up(n, 32), _round_up(d, 16), dtype=torch.int16)
             full[:n, :d] = _bf16_bits(_bf16_round(src[:, :d]))
-            ref = full.view(-1, 16, 2, _round_up(d, 16) // 16, 16).permute(0, 3, 1, 4, 2)
-            assert torch.equal(rp, ref.reshape(-1)), f"pack_row_pairs n={n} d={d}"
+            assert torch.equal(rp, _value_tiles(full)), f"pack_row_pairs n={n} d={d}"
             # round_rows: bf16 rows padded with zeros to 32 columns and 16 rows.
             ldd = _round_up(d, 32) + 8
             rr = torch.full((_round_up(n, 16), ldd), -1, dtype=torch.int16)
@@ -549,8 +543,7 @@ _BF16_ROWS = (1, 5, 12, 13, 16, 17, 25, 31, 32, 33, 48, 70)
 def _assert_sum_close(got, terms_abs, exact, what):
     """fp32 sums of exact products: recursive summation of k terms errs by at most about
     k * 2^-24 times the sum of their magnitudes; a wrong operand errs by a whole term."""
-    k = terms_abs.shape[-1] if terms_abs.dim() else 1
-    bound = (k + 2) * 2.0**-24 * terms_abs.sum(-1) + 1e-30
+    bound = (terms_abs.shape[-1] + 2) * 2.0**-24 * terms_abs.sum(-1) + 1e-30
     err = (got.double() - exact).abs()
     assert (err <= bound).all(), f"{what}: max err / bound {(err / bound).max().item():.3g}"
 
@@ -561,7 +554,6 @@ def test_emulated_bf16_scores(emulated, kernels):
     products of the same bf16 values, over every micro-tile remainder, key counts ending mid
     tile and head dims ending mid pair and mid chunk; columns past n untouched. On AMX,
     scores_unscaled's whole tiles hold the same sums, bit for bit."""
-    import ctypes
 
     g = torch.Generator().manual_seed(8)
     scale = 0.37
@@ -586,7 +578,7 @@ def test_emulated_bf16_scores(emulated, kernels):
                     _ptr(kt),
                     _i(n),
                     _i(d),
-                    ctypes.c_float(scale),
+                    _f(scale),
                     _ptr(s),
                     _i(lds),
                 )

@@ -141,7 +141,8 @@ class Timing:
         return statistics.median(rs) if rs else None
 
 
-def _error_text(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
     first = str(e).splitlines()[0][:120] if str(e) else ""
     return f"{type(e).__name__}: {first}"
 
@@ -184,7 +185,7 @@ def time_interleaved(
                     timing.results[name] = result
                 del result
         except Exception as e:  # a candidate that cannot run this cell: reported, not fatal
-            timing.errors[name] = _error_text(e)
+            timing.errors[name] = error_text(e)
             continue
         counts[name] = (
             min_rounds
@@ -199,7 +200,7 @@ def time_interleaved(
             try:
                 times[name], _ = call_seconds(candidates[name], device, clock)
             except Exception as e:
-                timing.errors[name] = _error_text(e)
+                timing.errors[name] = error_text(e)
                 counts.pop(name)
         timing.rounds.append(times)
 
@@ -383,7 +384,7 @@ def environment(device, where: Optional[Path] = None) -> Dict[str, str]:
         ext = getattr(attn_ext, "__version__", "unknown")
         kernels = attn_ext._C.cpu_block_kernels()
     except Exception as e:  # the header still says what went wrong
-        ext, kernels = f"not importable ({_error_text(e)})", "-"
+        ext, kernels = f"not importable ({error_text(e)})", "-"
     cpu = f"{_cpu_model()}, {os.cpu_count()} cores"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return {
