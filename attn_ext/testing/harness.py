@@ -335,27 +335,33 @@ def child_main(args: argparse.Namespace, measure: Callable[[], dict]) -> int:
 # --------------------------------------------------------------------------- environment
 
 
-def _cpu_model() -> str:
+def _cpuinfo_field(name: str) -> Optional[str]:
+    """The first value of /proc/cpuinfo's field ``name``; None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD); empty where there is none. The
+    CPU block products auto takes without AMX follow it (csrc/attention/cpu/block_kernels.cpp)."""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def isa_flags() -> List[str]:
     """The flags of ISA_FLAGS this CPU reports (/proc/cpuinfo; none elsewhere): also what the
     tests of the CPU kernel sets skip on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(
-                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
-            )
-    except OSError:
-        return []
+    flags = (_cpuinfo_field("flags") or "").split()
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 

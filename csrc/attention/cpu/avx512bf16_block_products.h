@@ -2,8 +2,8 @@
 // The bf16 kernels' two block products on AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake
 // and Sapphire Rapids): scores = scale * Q K^T and O = O * factor + P V, each a chain of
 // _mm512_dpbf16_ps (vdpbf16ps: per fp32 lane, a pair of bf16 products added to the accumulator)
-// over feature or key pairs. The ATTN_EXT_CPU_KERNELS=avx512bf16 set; auto does not take it
-// until a Zen 4 measurement shows it faster than avx512 there (block_kernels.cpp says why).
+// over feature or key pairs. The ATTN_EXT_CPU_KERNELS=avx512bf16 set; auto takes it on AMD CPUs
+// with AVX512-BF16, and not on Intel ones (block_kernels.cpp says why).
 //
 // Operands: the AMX path's packed forms (amx_block_products.h), which this file reads one
 // 64-byte tile row at a time: a row of a key tile is one feature pair of 16 keys and a row of a

@@ -74,19 +74,21 @@ bool cpu_has_amx() {
 #endif
 }
 
-// auto takes AMX where the CPU and OS offer it, else AVX-512 where the CPU has it. The AVX-512
-// kernels are checked bit for bit against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check) and
-// through scalar stand-ins for their intrinsics (tests/test_cpu_kernels.py); avx2 is the fallback
-// to pin. The AMX and AVX512-BF16 bf16 kernels are checked against float64 and torch's bf16 flash
-// kernel where the CPU has them (tests/test_amx.py, tests/test_avx512bf16.py), and their products
-// and packing through the same stand-ins everywhere else (tests/test_cpu_kernels.py); AMX
-// ran 2.0-2.9x the AVX-512 bf16 forward and 1.6-2.4x its forward+backward on a Sapphire Rapids VM
-// (docs/performance.md, 2026-11-26), so it comes first where both run; avx512 pins the fp32-P
-// products. AVX512-BF16 (avx512bf16) runs only when pinned: it is meant for AMD Zen 4/5 (no AMX;
-// issue 27), where its speed is not measured yet, and on that Intel VM vdpbf16ps issued at a
-// quarter of the FMA's rate and the set ran the bf16 forward at 0.29x SDPA against avx512's 0.45x,
-// so auto would have made CPUs slower on no evidence; a Zen 4 measurement with it faster than
-// avx512 puts it between amx and avx512.
+// auto takes AMX where the CPU and OS offer it; else AVX512-BF16 on AMD CPUs that have it (Zen 4
+// and later); else AVX-512 where the CPU has it. The AVX-512 kernels are checked bit for bit
+// against AVX2 on Bochs's emulated Skylake-X (dev/avx512_check) and through scalar stand-ins for
+// their intrinsics (tests/test_cpu_kernels.py); avx2 is the fallback to pin. The AMX and
+// AVX512-BF16 bf16 kernels are checked against float64 and torch's bf16 flash kernel where the
+// CPU has them (tests/test_amx.py, tests/test_avx512bf16.py), and their products and packing
+// through the same stand-ins everywhere else (tests/test_cpu_kernels.py). Why this order, by
+// what each set ran (docs/performance.md):
+// - AMX ran 2.0-2.9x the AVX-512 bf16 forward and 1.6-2.4x its forward+backward on a Sapphire
+//   Rapids VM (2026-11-26), so it comes first where both run;
+// - on a Zen 5 VM (2026-11-29) vdpbf16ps issued at the FMA's rate, twice the multiply-adds, and
+//   avx512bf16 ran the bf16 forward 1.7-1.9x and forward+backward 1.6-1.8x faster than avx512;
+// - on that Sapphire Rapids core vdpbf16ps issued at a quarter of the FMA's rate and avx512bf16
+//   ran the bf16 forward at 0.29x SDPA against avx512's 0.45x, so Intel CPUs without usable AMX
+//   (Cooper Lake, or AMX withheld by the OS) keep avx512 until one measures otherwise.
 const BlockKernels* choose() {
   const char* env = std::getenv("ATTN_EXT_CPU_KERNELS");
   const std::string want = env && *env ? env : "auto";
@@ -115,6 +117,7 @@ const BlockKernels* choose() {
               "ATTN_EXT_CPU_KERNELS=avx512, but this CPU reports no AVX-512F");
 #if defined(ATTN_EXT_AVX512_PRODUCTS) && defined(ATTN_EXT_AMX_PRODUCTS)
   if (want == "auto" && cpu_has_amx()) return &kAmx;
+  if (want == "auto" && cpu_has_avx512bf16() && __builtin_cpu_is("amd")) return &kAvx512Bf16;
 #endif
 #ifdef ATTN_EXT_AVX512_PRODUCTS
   if (avx512) return &kAvx512;

@@ -41,8 +41,9 @@ struct BlockKernels {
 };
 
 // The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2,
-// avx512, avx512bf16 or amx pins the choice (auto or unset: the widest). Read on first use; a value
-// that is unknown or that this CPU cannot run raises then.
+// avx512, avx512bf16 or amx pins the choice (auto or unset: the fastest measured of those this CPU
+// runs, block_kernels.cpp). Read on first use; a value that is unknown or that this CPU cannot
+// run raises then.
 const BlockKernels& block_kernels();
 
 }  // namespace attn_ext::cpu
