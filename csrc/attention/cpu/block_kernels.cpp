@@ -85,7 +85,7 @@ bool cpu_has_amx() {
 // - AMX ran 2.0-2.9x the AVX-512 bf16 forward and 1.6-2.4x its forward+backward on a Sapphire
 //   Rapids VM (2026-11-26), so it comes first where both run;
 // - on a Zen 5 VM (2026-11-29) vdpbf16ps issued at the FMA's rate, twice the multiply-adds, and
-//   avx512bf16 ran the bf16 forward 1.7-1.9x and forward+backward 1.6-1.8x faster than avx512;
+//   avx512bf16 ran the bf16 forward 1.5-1.9x and forward+backward 1.5-1.8x faster than avx512;
 // - on that Sapphire Rapids core vdpbf16ps issued at a quarter of the FMA's rate and avx512bf16
 //   ran the bf16 forward at 0.29x SDPA against avx512's 0.45x, so Intel CPUs without usable AMX
 //   (Cooper Lake, or AMX withheld by the OS) keep avx512 until one measures otherwise.
