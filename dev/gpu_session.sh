@@ -20,9 +20,12 @@
 #           gated FoldScale, vs the older kernel: errors, bits, kernel names, timing against
 #           torch's flash backend), then the CUDA attention and varlen tests with
 #           ATTN_EXT_UNVERIFIED_CUDA=1
-# cute_bwd: issue 20's CuTe backward (after build): its tests with ATTN_EXT_UNVERIFIED_CUDA=1
-#           (cute_backward / deterministic / large_backward), racecheck over
-#           tools/sanitize_cuda.py, bench_attention_cuda bwd against torch's flash backend
+# cute_bwd: the CuTe backward's two-stage variant (ATTN_EXT_CUDA_BWD_KERNEL=cute_prefetch,
+#           compiled, never run; after build) with ATTN_EXT_UNVERIFIED_CUDA=1:
+#           dev/cute_bwd_check.py (dK / dV bits equal to the one-stage kernel's, dQ within
+#           rounding, kernel names, interleaved timing of both and torch's flash backend), its
+#           tests (cute_backward_prefetch, backward_kernel_choice), racecheck over
+#           tools/sanitize_cuda.py with the variant
 # hopper:   the sm_90a forward (ATTN_EXT_UNVERIFIED_CUDA=1 until it has run green; after build):
 #           dev/hopper_fwd_check.py (kernel, errors vs the CuTe kernel's, bits, timing vs CuTe and
 #           SDPA), the CUDA attention tests with the gate, compute-sanitizer on its small cases,
@@ -121,17 +124,16 @@ for phase in "$@"; do
       ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_tests 150 $PY -m pytest \
         tests/test_attention_cuda.py tests/test_varlen_cuda.py -q -n 14 -p no:cacheprovider -rfE
       grep -E "passed|failed" "$OUT/cute_tests.log" | tail -1 >> "$SUMMARY" ;;
-    cute_bwd)  # issue 20's CuTe backward (compiled, never run; after build)
+    cute_bwd)  # the two-stage CuTe backward (compiled, never run; after build)
+      ATTN_EXT_UNVERIFIED_CUDA=1 step cute_bwd_check 200 $PY dev/cute_bwd_check.py
+      grep -E "FAIL|NOT BOTH|CUTE BWD CHECK" "$OUT/cute_bwd_check.log" | head -20 >> "$SUMMARY"
       ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step cute_bwd_tests 150 $PY -m pytest tests/test_attention_cuda.py \
-        -q -n 14 -p no:cacheprovider -rfE -k "cute_backward or deterministic or large_backward"
+        -q -n 14 -p no:cacheprovider -rfE -k "cute_backward or backward_kernel_choice or deterministic or large_backward"
       grep -E "passed|failed" "$OUT/cute_bwd_tests.log" | tail -1 >> "$SUMMARY"
-      ATTN_EXT_UNVERIFIED_CUDA=1 step cute_bwd_racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 $PY tools/sanitize_cuda.py
+      ATTN_EXT_UNVERIFIED_CUDA=1 ATTN_EXT_CUDA_BWD_KERNEL=cute_prefetch step cute_bwd_racecheck 120 \
+        compute-sanitizer --tool racecheck --error-exitcode 9 $PY tools/sanitize_cuda.py
       grep -E "SUMMARY|NON-FINITE" "$OUT/cute_bwd_racecheck.log" | head -3 >> "$SUMMARY"
-      ATTN_EXT_UNVERIFIED_CUDA=1 step cute_bwd_bench 120 $PY benchmarks/bench_attention_cuda.py --passes bwd --head-dims 64 128 \
-        --candidates attn_ext sdpa_flash --out "$OUT/cute_bwd_results"
-      grep -A8 "geo-mean" "$OUT/cute_bwd_results"/*.md 2>/dev/null | head -12 >> "$SUMMARY"
-      cat "$OUT"/cute_bwd_*.log > "$OUT/cute_bwd.log"; rm -f "$OUT"/cute_bwd_*.log
-      [ -d "$OUT/cute_bwd_results" ] && tar czf "$OUT/cute_bwd_results.tgz" -C "$OUT" cute_bwd_results && rm -rf "$OUT/cute_bwd_results" ;;
+      cat "$OUT"/cute_bwd_*.log > "$OUT/cute_bwd.log"; rm -f "$OUT"/cute_bwd_*.log ;;
     hopper)  # after build; in priority order, so that what the deadline cuts is the least needed
       step hopper_check 150 $PY dev/hopper_fwd_check.py
       grep -E "FAIL|NOT HOPPER|HOPPER CHECK" "$OUT/hopper_check.log" | head -20 >> "$SUMMARY"

@@ -13,7 +13,8 @@
 //   5. the score accumulator read as the P V product's A operand (acc_as_a) holds, element
 //      for element, the (row, key) the MMA's A partition expects (P never leaves registers);
 //   6. the output staging copy (registers -> shared) covers the output tile exactly once.
-// The backward's traits (BwdCuteTraits, flash_bwd_cute.cuh), per instantiation: the budget; the
+// The backward's traits (BwdCuteTraits, flash_bwd_cute.cuh), per instantiation (one and two query
+// stages): the budget and the stage size; the
 // Q/dO, K/V and P/dS layouts bijective and their transposed views reading the same bytes; the
 // global copies covering the Q and K/V tiles once; the three MMAs' accumulators (S and dP,
 // dK and dV, dQ) and the P/dS staging copy covering their tiles once.
@@ -171,11 +172,14 @@ bool mma_covers(Mma const& mma, int threads, int rows, int cols, Shape2 shape) {
   });
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kQStages>
 void check_bwd(const char* name) {
-  using Tr = attn_ext::cuda::BwdCuteTraits<T, kHeadDim>;
+  using Tr = attn_ext::cuda::BwdCuteTraits<T, kHeadDim, kQStages>;
   constexpr int M = Tr::kBlockM, N = Tr::kBlockN, D = Tr::kHeadDim, kThreads = Tr::kThreads;
   CHECK(Tr::kSmemBytes <= 163 * 1024, "%s: %zu bytes of shared memory", name, Tr::kSmemBytes);
+  // A second query stage starts a whole Q tile further on: 128-byte aligned, so its cp.async /
+  // ldmatrix addresses stay 16-byte aligned and its banks fall as stage 0's.
+  CHECK(Tr::kSmemQ % 128 == 0, "%s: a Q stage of %zu bytes", name, Tr::kSmemQ);
   CHECK(bijective(typename Tr::SmemLayoutQ{}), "%s: Q layout", name);
   CHECK(bijective(typename Tr::SmemLayoutKV{}), "%s: K/V layout", name);
   CHECK(bijective(typename Tr::SmemLayoutPdS{}), "%s: P/dS layout", name);
@@ -311,9 +315,11 @@ int main() {
   check<__half, 64>("f16 d64");
   check<__half, 128>("f16 d128");
   check<__half, 256>("f16 d256");
-  check_bwd<__nv_bfloat16, 64>("bf16 d64");
-  check_bwd<__nv_bfloat16, 128>("bf16 d128");
-  check_bwd<__half, 128>("f16 d128");
+  check_bwd<__nv_bfloat16, 64, 1>("bf16 d64");
+  check_bwd<__nv_bfloat16, 128, 1>("bf16 d128");
+  check_bwd<__half, 128, 1>("f16 d128");
+  check_bwd<__nv_bfloat16, 64, 2>("bf16 d64, two query stages");
+  check_bwd<__nv_bfloat16, 128, 2>("bf16 d128, two query stages");
   check_hopper<__nv_bfloat16, 64>("bf16 d64");
   check_hopper<__nv_bfloat16, 128>("bf16 d128");
   check_hopper<__nv_bfloat16, 256>("bf16 d256");

@@ -352,6 +352,56 @@ def test_cute_backward(dtype, case):
     check_grads(q, k, v, **kw)
 
 
+# The two-stage kernel's loop alternates stages over many query blocks: 16 of them here.
+PREFETCH_CASES = CUTE_BWD_CASES + [(1, 2, 1, 1000, 700, 128, dict(causal=True))]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=str)
+def test_cute_backward_prefetch(dtype, case, monkeypatch):
+    """The CuTe backward with two query stages (ATTN_EXT_CUDA_BWD_KERNEL=cute_prefetch: the next
+    query block's Q / dO load while this block's products run; compiled, not yet run on a GPU,
+    so opted in here) by the one-stage kernel's rule."""
+    monkeypatch.setenv("ATTN_EXT_CUDA_BWD_KERNEL", "cute_prefetch")
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    B, H, Hkv, Sq, Sk, D, kw = case
+    q, k, v = make_qkv(B, H, Hkv, Sq, Sk, D, dtype=dtype, device=DEV)
+    check_grads(q, k, v, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_backward_kernel_choice(monkeypatch):
+    """ATTN_EXT_CUDA_BWD_KERNEL: unset or cute runs the one-stage CuTe backward, cute_prefetch
+    the two-stage one (only with ATTN_EXT_UNVERIFIED_CUDA=1 until it has run on a GPU), generic
+    the generic kernel (the profiler says which); other values are clear errors."""
+    q, k, v = make_qkv(1, 2, 2, 200, 300, 128, dtype=torch.bfloat16, device=DEV)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attn_ext.attention(q, k, v, causal=True)
+    g = torch.randn_like(out)
+
+    def backward_kernels():
+        names = cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
+        return [n for n in names if "flash_bwd" in n and "preprocess" not in n]
+
+    monkeypatch.delenv("ATTN_EXT_UNVERIFIED_CUDA", raising=False)
+    for value, expected in ((None, "128, 1>"), ("cute", "128, 1>"), ("generic", "flash_bwd_dq")):
+        if value is None:
+            monkeypatch.delenv("ATTN_EXT_CUDA_BWD_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("ATTN_EXT_CUDA_BWD_KERNEL", value)
+        names = backward_kernels()
+        assert any(expected in n for n in names), (value, names)
+    monkeypatch.setenv("ATTN_EXT_CUDA_BWD_KERNEL", "cute_prefetch")
+    with pytest.raises(RuntimeError, match="has not yet run on a GPU"):
+        torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    monkeypatch.setenv("ATTN_EXT_UNVERIFIED_CUDA", "1")
+    names = backward_kernels()
+    assert any("128, 2>" in n for n in names), names
+    monkeypatch.setenv("ATTN_EXT_CUDA_BWD_KERNEL", "flash2")
+    with pytest.raises(RuntimeError, match="expected 'cute', 'cute_prefetch' or 'generic'"):
+        torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+
 # (B, H, Hkv, Sq, Sk, D, options): the CuTe and Hopper forwards' inputs (D == Dv in 64 / 128 /
 # 256) at their block edges (128 query rows; 64 or 128 keys), odd lengths, one row or one key,
 # GQA / MQA, causal with Sq != Sk both ways (bottom-right), windows

@@ -81,12 +81,17 @@ def hopper_fwd(t: str, hd: int) -> str:
 
 
 def cute_bwd(t: str, hd: int) -> str:
+    # query stages: 1 (the default), 2 (prefetching the next query block; opt-in until run)
     return _instantiation(
         "flash_bwd_cute.cuh",
         [
-            f"template cudaError_t run_bwd_cute<{t}, {hd}>(const AttentionBwdParams&,",
-            "                                             BwdWorkspace, cudaStream_t);",
-            f"template size_t bwd_cute_smem_bytes<{t}, {hd}>();",
+            line
+            for stages in (1, 2)
+            for line in (
+                f"template cudaError_t run_bwd_cute<{t}, {hd}, {stages}>(",
+                "    const AttentionBwdParams&, BwdWorkspace, cudaStream_t);",
+                f"template size_t bwd_cute_smem_bytes<{t}, {hd}, {stages}>();",
+            )
         ],
     )
 

@@ -19,6 +19,7 @@
 #include "attention/cuda/attention_launch.h"
 #include "common/constants.h"
 #include "common/cuda/sm_count.h"
+#include "common/cuda/unverified.h"
 
 namespace attn_ext::cuda {
 namespace {
@@ -68,12 +69,34 @@ FwdKernel requested_fwd_kernel(const char* op) {
   return FwdKernel::kHopper;
 }
 
-// The CuTe backward (flash/flash_bwd_cute.cuh; ran green on an H100 2026-11-27: its tests and
-// racecheck; bf16 52-177 TFLOP/s, where the generic kernel measured 2.9 on 2026-11-23). Its dQ
-// sums are ordered by atomics, so under torch.use_deterministic_algorithms the generic
-// (deterministic) kernel runs instead.
-bool cute_backward_enabled() {
-  return !at::globalContext().deterministicAlgorithms();
+// The backward kernel, from ATTN_EXT_CUDA_BWD_KERNEL (read at each call):
+//   (unset), cute  the CuTe backward (flash/flash_bwd_cute.cuh; ran green on an H100 2026-11-27:
+//                  its tests and racecheck; bf16 52-177 TFLOP/s, where the generic kernel
+//                  measured 2.9 on 2026-11-23) with one query stage;
+//   cute_prefetch  the same with two query stages, the next query block's Q and dO loading while
+//                  this one's products run (FlashAttention-2's prefetch): compiled, not yet run on
+//                  a GPU, so it needs ATTN_EXT_UNVERIFIED_CUDA=1;
+//   generic        the generic kernel, for comparisons.
+// The CuTe kernels' dQ sums are ordered by atomics, so under torch.use_deterministic_algorithms
+// the generic (deterministic) kernel runs whatever the variable says.
+BwdKernel requested_bwd_kernel(const char* op) {
+  const char* v = std::getenv("ATTN_EXT_CUDA_BWD_KERNEL");
+  BwdKernel kernel = BwdKernel::kCute;
+  if (v != nullptr && std::strcmp(v, "") != 0 && std::strcmp(v, "cute") != 0) {
+    if (std::strcmp(v, "cute_prefetch") == 0) {
+      require_verified_or_opt_in(op,
+                                 "ATTN_EXT_CUDA_BWD_KERNEL=cute_prefetch (the CuTe backward "
+                                 "with two query stages)");
+      kernel = BwdKernel::kCutePrefetch;
+    } else {
+      TORCH_CHECK(std::strcmp(v, "generic") == 0,
+                  "ATTN_EXT_CUDA_BWD_KERNEL: expected 'cute', 'cute_prefetch' or 'generic' "
+                  "(unset: 'cute'), got '",
+                  v, "'");
+      kernel = BwdKernel::kGeneric;
+    }
+  }
+  return at::globalContext().deterministicAlgorithms() ? BwdKernel::kGeneric : kernel;
 }
 
 std::tuple<at::Tensor, at::Tensor> run_fwd(const char* op, PreparedInputs& in) {
@@ -113,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_bwd(
     // delta, lse2 and lse2_lo of every row (indexed as lse), in the compute type
     at::Tensor ws = at::empty({3, rows}, g.dq.options());
     const BwdWorkspace w{ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr()};
-    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, cute_backward_enabled(), max_smem,
+    C10_CUDA_CHECK(launch_attention_bwd(p, kind, w, requested_bwd_kernel(op), max_smem,
                                         c10::cuda::getCurrentCUDAStream()));
     if (p.sinks != nullptr) g.dsinks.copy_(sink_grads(p, ws, in.in.sinks));
   }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <type_traits>
 #include "attention/cuda/attention_launch.h"
 #include "attention/cuda/flash/launch_templates.h"
@@ -256,31 +257,42 @@ cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, FwdKer
   });
 }
 
+// The CuTe backward with kQStages query stages where it serves the inputs and its tiles fit
+// max_smem; nullopt where not.
+template <typename T, int kQStages>
+std::optional<cudaError_t> try_bwd_cute(const AttentionBwdParams& p, BwdWorkspace ws,
+                                        size_t max_smem, cudaStream_t stream) {
+  constexpr bool kBuilt = kCuteBuilt && kBackwardBuilt;
+  const int idx = cute_bwd_index<T>(p);
+  const size_t smem = visit_head_dim<T, kBuilt>(
+      idx,
+      [](auto hd) {
+        if constexpr (cute_bwd_head_dim(hd.value))
+          return bwd_cute_smem_bytes<T, hd.value, kQStages>();
+        return size_t(0);
+      },
+      size_t(0));
+  if (idx < 0 || smem > max_smem) return std::nullopt;
+  return visit_head_dim<T, kBuilt>(
+      idx,
+      [&](auto hd) {
+        if constexpr (cute_bwd_head_dim(hd.value)) {
+          return run_bwd_cute<T, hd.value, kQStages>(p, ws, stream);
+        }
+        return cudaErrorInvalidValue;
+      },
+      cudaErrorInvalidValue);
+}
+
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 bool cute, size_t max_smem, cudaStream_t stream) {
+                                 BwdKernel kernel, size_t max_smem, cudaStream_t stream) {
   return dispatch_elem(kind, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (cute) {
-      constexpr bool kBuilt = kCuteBuilt && kBackwardBuilt;
-      const int idx = cute_bwd_index<T>(p);
-      const size_t smem = visit_head_dim<T, kBuilt>(
-          idx,
-          [](auto hd) {
-            if constexpr (cute_bwd_head_dim(hd.value)) return bwd_cute_smem_bytes<T, hd.value>();
-            return size_t(0);
-          },
-          size_t(0));
-      if (idx >= 0 && smem <= max_smem) {
-        return visit_head_dim<T, kBuilt>(
-            idx,
-            [&](auto hd) {
-              if constexpr (cute_bwd_head_dim(hd.value)) {
-                return run_bwd_cute<T, hd.value>(p, ws, stream);
-              }
-              return cudaErrorInvalidValue;
-            },
-            cudaErrorInvalidValue);
-      }
+    if (kernel == BwdKernel::kCutePrefetch) {
+      if (auto e = try_bwd_cute<T, 2>(p, ws, max_smem, stream)) return *e;
+    }
+    if (kernel != BwdKernel::kGeneric) {
+      if (auto e = try_bwd_cute<T, 1>(p, ws, max_smem, stream)) return *e;
     }
     if constexpr (dtype_built<T>() && kBackwardBuilt) {
       return run_bwd_generic<T>(p, ws, stream);

@@ -47,11 +47,20 @@ enum class FwdKernel {
 // the generic kernel otherwise.
 cudaError_t launch_attention_fwd(const AttentionParams& p, ElemKind kind, FwdKernel kernel,
                                  size_t max_smem, cudaStream_t stream);
+// The backward kernel a call asks for (attention_cuda.cpp reads ATTN_EXT_CUDA_BWD_KERNEL and
+// torch's deterministic flag).
+enum class BwdKernel {
+  kGeneric,      // the generic kernel: deterministic (dQ summed in a fixed order)
+  kCute,         // the CuTe tensor-core kernel, one query stage (the default)
+  kCutePrefetch  // the same with two query stages (the caller checked the opt-in)
+};
+
 // The backward into zeroed acc_t buffers dq (B, H, Sq, D), dk (B, H, Sk, D), dv (B, H, Sk, Dv)
 // (per query head; varlen: token-major (total, H, *), AttentionBwdParams::acc_row). With
-// `cute`, the CuTe tensor-core kernel where it serves the inputs and its tiles fit `max_smem`
-// (dQ summed by atomics: not deterministic); else the generic kernel, deterministic.
+// kCute / kCutePrefetch, the CuTe tensor-core kernel where it serves the inputs and its tiles
+// fit `max_smem` (dQ summed by atomics: not deterministic; kCutePrefetch falls back to one
+// query stage where two do not fit); else the generic kernel, deterministic.
 cudaError_t launch_attention_bwd(const AttentionBwdParams& p, ElemKind kind, BwdWorkspace ws,
-                                 bool cute, size_t max_smem, cudaStream_t stream);
+                                 BwdKernel kernel, size_t max_smem, cudaStream_t stream);
 
 }  // namespace attn_ext::cuda

@@ -138,10 +138,14 @@ struct FwdCuteTraits {
 // algorithm: one block per (b, query head, key block) accumulates dK and dV in registers over
 // the query blocks that see its keys, and adds each query block's dQ share to an fp32 buffer
 // with atomics.
-template <typename T, int kHeadDim_>
+template <typename T, int kHeadDim_, int kQStages_>
 struct BwdCuteTraits {
   using Elem = typename CuteElem<T>::type;
   static constexpr int kHeadDim = kHeadDim_;  // D == Dv == kHeadDim (attention_launch.cu)
+  // Shared-memory stages of the query block's Q and dO: 1 loads each block's tiles when the
+  // block starts (the shipped default), 2 loads the next block's while this one's products run.
+  static constexpr int kQStages = kQStages_;
+  static_assert(kQStages == 1 || kQStages == 2, "one query block in flight at most");
   // 128 keys per block, 64 query rows per step, 8 warps: dK and dV of 128 keys stay in
   // registers for the whole loop (2 * 128 * D / 256 fp32 per thread: 128 at D = 128), beside
   // the 64 x 128 score and dP fragments (32 each).
@@ -200,8 +204,8 @@ struct BwdCuteTraits {
   static constexpr size_t kSmemQ = cute::cosize_v<SmemLayoutQ> * sizeof(Elem);
   static constexpr size_t kSmemKV = cute::cosize_v<SmemLayoutKV> * sizeof(Elem);
   static constexpr size_t kSmemPdS = cute::cosize_v<SmemLayoutPdS> * sizeof(Elem);
-  // Q, dO, K, V, P, dS: 128 KB at D = 128.
-  static constexpr size_t kSmemBytes = 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemPdS;
+  // Q and dO per stage, K, V, P, dS: 128 KB at D = 128 with one query stage, 160 KB with two.
+  static constexpr size_t kSmemBytes = kQStages * 2 * kSmemQ + 2 * kSmemKV + 2 * kSmemPdS;
 
   static_assert(kBlockM % (kThreads / kThreadsPerRow) == 0 &&
                     kBlockN % (kThreads / kThreadsPerRow) == 0,

@@ -8,7 +8,9 @@
 //               log2-domain lse as hi + lo;
 //   prologue    this block's K and V tiles (key block n of (b, query head h));
 //   main loop   over the query blocks whose rows see any of the keys, per block:
-//                 Q and dO tiles in (cp.async), S = Q K^T and dP = dO V^T (mma, fp32),
+//                 Q and dO tiles in (cp.async; with two query stages the next block's tiles
+//                 load while this block's products run, FlashAttention-2's prefetch),
+//                 S = Q K^T and dP = dO V^T (mma, fp32),
 //                 P = exp2(S * scale log2(e) - lse2) (masked where the band, the key range or
 //                 the row range cuts the tile), dS = P (dP - delta);
 //                 P and dS to shared memory (16 bits), then dV += P^T dO and dK += dS^T Q
@@ -16,8 +18,10 @@
 //                 dQ buffer with atomics;
 //   epilogue    dK * scale and dV to the per-query-head fp32 buffers (the op sums each GQA
 //               group and converts).
-// The bf16 / fp16 backward by default since it ran green on an H100 (2026-11-27); under
-// torch.use_deterministic_algorithms the generic kernel runs (dQ's atomics are unordered).
+// The bf16 / fp16 backward by default since it ran green on an H100 (2026-11-27), with one query
+// stage; under torch.use_deterministic_algorithms the generic kernel runs (dQ's atomics are
+// unordered). Two query stages (Tr::kQStages) only when asked for and opted in
+// (ATTN_EXT_CUDA_BWD_KERNEL=cute_prefetch, attention_cuda.cpp): compiled, not yet run on a GPU.
 #include <cstdint>
 #include <cutlass/numeric_conversion.h>
 #include "common/constants.h"
@@ -125,10 +129,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor gV = make_tensor(make_gmem_ptr(v_ptr), TileKV{}, make_stride(p.v_row_stride, _1{}));
 
   // ---- shared tiles and their transposed views
+  // Q's stages, then dO's, then K, V, P, dS; the views below are of stage 0 (staged() moves
+  // them to another)
+  constexpr int kQStages = Tr::kQStages;
+  constexpr int kStageElems = cosize_v<typename Tr::SmemLayoutQ>;
   Elem* smem = reinterpret_cast<Elem*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + size(sQ), typename Tr::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Tr::SmemLayoutKV{});
+  Tensor sdO = make_tensor(sQ.data() + kQStages * kStageElems, typename Tr::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + kQStages * kStageElems, typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Tr::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + size(sV), typename Tr::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + size(sP), typename Tr::SmemLayoutPdS{});
@@ -203,31 +211,59 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto smem_copy_pds = make_tiled_copy_C(typename Tr::SmemCopyAtomPdS{}, mma_sdp);
   auto pds_thr = smem_copy_pds.get_thread_slice(tid);
 
-  // ---- prologue: this block's keys and values
+  // A view of Q or dO (or a partition of one) moved to query stage st. A stage is a whole
+  // number of swizzle periods, so its bytes are laid out (and bank-conflict free) as stage 0's.
+  const auto staged = [](auto view, int st) {
+    view.data() = view.data() + st * kStageElems;
+    return view;
+  };
+  // Query block mb's Q and dO rows into stage st (cp.async; rows past seqlen_q zeroed).
+  const auto load_q_do = [&](int64_t mb, int st) {
+    const int64_t rows = p.seqlen_q - mb * kBlockM;
+    auto q_dst = staged(tQsQ, st);
+    auto do_dst = staged(tdOsdO, st);
+    copy_rows(gmem_copy, tQgQ(_, _, _, mb), q_dst, tQcQ, rows);
+    copy_rows(gmem_copy, tdOgdO(_, _, _, mb), do_dst, tQcQ, rows);
+  };
+
+  // ---- prologue: this block's keys and values (and with two stages the first query block)
+  const int64_t mb_begin = bi.r_begin / kBlockM;
+  const int64_t mb_end = bi.r_end > bi.r_begin ? ceil_div(bi.r_end, kBlockM) : mb_begin;
   Tensor tKsK = gthr.partition_D(sK);
   Tensor tVsV = gthr.partition_D(sV);
   copy_rows(gmem_copy, gthr.partition_S(gK), tKsK, tKcK, bi.keys);
   copy_rows(gmem_copy, gthr.partition_S(gV), tVsV, tKcK, bi.keys);
+  if constexpr (kQStages == 2) {
+    if (mb_begin < mb_end) load_q_do(mb_begin, 0);
+  }
   cp_async_fence();
 
   // ---- main loop over the query blocks that see these keys
-  const int64_t mb_begin = bi.r_begin / kBlockM;
-  const int64_t mb_end = bi.r_end > bi.r_begin ? ceil_div(bi.r_end, kBlockM) : mb_begin;
   for (int64_t mb = mb_begin; mb < mb_end; ++mb) {
     const int64_t m0 = mb * kBlockM;
-    __syncthreads();  // every warp is done with the previous block's Q, dO, P and dS
-    copy_rows(gmem_copy, tQgQ(_, _, _, mb), tQsQ, tQcQ, p.seqlen_q - m0);
-    copy_rows(gmem_copy, tdOgdO(_, _, _, mb), tdOsdO, tQcQ, p.seqlen_q - m0);
-    cp_async_fence();
+    const int st = kQStages == 2 ? static_cast<int>((mb - mb_begin) & 1) : 0;
+    if constexpr (kQStages == 1) {
+      __syncthreads();  // every warp is done with the previous block's Q, dO, P and dS
+      load_q_do(mb, 0);
+      cp_async_fence();
+    }
     cp_async_wait<0>();
+    // This block's Q and dO have landed, and every warp is done with the previous block's
+    // tiles: its P and dS, and with two stages its Q and dO, whose stage the next copy reuses.
     __syncthreads();
+    if constexpr (kQStages == 2) {
+      if (mb + 1 < mb_end) {
+        load_q_do(mb + 1, st ^ 1);
+        cp_async_fence();
+      }
+    }
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_s);
     clear(acc_dp);
-    gemm_ss(mma_sdp, acc_s, rQ, rK, tSsQ, tSsK, cp_sdp_a, cp_sdp_b);
-    gemm_ss(mma_sdp, acc_dp, rdO, rV, tPsdO, tPsV, cp_sdp_a, cp_sdp_b);
+    gemm_ss(mma_sdp, acc_s, rQ, rK, staged(tSsQ, st), tSsK, cp_sdp_a, cp_sdp_b);
+    gemm_ss(mma_sdp, acc_dp, rdO, rV, staged(tPsdO, st), tPsV, cp_sdp_a, cp_sdp_b);
 
     // P and dS in registers, rows x cols
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
@@ -254,8 +290,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
          pds_thr.partition_D(sdS));
     __syncthreads();
 
-    gemm_ss(mma_kv, acc_dv, rPt, rdOt, tVsPt, tVsdOt, cp_kv_a, cp_kv_b);
-    gemm_ss(mma_kv, acc_dk, rdSt, rQt, tKsdSt, tKsQt, cp_kv_a, cp_kv_b);
+    gemm_ss(mma_kv, acc_dv, rPt, rdOt, tVsPt, staged(tVsdOt, st), cp_kv_a, cp_kv_b);
+    gemm_ss(mma_kv, acc_dk, rdSt, rQt, tKsdSt, staged(tKsQt, st), cp_kv_a, cp_kv_b);
 
     // dQ share of these keys: dQ += scale dS K, added with atomics (blocks of other keys add
     // to the same rows)
@@ -290,14 +326,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kQStages>
 size_t bwd_cute_smem_bytes() {
-  return BwdCuteTraits<T, kHeadDim>::kSmemBytes;
+  return BwdCuteTraits<T, kHeadDim, kQStages>::kSmemBytes;
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kQStages>
 cudaError_t run_bwd_cute(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream) {
-  using Tr = BwdCuteTraits<T, kHeadDim>;
+  using Tr = BwdCuteTraits<T, kHeadDim, kQStages>;
   if (p.batch * p.heads * p.seqlen_q == 0 || p.seqlen_k == 0) return cudaSuccess;
   cudaError_t e = launch_bwd_preprocess<T, false>(p, ws, stream);
   if (e != cudaSuccess) return e;

@@ -38,11 +38,13 @@ template <typename T, int kHeadDim>
 cudaError_t run_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
 
 // CuTe tensor-core backward (bf16 / fp16): the CuTe forward's inputs at the head dims of
-// kernel_set::kCuteBwdHeadDims; dQ's sums ordered by atomics (flash_bwd_cute.cuh).
-template <typename T, int kHeadDim>
+// kernel_set::kCuteBwdHeadDims; dQ's sums ordered by atomics (flash_bwd_cute.cuh). kQStages:
+// the query tiles' shared-memory stages, 1 or 2 (2 prefetches the next query block).
+template <typename T, int kHeadDim, int kQStages>
 cudaError_t run_bwd_cute(const AttentionBwdParams& p, BwdWorkspace ws, cudaStream_t stream);
-// Its dynamic shared memory (128 KiB at D = 128: over the limit of sm_86 / sm_89 / sm_120).
-template <typename T, int kHeadDim>
+// Its dynamic shared memory (at D = 128, 128 KiB with one query stage and 160 KiB with two:
+// over the limit of sm_86 / sm_89 / sm_120).
+template <typename T, int kHeadDim, int kQStages>
 size_t bwd_cute_smem_bytes();
 
 // Generic (SIMT) forward: any dtype and head dims, exact accumulation in acc_t.

@@ -3,7 +3,10 @@
 #include "attention/cuda/flash/flash_bwd_cute.cuh"
 
 namespace attn_ext::cuda {
-template cudaError_t run_bwd_cute<__half, 128>(const AttentionBwdParams&,
-                                             BwdWorkspace, cudaStream_t);
-template size_t bwd_cute_smem_bytes<__half, 128>();
+template cudaError_t run_bwd_cute<__half, 128, 1>(
+    const AttentionBwdParams&, BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__half, 128, 1>();
+template cudaError_t run_bwd_cute<__half, 128, 2>(
+    const AttentionBwdParams&, BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__half, 128, 2>();
 }  // namespace attn_ext::cuda

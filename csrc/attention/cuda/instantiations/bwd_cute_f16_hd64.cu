@@ -3,7 +3,10 @@
 #include "attention/cuda/flash/flash_bwd_cute.cuh"
 
 namespace attn_ext::cuda {
-template cudaError_t run_bwd_cute<__half, 64>(const AttentionBwdParams&,
-                                             BwdWorkspace, cudaStream_t);
-template size_t bwd_cute_smem_bytes<__half, 64>();
+template cudaError_t run_bwd_cute<__half, 64, 1>(
+    const AttentionBwdParams&, BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__half, 64, 1>();
+template cudaError_t run_bwd_cute<__half, 64, 2>(
+    const AttentionBwdParams&, BwdWorkspace, cudaStream_t);
+template size_t bwd_cute_smem_bytes<__half, 64, 2>();
 }  // namespace attn_ext::cuda
