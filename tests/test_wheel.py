@@ -74,6 +74,9 @@ def test_wheel_installs_into_fresh_venv(tmp_path, setup_py):
         check=True,
     )
     py = venv / "bin" / "python"
+    # Without the caller's PYTHONPATH: a source tree on it would make pip see attn_ext as
+    # installed already (and skip the wheel), and the probe import it from there.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run(
         [
             sys.executable,
@@ -90,10 +93,10 @@ def test_wheel_installs_into_fresh_venv(tmp_path, setup_py):
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [str(py), "-c", _PROBE], cwd=outside, env=env, capture_output=True, text=True, check=False
     )
