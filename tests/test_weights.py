@@ -4,7 +4,12 @@ import pytest
 import torch
 
 import attn_ext
-from attn_ext.testing.attention import attention_weights_reference, expand_kv_heads, window_keep
+from attn_ext.testing.attention import (
+    attention_weights_reference,
+    expand_kv_heads,
+    logit_rounding_floor,
+    window_keep,
+)
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
@@ -161,3 +166,21 @@ def test_weights_gradcheck(device, case):
         return attn_ext.attention_weights(q, k, **c)
 
     assert torch.autograd.gradcheck(fn, (q, k), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_weights_large_logits_fuzz_regression():
+    """tests/test_fuzz.py --fuzz (2026-11-29): float32, explicit scale 2.5 at D 61, logits ~18 in
+    log2 units. The kernel's probabilities were 8 float32 ulps off (7.2e-7), over the plain
+    rule's 4 while the reference was exact by luck: the logits' own rounding, which
+    logit_rounding_floor bounds. The kernel stays within that floor, and the floor stays far
+    below what a wrong mask or scale would give."""
+    torch.manual_seed(925)
+    q = rand((2, 3, 34, 61), torch.float32, "cpu", "bshd")
+    k = rand((2, 1, 3, 61), torch.float32, "cpu", "bshd")
+    kw = dict(window_size=(-1, 1), scale=2.5)
+    w = attn_ext.attention_weights(q, k, **kw)
+    floor = logit_rounding_floor(q, k, torch.float32, **kw)
+    assert floor < 1e-4
+    truth = ground_truth(lambda a, b: attention_weights_reference(a, b, **kw), q, k)
+    ref = attention_weights_reference(q, k, **kw)
+    assert_error_rule(w, ref, truth, name="weights", slack_ulps=4.0, floor=floor)

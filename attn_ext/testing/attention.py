@@ -261,6 +261,62 @@ def attention_weights_reference(q, k, **kw):
     return attention_reference(q, k, v, return_probs=True, **kw)[1]
 
 
+def _f64(x):
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float = 1.0, **kw):
+    """An absolute floor for the error of attention probabilities computed at ``dtype`` from
+    fp32 logits: ``ulps`` times the largest change of a probability when each logit moves by one
+    rounding unit of the sum of its terms (eps * scale * log2(e) * sum_d |q_d k_d|, plus the
+    additive mask's value). A kernel sums each logit's D products in fp32 and scales it into the
+    log2 domain, so its logits carry that rounding whatever the order; the plain reference can
+    be exact by luck. The probabilities' derivative gives the bound:
+    |dP_ij| <= ln 2 * P_ij * (e_ij + sum_k P_ik e_ik) for logit errors e. Large logits (an explicit
+    scale of 2.5, D 61: 8 float32 ulps of P, found by tests/test_fuzz.py's --fuzz) are where it
+    exceeds a few ulps of P. q (B, H, Sq, D) or (B, Sq, D), k with Hkv heads; the options of
+    attention_weights_reference."""
+    q64, k64 = _f64(q), _f64(k)
+    if q64.dim() == 3:
+        q64, k64 = q64.unsqueeze(1), k64.unsqueeze(1)
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+    mask = _f64(attn_mask)
+    probs = attention_weights_reference(q64, k64, scale=scale, attn_mask=mask, **kw)
+    sc = scale if scale is not None else default_scale(q64.shape[-1])
+    terms = q64.abs() @ expand_kv_heads(k64, q64.shape[1]).abs().transpose(-1, -2)
+    mag = sc * terms
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        mag = mag + mask.abs().nan_to_num(0.0, posinf=0.0)
+    err = torch.finfo(dtype).eps * math.log2(math.e) * mag.masked_fill(probs == 0, 0.0)
+    bound = math.log(2) * probs * (err + (probs * err).sum(-1, keepdim=True))
+    return ulps * bound.max().item() if bound.numel() else 0.0
+
+
+def stored_output_grad_floors(q, k, out, out_true, grad_out, *, scale=None, **kw):
+    """The part of dq and dk that comes from the stored output's rounding, bounded per element:
+    (bound of dq (B, H, Sq, D), bound of dk (B, Hkv, Sk, D)).
+
+    FlashAttention's backward, ours and torch's take delta = rowsum(dO * O) from the output O as
+    stored (bf16 / fp16 rounded), so dS = P (dP - delta) carries -P_ij d_i with
+    d_i = rowsum(dO * (O_stored - O)), which autograd through the plain reference does not: in a
+    row that sees one key P is 1, the true dS exactly 0, and the reference's dq exactly 0 (21 bf16
+    ulps of dq at Dv 29 with dropout, found by tests/test_fuzz.py's --fuzz). Then
+    |ddq_i| <= scale |d_i| sum_j P_ij |k_j| and |ddk_j| <= scale sum_i P_ij |d_i| |q_i| (softcap's
+    derivative is at most 1; dropout does not enter delta's term). q, out, out_true, grad_out
+    (B, H, Sq, *), k (B, Hkv, Sk, D); the attention options but dropout."""
+    q64, k64 = _f64(q), _f64(k)
+    b, h, sq, d = q64.shape
+    hkv, sk = k64.shape[1], k64.shape[2]
+    opts = {name: _f64(value) for name, value in kw.items()}
+    probs = attention_weights_reference(q64, k64, scale=scale, **opts)
+    sc = scale if scale is not None else default_scale(d)
+    rows = ((_f64(out) - _f64(out_true)) * _f64(grad_out)).sum(-1).abs()  # |d_i|, (B, H, Sq)
+    dq = sc * rows[..., None] * (probs @ expand_kv_heads(k64, h).abs())
+    dk = sc * torch.einsum("bhij,bhi,bhid->bhjd", probs, rows, q64.abs())
+    return dq, dk.reshape(b, hkv, h // hkv, sk, d).sum(2)
+
+
 def sdpa_reference(
     query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
 ):
