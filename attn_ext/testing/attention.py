@@ -273,7 +273,7 @@ def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float
     log2 domain, so its logits carry that rounding whatever the order; the plain reference can
     be exact by luck. The probabilities' derivative gives the bound:
     |dP_ij| <= ln 2 * P_ij * (e_ij + sum_k P_ik e_ik) for logit errors e. Large logits (an explicit
-    scale of 2.5, D 61: 8 float32 ulps of P, found by tests/test_fuzz.py's --fuzz) are where it
+    scale of 2.5, D 61: 7 float32 ulps of P, found by tests/test_fuzz.py's --fuzz) are where it
     exceeds a few ulps of P. q (B, H, Sq, D) or (B, Sq, D), k with Hkv heads; the options of
     attention_weights_reference."""
     q64, k64 = _f64(q), _f64(k)
