@@ -90,11 +90,12 @@ constexpr bool decode_rows_in_place(int64_t m) {
 // blocks that decode_rows_in_place admits come here.
 template <typename scalar_t, typename acc_t>
 void scores_in_place(int64_t m, const acc_t* q, int64_t d, const scalar_t* const* keys, int64_t n,
-                     acc_t* s, int64_t lds, const scalar_t* const* values, int64_t dv) {
+                     acc_t* s, int64_t lds, const scalar_t* const* values, int64_t dv,
+                     bool scattered) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<acc_t, float>)
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
-      avx2::decode_scores<decltype(rows)::value>(q, d, keys, n, d, s, lds, values, dv);
+      avx2::decode_scores<decltype(rows)::value>(q, d, keys, n, d, s, lds, values, dv, scattered);
     });
 #endif
   TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
@@ -167,7 +168,8 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
         int64_t ldk = D, ldv = Dv;
         if (in_place) {
           tile_rows(p, b, hk, j0, n, k_rows.data(), v_rows.data());
-          scores_in_place(m, q_buf.get(), D, k_rows.data(), n, s, kN, v_rows.data(), Dv);
+          scores_in_place(m, q_buf.get(), D, k_rows.data(), n, s, kN, v_rows.data(), Dv,
+                          p.pages.paged());
         } else if (gather) {
           const auto* k = static_cast<const scalar_t*>(p.k) + hk * p.k_head_stride;
           const auto* v = static_cast<const scalar_t*>(p.v) + hk * p.v_head_stride;
