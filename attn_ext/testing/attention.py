@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from attn_ext.testing.documents import doc000
-from attn_ext.testing.numerics import LOW_PRECISION
+from attn_ext.testing.numerics import LOW_PRECISION, ground_truth, to_f64
 
 
 # --------------------------------------------------------------------------- #
@@ -261,10 +261,6 @@ def attention_weights_reference(q, k, **kw):
     return attention_reference(q, k, v, return_probs=True, **kw)[1]
 
 
-def _f64(x):
-    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
 def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float = 1.0, **kw):
     """An absolute floor for the error of attention probabilities computed at ``dtype`` from
     fp32 logits: ``ulps`` times the largest change of a probability when each logit moves by one
@@ -276,13 +272,12 @@ def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float
     scale of 2.5, D 61: 7 float32 ulps of P, found by tests/test_fuzz.py's --fuzz) are where it
     exceeds a few ulps of P. q (B, H, Sq, D) or (B, Sq, D), k with Hkv heads; the options of
     attention_weights_reference."""
-    q64, k64 = _f64(q), _f64(k)
+    q64, k64, mask = to_f64(q), to_f64(k), to_f64(attn_mask)
     if q64.dim() == 3:
         q64, k64 = q64.unsqueeze(1), k64.unsqueeze(1)
-        if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)
-    mask = _f64(attn_mask)
-    probs = attention_weights_reference(q64, k64, scale=scale, attn_mask=mask, **kw)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+            mask = mask.unsqueeze(1)
+    probs = ground_truth(attention_weights_reference, q64, k64, scale=scale, attn_mask=mask, **kw)
     sc = scale if scale is not None else default_scale(q64.shape[-1])
     terms = q64.abs() @ expand_kv_heads(k64, q64.shape[1]).abs().transpose(-1, -2)
     mag = sc * terms
@@ -305,13 +300,12 @@ def stored_output_grad_floors(q, k, out, out_true, grad_out, *, scale=None, **kw
     |ddq_i| <= scale |d_i| sum_j P_ij |k_j| and |ddk_j| <= scale sum_i P_ij |d_i| |q_i| (softcap's
     derivative is at most 1; dropout does not enter delta's term). q, out, out_true, grad_out
     (B, H, Sq, *), k (B, Hkv, Sk, D); the attention options but dropout."""
-    q64, k64 = _f64(q), _f64(k)
+    q64, k64 = to_f64(q), to_f64(k)
     b, h, sq, d = q64.shape
     hkv, sk = k64.shape[1], k64.shape[2]
-    opts = {name: _f64(value) for name, value in kw.items()}
-    probs = attention_weights_reference(q64, k64, scale=scale, **opts)
+    probs = ground_truth(attention_weights_reference, q64, k64, scale=scale, **kw)
     sc = scale if scale is not None else default_scale(d)
-    rows = ((_f64(out) - _f64(out_true)) * _f64(grad_out)).sum(-1).abs()  # |d_i|, (B, H, Sq)
+    rows = ((to_f64(out) - to_f64(out_true)) * to_f64(grad_out)).sum(-1).abs()  # |d_i|, (B, H, Sq)
     dq = sc * rows[..., None] * (probs @ expand_kv_heads(k64, h).abs())
     dk = sc * torch.einsum("bhij,bhi,bhid->bhjd", probs, rows, q64.abs())
     return dq, dk.reshape(b, hkv, h // hkv, sk, d).sum(2)

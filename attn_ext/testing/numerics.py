@@ -20,11 +20,12 @@ ALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------- #
 # Float64 ground truth
 # --------------------------------------------------------------------------- #
-def _to_f64(x):
+def to_f64(x):
+    """Float64 copies of floating tensors (in lists and tuples too); other values as they are."""
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.detach().to(torch.float64)
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_f64(y) for y in x)
+        return type(x)(to_f64(y) for y in x)
     return x
 
 
@@ -32,7 +33,7 @@ def ground_truth(fn, *args, **kwargs):
     """Run a reference on float64 copies of every floating tensor argument
     (bool masks are passed as they are). The inputs are the values actually
     given to the kernel, so the truth is exact up to float64 rounding."""
-    return fn(*_to_f64(args), **{k: _to_f64(v) for k, v in kwargs.items()})
+    return fn(*to_f64(args), **{k: to_f64(v) for k, v in kwargs.items()})
 
 
 def autograd_grads(fn, inputs: Sequence[torch.Tensor], grad_out, **kwargs):
@@ -45,7 +46,7 @@ def autograd_grads(fn, inputs: Sequence[torch.Tensor], grad_out, **kwargs):
 
 def ground_truth_grads(fn, inputs, grad_out, **kwargs):
     return autograd_grads(
-        fn, _to_f64(list(inputs)), _to_f64(grad_out), **{k: _to_f64(v) for k, v in kwargs.items()}
+        fn, to_f64(list(inputs)), to_f64(grad_out), **{k: to_f64(v) for k, v in kwargs.items()}
     )
 
 
@@ -167,7 +168,7 @@ def perturbation_floor(fn, inputs, dtype, *, ulps: float = 32.0, seed: int = 0, 
         return r[0] if isinstance(r, (list, tuple)) else r
 
     base = first(ground_truth(fn, *inputs, **kwargs))
-    moved = first(fn(*nudge(list(inputs)), **{k: _to_f64(v) for k, v in kwargs.items()}))
+    moved = first(fn(*nudge(list(inputs)), **{k: to_f64(v) for k, v in kwargs.items()}))
     return ulps * max_abs_err(moved, base)
 
 
