@@ -148,6 +148,66 @@ def test_paged_decode_few_rows_any_page_size(dtype, group, sq, page_size, window
         assert_lse_close(lse, ref_lse, t_lse, name="paged decode lse")
 
 
+# Threads against the KV heads a task of the CPU decode kernel covers in a paged cache with
+# pages below the key tile (decode_attention.cpp, heads_per_task), Hkv 4, two sequences, one
+# split: 1 or 2 threads give tasks of all 4 heads, 3 threads tasks of 2, 5 threads of 1.
+# 16-bit rows in (page, Hkv, rows, D) pages always take one head per task.
+TASK_THREADS = [1, 2, 3, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("flash_pages", [False, True], ids=["pages_hkv_rows", "pages_rows_hkv"])
+@pytest.mark.parametrize("threads", TASK_THREADS)
+@pytest.mark.parametrize(
+    "group,sq,mods",
+    [
+        (4, 1, {}),
+        (3, 2, dict(window_left=300, softcap=2.0)),
+        (2, 1, dict(sinks="randn", alibi_slopes="rand")),
+    ],
+    ids=["gqa4", "gqa3_sq2_window_softcap", "gqa2_sinks_alibi"],
+)
+def test_paged_decode_tasks_over_heads_same_bits(dtype, flash_pages, threads, group, sq, mods):
+    """A task may read several KV heads of a paged cache page by page (every head's rows of a
+    page before the next page, in the order they lie in either page layout) instead of one
+    head's rows: the scores, softmax and P V of each head are the same sums in the same order,
+    so every thread count, page layout and split count gives the contiguous cache's result
+    bit for bit, with per-head modifiers (ALiBi, sinks) on the right heads. D 44 / Dv 41 leave
+    feature tails; the lengths cross pages, tiles and splits."""
+    torch.manual_seed(0)
+    page_size, lengths = 16, [700, 1100]
+    B, Hkv, D, Dv = len(lengths), 4, 44, 41
+    H = group * Hkv
+    L = -(-max(lengths) // page_size) * page_size
+    k, v = rand((B, Hkv, L, D), dtype, "cpu"), rand((B, Hkv, L, Dv), dtype, "cpu")
+    k_pages, v_pages, table = page_out(k, v, page_size)
+    if flash_pages:  # FlashAttention's (num_pages, page_size, Hkv, D) pages, read in place
+        k_pages = k_pages.transpose(1, 2).contiguous().transpose(1, 2)
+        v_pages = v_pages.transpose(1, 2).contiguous().transpose(1, 2)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = rand((B, H, sq, D), dtype, "cpu")
+    kw = {
+        name: getattr(torch, value)(H) if isinstance(value, str) else value
+        for name, value in mods.items()
+    }
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for num_splits in (1, 2, 0):
+            call = dict(kw, num_splits=num_splits, return_lse=True)
+            out, lse = attn_ext.decode_attention(
+                q, k_pages, v_pages, lens, block_table=table, **call
+            )
+            c_out, c_lse = attn_ext.decode_attention(q, k, v, lens, **call)
+            assert torch.equal(out, c_out) and torch.equal(lse, c_lse), num_splits
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = decode_reference(q, k, v, lens, **kw)
+    t_out, t_lse = ground_truth(decode_reference, q, k, v, lens, **kw)
+    assert_error_rule(out, ref_out, t_out, name="paged decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="paged decode lse")
+
+
 def test_paged_decode_reads_flash_attn_pages_in_place():
     """FlashAttention's (num_pages, page_size, Hkv, D) pages, transposed, are not copied: a
     write to the pages after the call is seen by the next call."""

@@ -4,11 +4,12 @@
 // read once per block. Short batches split the key sequence: each split keeps its own
 // online-softmax state, and the partial results are merged by SoftmaxState::merge.
 // A paged cache is read through its block table, and gives the contiguous cache's result bit
-// for bit. Blocks of at most kMaxDecodeRows rows (the common decode step: G * Sq small) run
-// the products of decode_rows.h on the cache rows in place, a key tile being a list of row
-// pointers. Larger blocks multiply with BLAS: pages of at least a key tile are read in place,
-// tiles cut at page ends; smaller pages are gathered into the tile buffer (bf16 / fp16 tiles
-// are converted into it anyway), so the GEMMs keep the contiguous kernel's tiles.
+// for bit; a task may cover several KV heads of it, read page by page (heads_per_task). Blocks of
+// at most kMaxDecodeRows rows (the common decode step: G * Sq small) run the products of
+// decode_rows.h on the cache rows in place, a key tile being a list of row pointers. Larger blocks
+// multiply with BLAS: pages of at least a key tile are read in place, tiles cut at page ends;
+// smaller pages are gathered into the tile buffer (bf16 / fp16 tiles are converted into it anyway),
+// so the GEMMs keep the contiguous kernel's tiles.
 #include <algorithm>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -86,17 +87,48 @@ constexpr bool decode_rows_in_place(int64_t m) {
 #endif
 }
 
-// S = Q K^T and O += P V for a block of m rows on rows in place (decode_rows.h); only
-// blocks that decode_rows_in_place admits come here.
+// How a call's work is cut into tasks: one row block of one sequence, one key split, and
+// `heads` consecutive KV heads (a divisor of Hkv).
+struct DecodeSchedule {
+  int64_t splits = 1;
+  int64_t heads = 1;
+};
+
+// S = Q K^T for a task's `heads` KV heads on key rows [0, n) of a tile in place (decode_rows.h;
+// only blocks that decode_rows_in_place admits come here): head h's queries at q + h * ldq_head,
+// its row pointers at keys / values + h * tile, its scores at s + h * lds_head. One head reads
+// its tile row by row. Several heads read the tile page by page, every head's rows of a page
+// before the next page, and within a page in the order the rows lie (head by head in
+// (page, Hkv, rows, D) pages, row by row in FlashAttention's (page, rows, Hkv, D)): the reads
+// then stream through whole pages. Each score is the same dot product either way.
 template <typename scalar_t, typename acc_t>
-void scores_in_place(int64_t m, const acc_t* q, int64_t d, const scalar_t* const* keys, int64_t n,
-                     acc_t* s, int64_t lds, const scalar_t* const* values, int64_t dv,
-                     bool scattered) {
+void scores_in_place(const DecodeParams& p, int64_t m, int64_t heads, int64_t j0, int64_t n,
+                     const acc_t* q, int64_t ldq_head, const scalar_t* const* keys,
+                     const scalar_t* const* values, int64_t tile, acc_t* s, int64_t lds,
+                     int64_t lds_head) {
 #ifdef ATTN_EXT_AVX2
-  if constexpr (std::is_same_v<acc_t, float>)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
-      avx2::decode_scores<decltype(rows)::value>(q, d, keys, n, d, s, lds, values, dv, scattered);
+      constexpr int M = decltype(rows)::value;
+      if (heads == 1)
+        return avx2::decode_scores<M>(q, D, keys, n, D, s, lds, values, Dv, p.pages.paged());
+      const bool rows_interleave_heads = p.k_head_stride < p.k_row_stride;
+      for (int64_t r = 0, run = 0; r < n; r += run) {
+        run = std::min(n - r, p.pages.page_size - (j0 + r) % p.pages.page_size);
+        if (rows_interleave_heads) {
+          for (int64_t j = r; j < r + run; ++j)
+            for (int64_t h = 0; h < heads; ++h)
+              avx2::decode_scores<M>(q + h * ldq_head, D, keys + h * tile + j, 1, D,
+                                     s + h * lds_head + j, lds, values + h * tile + j, Dv, false);
+        } else {
+          for (int64_t h = 0; h < heads; ++h)
+            avx2::decode_scores<M>(q + h * ldq_head, D, keys + h * tile + r, run, D,
+                                   s + h * lds_head + r, lds, values + h * tile + r, Dv, false);
+        }
+      }
     });
+  }
 #endif
   TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
 }
@@ -114,31 +146,38 @@ void pv_in_place(int64_t m, const acc_t* p, int64_t ldp, const scalar_t* const* 
 }
 
 template <typename scalar_t>
-void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> partials) {
+void decode_fwd(const DecodeParams& p, DecodeSchedule schedule,
+                Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   constexpr int64_t kN = Traits::kDecodeBlockN;
   const int64_t G = p.group(), Sq = p.seqlen_q, D = p.head_dim, Dv = p.head_dim_v;
   const int64_t rows = G * Sq;  // row r = i * G + g: query i of head hk * G + g
   const int64_t kM = std::min(Traits::kDecodeBlockM, rows);
-  const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
+  const int64_t num_m = ceil_div(rows, kM), splits = schedule.splits;
+  const int64_t heads = schedule.heads, head_groups = p.kv_heads / heads;
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
   const bool in_place = decode_rows_in_place<acc_t>(kM);
   const bool gather = !in_place && p.pages.paged() && p.pages.page_size < kN;
   const bool buffered = !in_place && (Traits::kConvert || gather);
+  TORCH_INTERNAL_ASSERT(in_place || heads == 1, "decode_attention: ", heads,
+                        " KV heads per task on the BLAS path");
 
-  at::parallel_for(0, p.batch * p.kv_heads * num_m * splits, 1, [&](int64_t begin, int64_t end) {
-    Buffer<acc_t> q_buf(kM * D), s_buf(kM * kN), o_buf(kM * Dv);
+  at::parallel_for(0, p.batch * head_groups * num_m * splits, 1, [&](int64_t begin, int64_t end) {
+    // Per head of the task: its rows' queries, scores, outputs and softmax states.
+    Buffer<acc_t> q_buf(heads * kM * D), s_buf(heads * kM * kN), o_buf(heads * kM * Dv);
     Buffer<acc_t> k_buf(buffered ? kN * D : 0), v_buf(buffered ? kN * Dv : 0);
-    std::vector<const scalar_t*> k_rows(in_place ? kN : 0), v_rows(in_place ? kN : 0);
-    std::vector<SoftmaxState<acc_t>> state(kM);
+    std::vector<const scalar_t*> k_rows(in_place ? heads * kN : 0);
+    std::vector<const scalar_t*> v_rows(in_place ? heads * kN : 0);
+    std::vector<SoftmaxState<acc_t>> state(heads * kM);
 
     for (int64_t task = begin; task < end; ++task) {
       // ---- prologue: the rows of this block, the keys they may see, this split's share
       const int64_t split = task % splits, mb = (task / splits) % num_m;
-      const int64_t bk = task / (splits * num_m), b = bk / p.kv_heads, hk = bk % p.kv_heads;
+      const int64_t bg = task / (splits * num_m), b = bg / head_groups;
+      const int64_t hk0 = bg % head_groups * heads;
       const int64_t r0 = mb * kM, m = std::min(kM, rows - r0);
       const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
       const int64_t len = p.lengths[b], first = p.first_key(b);
@@ -147,92 +186,103 @@ void decode_fwd(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> parti
       const int64_t hi = std::max(band.key_end(i_end, len), lo);
       const auto [j_begin, j_end] = split_range(lo, hi, splits, split, kN);
 
-      for (int64_t rr = 0; rr < m; ++rr) {
-        const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
-        const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
-                                p.q_head_stride, p.q_row_stride, b, h, i);
-        load_row(q, q_buf.get() + rr * D, D, acc_t(1));
-      }
-      std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
-      // A head's sink joins its rows' denominators once: in the first split only (the merge
-      // adds the splits' sums).
-      for (int64_t rr = 0; rr < m; ++rr)
-        state[rr] = split == 0 ? initial_state<acc_t>(p, hk * G + (r0 + rr) % G, log2e)
-                               : SoftmaxState<acc_t>{};
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t rr = 0; rr < m; ++rr) {
+          const int64_t r = r0 + rr, i = r / G, hq = (hk0 + h) * G + r % G;
+          const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride,
+                                  p.q_head_stride, p.q_row_stride, b, hq, i);
+          load_row(q, q_buf.get() + (h * kM + rr) * D, D, acc_t(1));
+          // A head's sink joins its rows' denominators once: in the first split only (the
+          // merge adds the splits' sums).
+          state[h * kM + rr] =
+              split == 0 ? initial_state<acc_t>(p, hq, log2e) : SoftmaxState<acc_t>{};
+          std::fill_n(o_buf.get() + (h * kM + rr) * Dv, Dv, acc_t(0));
+        }
 
       // ---- main loop over key tiles; tiles crossing the band's edge are masked per element
       for (int64_t j0 = j_begin, n = 0; j0 < j_end; j0 += n) {
         n = std::min(kN, j_end - j0);
-        acc_t* s = s_buf.get();
         const acc_t *kt = nullptr, *vt = nullptr;
         int64_t ldk = D, ldv = Dv;
         if (in_place) {
-          tile_rows(p, b, hk, j0, n, k_rows.data(), v_rows.data());
-          scores_in_place(m, q_buf.get(), D, k_rows.data(), n, s, kN, v_rows.data(), Dv,
-                          p.pages.paged());
+          for (int64_t h = 0; h < heads; ++h)
+            tile_rows(p, b, hk0 + h, j0, n, k_rows.data() + h * kN, v_rows.data() + h * kN);
+          scores_in_place(p, m, heads, j0, n, q_buf.get(), kM * D, k_rows.data(), v_rows.data(), kN,
+                          s_buf.get(), kN, kM * kN);
         } else if (gather) {
-          const auto* k = static_cast<const scalar_t*>(p.k) + hk * p.k_head_stride;
-          const auto* v = static_cast<const scalar_t*>(p.v) + hk * p.v_head_stride;
+          const auto* k = static_cast<const scalar_t*>(p.k) + hk0 * p.k_head_stride;
+          const auto* v = static_cast<const scalar_t*>(p.v) + hk0 * p.v_head_stride;
           kt = gather_tile(p.pages, k, p.k_batch_stride, p.k_row_stride, b, j0, n, D, k_buf.get());
           vt = gather_tile(p.pages, v, p.v_batch_stride, p.v_row_stride, b, j0, n, Dv, v_buf.get());
         } else {
           const CacheSlot slot = p.key_slot(b, j0);
           if (p.pages.paged()) n = std::min(n, p.pages.page_size - slot.row);
           const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
-                                  p.k_head_stride, p.k_row_stride, slot.block, hk, slot.row);
+                                  p.k_head_stride, p.k_row_stride, slot.block, hk0, slot.row);
           const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
-                                  p.v_head_stride, p.v_row_stride, slot.block, hk, slot.row);
+                                  p.v_head_stride, p.v_row_stride, slot.block, hk0, slot.row);
           kt = load_tile(k, p.k_row_stride, n, D, k_buf.get(), &ldk);
           vt = load_tile(v, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
         }
         if (!in_place)
-          gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s, kN);
-        // Scores to the log2 domain (see scale_row_max), modifiers (per head: a row block
-        // spans G heads), band edges masked, rows' maxima.
+          gemm(false, true, m, n, D, acc_t(1), q_buf.get(), D, kt, ldk, acc_t(0), s_buf.get(), kN);
         const bool band_partial = !band.tile_unmasked(i_begin, i_end, j0, j0 + n);
         const bool masked = band_partial || modified;
-        if (masked) {
-          constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t rr = 0; rr < m; ++rr) {
-            const int64_t r = r0 + rr, i = r / G;
-            acc_t* sr = s + rr * kN;
-            scale_row(sr, n, s_scale);
-            if (modified) {
-              const auto mod = ScoreMod<acc_t>::make(p, b, hk * G + r % G, len - Sq, log2e);
-              modify_tile(mod, i, 1, j0, n, sr, kN);
+        for (int64_t h = 0; h < heads; ++h) {
+          acc_t* s = s_buf.get() + h * kM * kN;
+          acc_t* o = o_buf.get() + h * kM * Dv;
+          // Scores to the log2 domain (see scale_row_max), modifiers (per query head: a row
+          // block spans G heads), band edges masked, rows' maxima.
+          if (masked) {
+            constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+            for (int64_t rr = 0; rr < m; ++rr) {
+              const int64_t r = r0 + rr, i = r / G;
+              acc_t* sr = s + rr * kN;
+              scale_row(sr, n, s_scale);
+              if (modified) {
+                const auto mod =
+                    ScoreMod<acc_t>::make(p, b, (hk0 + h) * G + r % G, len - Sq, log2e);
+                modify_tile(mod, i, 1, j0, n, sr, kN);
+              }
+              if (band_partial)
+                for (int64_t c = 0; c < n; ++c)
+                  if (!band.allowed(i, j0 + c)) sr[c] = kNegInf;
             }
-            if (band_partial)
-              for (int64_t c = 0; c < n; ++c)
-                if (!band.allowed(i, j0 + c)) sr[c] = kNegInf;
           }
+          for (int64_t rr = 0; rr < m; ++rr) {
+            acc_t* sr = s + rr * kN;
+            SoftmaxState<acc_t>& st = state[h * kM + rr];
+            const acc_t block_max = masked ? row_max(sr, n) : scale_row_max(sr, n, s_scale);
+            const acc_t factor = st.rescale_to(block_max);
+            st.sum += exp2_shift_sum(sr, n, st.shift());
+            if (factor != acc_t(1)) scale_row(o + rr * Dv, Dv, factor);
+          }
+          // The value rows were asked into L2 while the scores were formed (in the cache's
+          // order), so reading them head by head here costs no stream.
+          if (in_place)
+            pv_in_place(m, s, kN, v_rows.data() + h * kN, n, Dv, o);
+          else
+            gemm(false, false, m, Dv, n, acc_t(1), s, kN, vt, ldv, acc_t(1), o, Dv);
         }
-        for (int64_t rr = 0; rr < m; ++rr) {
-          acc_t* sr = s + rr * kN;
-          const acc_t block_max = masked ? row_max(sr, n) : scale_row_max(sr, n, s_scale);
-          const acc_t factor = state[rr].rescale_to(block_max);
-          state[rr].sum += exp2_shift_sum(sr, n, state[rr].shift());
-          if (factor != acc_t(1)) scale_row(o_buf.get() + rr * Dv, Dv, factor);
-        }
-        if (in_place)
-          pv_in_place(m, s, kN, v_rows.data(), n, Dv, o_buf.get());
-        else
-          gemm(false, false, m, Dv, n, acc_t(1), s, kN, vt, ldv, acc_t(1), o_buf.get(), Dv);
       }
 
       // ---- epilogue: the final result, or this split's partial for the merge
-      for (int64_t rr = 0; rr < m; ++rr) {
-        const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
-        if (splits == 1) {
-          auto* o = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
-                            p.o_row_stride, b, h, i);
-          store_row(o_buf.get() + rr * Dv, o, Dv, state[rr].inv_sum());
-          p.lse[(b * p.heads + h) * Sq + i] = state[rr].lse();
-        } else {
-          const int64_t slot = (bk * rows + r) * splits + split;
-          std::copy_n(o_buf.get() + rr * Dv, Dv, partials.o + slot * Dv);
-          partials.state[slot] = state[rr];
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t rr = 0; rr < m; ++rr) {
+          const int64_t r = r0 + rr, i = r / G, hk = hk0 + h, hq = hk * G + r % G;
+          const acc_t* o = o_buf.get() + (h * kM + rr) * Dv;
+          const SoftmaxState<acc_t>& st = state[h * kM + rr];
+          if (splits == 1) {
+            auto* out = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
+                                p.o_row_stride, b, hq, i);
+            store_row(o, out, Dv, st.inv_sum());
+            p.lse[(b * p.heads + hq) * Sq + i] = st.lse();
+          } else {
+            const int64_t slot = ((b * p.kv_heads + hk) * rows + r) * splits + split;
+            std::copy_n(o, Dv, partials.o + slot * Dv);
+            partials.state[slot] = st;
+          }
         }
-      }
     }
   });
 }
@@ -258,16 +308,50 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
   });
 }
 
+// KV heads per task. A paged cache with pages below the key tile holds one head's rows in
+// runs of a page between the other heads' rows. Read head by head, 8 KB runs of fp32 at the
+// 64 KB page stride (D 128, Hkv 8, pages of 16 rows) stream at 0.7-0.8x of a contiguous
+// read, and FlashAttention's (page, rows, Hkv, D) pages, one row per run, at 0.45-0.55x;
+// reading every head of a page before the next page streams at the contiguous rate (a
+// read-only loop on a Zen 5 VM, 2026-11-29: dev/paged_stream). So a task covers as many
+// heads as leave each thread a task: all of them where the splits allow, else part of each
+// page (4 of 8 heads still took the fp32 step from ~1.5x to ~1.3x the contiguous one; 2 of 8
+// gained nothing). The exception: 16-bit rows in (page, Hkv, rows, D)
+// pages, read head by head with the key rows prefetched across the page jumps (decode_rows.h), ran
+// 1.1-1.25x the contiguous step against 1.25-1.5x page by page, where the 256-key tile of
+// every head (1 MB of K and V at D 128) outgrows L2.
+inline int64_t heads_per_task(const DecodeParams& p, int64_t element_bytes, int64_t tasks_per_head,
+                              int64_t tile) {
+  if (!p.pages.paged() || p.pages.page_size >= tile) return 1;
+  const bool rows_interleave_heads = p.k_head_stride < p.k_row_stride;
+  if (!rows_interleave_heads && element_bytes == 2) return 1;
+  const int64_t threads = at::get_num_threads();
+  for (int64_t heads = p.kv_heads; heads > 1; --heads)
+    if (p.kv_heads % heads == 0 && tasks_per_head * (p.kv_heads / heads) >= threads) return heads;
+  return 1;
+}
+
 template <typename scalar_t>
 void decode(DecodeParams& p) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   const int64_t rows = p.group() * p.seqlen_q;
-  const int64_t blocks = p.batch * p.kv_heads * ceil_div(rows, Traits::kDecodeBlockM);
+  const int64_t kM = std::min(Traits::kDecodeBlockM, rows), num_m = ceil_div(rows, kM);
+  const bool in_place = decode_rows_in_place<acc_t>(kM);
   if (p.num_splits == 0) {
+    // Blocks on the rows in place count their splits per sequence and row block, not per KV
+    // head, so that a paged cache whose tasks cover several heads has the splits to spread
+    // over the threads and still splits like a contiguous cache (bit for bit the same
+    // result). The contiguous cache's step paid at most ~1-3% for the extra splits of
+    // at least kMinSplitKeys keys (B 1, 512-32k keys, Zen 5 VM, 2026-11-29).
+    const int64_t blocks = p.batch * num_m * (in_place ? 1 : p.kv_heads);
     const int64_t max_len = *std::max_element(p.lengths, p.lengths + p.batch);
     p.num_splits = auto_splits(blocks, max_len, Traits::kMinSplitKeys, Traits::kTasksPerThread);
   }
+  DecodeSchedule schedule{p.num_splits, 1};
+  if (in_place)
+    schedule.heads =
+        heads_per_task(p, sizeof(scalar_t), p.batch * num_m * p.num_splits, Traits::kDecodeBlockN);
   Partials<acc_t> partials;
   std::vector<acc_t> o_ws;
   std::vector<SoftmaxState<acc_t>> state_ws;
@@ -277,7 +361,7 @@ void decode(DecodeParams& p) {
     state_ws.resize(slots);
     partials = {o_ws.data(), state_ws.data()};
   }
-  decode_fwd<scalar_t>(p, partials);
+  decode_fwd<scalar_t>(p, schedule, partials);
   if (p.num_splits > 1) merge_splits<scalar_t>(p, partials);
 }
 
