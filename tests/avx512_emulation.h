@@ -1,9 +1,10 @@
 #pragma once
 // Scalar stand-ins for the AVX-512, AVX512-BF16 and AMX intrinsics of the CPU kernels' wide
 // sources (csrc/attention/cpu/avx512_block_products.cpp, avx512_softmax_rows.cpp,
-// avx512bf16_block_products.cpp, amx_block_products.cpp), lane by lane with the same IEEE
-// operations (multiply-adds fused), so their tiling, packing, masking and tails can be checked
-// on a CPU without those instructions (tests/test_cpu_kernels.py). What they cannot check is
+// avx512bf16_block_products.cpp, amx_block_products.cpp, and
+// csrc/decoding/cpu/avx512_decode_rows.cpp), lane by lane with the same IEEE operations
+// (multiply-adds fused), so their tiling, packing, masking and tails can be checked on a CPU
+// without those instructions (tests/test_cpu_kernels.py). What they cannot check is
 // the instructions themselves: the tests on CPUs that have them do that. Compile with
 // -ffp-contract=off.
 //
@@ -88,6 +89,22 @@ inline uint16_t to_bf16(float x) {
 // MAXPS: the second operand when either is NaN (or both are zeros).
 inline float maxps(float a, float b) {
   return a > b ? a : b;
+}
+
+// ---- widening (the decode P V's 16-bit rows)
+// VPMOVZXWD: 16 unsigned 16-bit lanes to 32 bits.
+inline Zmm cvtepu16_epi32(__m256i a) {
+  uint16_t h[16];
+  std::memcpy(h, &a, sizeof(h));
+  Zmm r;
+  for (int l = 0; l < 16; ++l) r.u[l] = h[l];
+  return r;
+}
+// VCVTPH2PS: 16 fp16 lanes to fp32, exact (F16C's scalar conversion, lane by lane).
+inline Zmm cvtph_ps(__m256i a) {
+  uint16_t h[16];
+  std::memcpy(h, &a, sizeof(h));
+  return each([&](int l) { return _cvtsh_ss(h[l]); });
 }
 
 // ---- loads, stores, constants
@@ -426,6 +443,8 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _mm512_mask_max_ps attn_ext_emu::mask_max_ps
 #define _mm512_add_epi32 attn_ext_emu::add_epi32
 #define _mm512_slli_epi32 attn_ext_emu::slli_epi32
+#define _mm512_cvtepu16_epi32 attn_ext_emu::cvtepu16_epi32
+#define _mm512_cvtph_ps attn_ext_emu::cvtph_ps
 #define _mm512_cvtps_epi32 attn_ext_emu::cvtps_epi32
 #define _mm512_roundscale_ps attn_ext_emu::roundscale_ps
 #define _mm512_reduce_ps attn_ext_emu::reduce_ps

@@ -42,6 +42,17 @@ for sq, sk, d, dv, causal, dtype in cases:
     out = attn_ext.attention(q, k, v, causal=causal)
     out.backward(torch.randn_like(out))
     results += [out.detach(), q.grad, k.grad, v.grad]
+# The decode step's few-row blocks (G * Sq = 1, 4, 6, 8 rows; P V on 16 lanes in the AVX-512
+# sets): value widths 41 and 128, lengths across 32-row runs, and 16-row pages.
+lens = torch.tensor([70, 1, 300], dtype=torch.int32)
+for group, sq, dv, dtype in [(1, 1, 128, torch.float32), (4, 1, 41, torch.bfloat16),
+                             (3, 2, 128, torch.float16), (8, 1, 64, torch.float32)]:
+    q = torch.randn(3, 2 * group, sq, 64).to(dtype)
+    k, v = torch.randn(3, 2, 304, 64).to(dtype), torch.randn(3, 2, 304, dv).to(dtype)
+    table = torch.arange(3 * 19, dtype=torch.int32).flip(0).view(3, 19)
+    pages = lambda x: x.view(3, 2, 19, 16, -1).transpose(1, 2).reshape(57, 2, 16, -1).flip(0)
+    results += [attn_ext.decode_attention(q, k, v, lens),
+                attn_ext.decode_attention(q, pages(k), pages(v), lens, block_table=table)]
 torch.save(results, sys.argv[1])
 """
 
@@ -61,11 +72,11 @@ def test_avx512_products_match_avx2_bitwise(tmp_path):
         proc = _run(kernels, path)
         assert proc.returncode == 0, proc.stderr
         outputs[kernels] = torch.load(path)
-    names = ("out", "dq", "dk", "dv")
-    for i, (a, b) in enumerate(zip(outputs["avx2"], outputs["avx512"])):
-        assert torch.equal(a, b), (
-            f"case {i // 4} {names[i % 4]}: max diff {(a.float() - b.float()).abs().max()}"
-        )
+    grads = [f"case {c} {name}" for c in range(5) for name in ("out", "dq", "dk", "dv")]
+    steps = [f"decode {c} {cache}" for c in range(4) for cache in ("contiguous", "paged")]
+    assert len(outputs["avx2"]) == len(grads) + len(steps)
+    for name, a, b in zip(grads + steps, outputs["avx2"], outputs["avx512"]):
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
 
 
 def test_unknown_kernel_choice_raises(tmp_path):
@@ -100,8 +111,39 @@ _WRAPPER = r"""
 #include "attention/cpu/amx_block_products.h"
 #include "attention/cpu/avx512bf16_block_products.h"
 #include "common/cpu/vec_math.h"
+#include "decoding/cpu/avx512_decode_rows.h"
+#include "decoding/cpu/decode_rows.h"
 using namespace attn_ext::cpu;
+template <typename T>
+void decode_pv_avx2(int64_t m, const float* p, int64_t ldp, const T* const* values, int64_t n,
+                    int64_t dv, float* o) {
+  switch (m) {
+    case 1: return avx2::decode_pv<1>(p, ldp, values, n, dv, o, dv);
+    case 2: return avx2::decode_pv<2>(p, ldp, values, n, dv, o, dv);
+    case 3: return avx2::decode_pv<3>(p, ldp, values, n, dv, o, dv);
+    case 4: return avx2::decode_pv<4>(p, ldp, values, n, dv, o, dv);
+    case 5: return avx2::decode_pv<5>(p, ldp, values, n, dv, o, dv);
+    case 6: return avx2::decode_pv<6>(p, ldp, values, n, dv, o, dv);
+    case 7: return avx2::decode_pv<7>(p, ldp, values, n, dv, o, dv);
+    case 8: return avx2::decode_pv<8>(p, ldp, values, n, dv, o, dv);
+  }
+  std::abort();
+}
+template <typename T>
+void decode_pv_typed(int wide, int64_t m, const float* p, int64_t ldp, const void* const* rows,
+                     int64_t n, int64_t dv, float* o) {
+  const T* const* values = reinterpret_cast<const T* const*>(rows);
+  if (wide) return avx512::decode_pv(m, p, ldp, values, n, dv, o);
+  decode_pv_avx2(m, p, ldp, values, n, dv, o);
+}
 extern "C" {
+// dtype 0: fp32 rows, 1: bf16, 2: fp16.
+void decode_pv_(int wide, int dtype, int64_t m, const float* p, int64_t ldp,
+                const void* const* rows, int64_t n, int64_t dv, float* o) {
+  if (dtype == 0) return decode_pv_typed<float>(wide, m, p, ldp, rows, n, dv, o);
+  if (dtype == 1) return decode_pv_typed<c10::BFloat16>(wide, m, p, ldp, rows, n, dv, o);
+  decode_pv_typed<c10::Half>(wide, m, p, ldp, rows, n, dv, o);
+}
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* dst) {
   avx2::pack_key_panels(k, ld, n, d, dst);
 }
@@ -184,11 +226,12 @@ void bf16_pv(int set, const uint16_t* p, int64_t ldp, int64_t m, const uint16_t*
 }
 """
 
-_WIDE_SOURCES = (
-    "avx512_block_products.cpp",
-    "avx512_softmax_rows.cpp",
-    "avx512bf16_block_products.cpp",
-    "amx_block_products.cpp",
+_WIDE_SOURCES = (  # under csrc/
+    "attention/cpu/avx512_block_products.cpp",
+    "attention/cpu/avx512_softmax_rows.cpp",
+    "attention/cpu/avx512bf16_block_products.cpp",
+    "attention/cpu/amx_block_products.cpp",
+    "decoding/cpu/avx512_decode_rows.cpp",
 )
 
 
@@ -221,7 +264,7 @@ def emulated(tmp_path_factory):
         f"-I{csrc}",
     ]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    sources = [os.path.join(csrc, "attention", "cpu", name) for name in _WIDE_SOURCES]
+    sources = [os.path.join(csrc, *name.split("/")) for name in _WIDE_SOURCES]
     sources.append(str(work / "wrapper.cpp"))
     # One compiler per source, side by side (~75 s in one process on a 2-core machine).
     jobs = [
@@ -431,6 +474,42 @@ def test_emulated_avx512_row_passes_match_avx2(emulated):
             emulated.softmax_grad_row_(wide, _ptr(p), _ptr(dp), _i(n), _f(0.3))
             rows.append(dp)
         assert torch.equal(_bits(rows[0]), _bits(rows[1])), f"softmax_grad_row n={n}"
+
+
+# Value widths through each 32- and 16-column chunk, the 8-column AVX2 chunk and the scalar
+# tail past them; row counts across decode_rows.h's 32-row runs.
+_DECODE_DV = (1, 7, 8, 15, 16, 24, 33, 41, 48, 64, 128)
+_DECODE_N = (0, 1, 31, 32, 33, 70)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_emulated_avx512_decode_pv_matches_avx2(emulated, dtype):
+    """The decode step's P V on 16 lanes returns AVX2's bits (avx512_decode_rows.h) for every
+    row block height (1-8), value width and row count above, each value row at its own address
+    (a paged cache's row pointers), o accumulated onto a nonzero start."""
+    import ctypes
+
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    g = torch.Generator().manual_seed(11)
+    for m in range(1, 9):
+        for dv in _DECODE_DV:
+            for n in _DECODE_N:
+                values = [torch.randn(dv, generator=g).to(dtype) for _ in range(n)]
+                rows = (ctypes.c_void_p * max(n, 1))(*[v.data_ptr() for v in values])
+                ldp = n + 3
+                p = torch.rand(m, ldp, generator=g)
+                o0 = torch.randn(m, dv, generator=g)
+                outs = []
+                for wide in (0, 1):
+                    o = o0.clone()
+                    emulated.decode_pv_(
+                        wide, code, _i(m), _ptr(p), _i(ldp), rows, _i(n), _i(dv), _ptr(o)
+                    )
+                    outs.append(o)
+                assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"m={m} dv={dv} n={n}"
+                if n:
+                    want = o0.double() + p[:, :n].double() @ torch.stack(values).double()
+                    torch.testing.assert_close(outs[1].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def _bf16_round(x):

@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   std::memset(c.v, 1, bytes);
 
   const std::vector<std::pair<Kind, long>> cands = {
-      {kContig, 1}, {kOurs, 1},  {kOurs, 2},  {kOurs, 4},          {kOurs, 8},
+      {kContig, 1}, {kOurs, 1},  {kOurs, 2},  {kOurs, 4},  {kOurs, 8},
       {kFlash, 1},  {kFlash, 2}, {kFlash, 4}, {kFlash, 8}, {kFlashHeadOuter, 8}};
   std::vector<std::vector<double>> t(cands.size());
   for (int round = 0; round < kRounds; ++round)
@@ -114,8 +114,7 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       volatile float sink = pass(c, cands[i].first, cands[i].second, threads);
       (void)sink;
-      t[i].push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      t[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   for (size_t i = 0; i < cands.size(); ++i) {
     std::vector<double> ratio, s = t[i];

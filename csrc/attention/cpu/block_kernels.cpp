@@ -27,7 +27,8 @@ constexpr BlockKernels kAvx2{"avx2",
                              &exp2_scale_shift2<float>,
                              &softmax_grad_row<float>,
                              &scale_row<float>,
-                             Bf16Operands::kFp32};
+                             Bf16Operands::kFp32,
+                             /*avx512=*/false};
 #ifdef ATTN_EXT_AVX512_PRODUCTS
 // The AVX-512 sets differ only in how bf16 multiplies.
 constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) {
@@ -40,7 +41,8 @@ constexpr BlockKernels avx512_set(const char* name, Bf16Operands bf16_operands) 
           &avx512::exp2_scale_shift2,
           &avx512::softmax_grad_row,
           &avx512::scale_row,
-          bf16_operands};
+          bf16_operands,
+          /*avx512=*/true};
 }
 constexpr BlockKernels kAvx512 = avx512_set("avx512", Bf16Operands::kFp32);
 #ifdef ATTN_EXT_AMX_PRODUCTS

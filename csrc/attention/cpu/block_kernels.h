@@ -38,6 +38,9 @@ struct BlockKernels {
   void (*softmax_grad_row)(const float* p, float* dp, int64_t n, float delta);
   void (*scale_row)(float* x, int64_t n, float a);
   Bf16Operands bf16_operands;
+  // Whether the set runs AVX-512F instructions: the decode step's P V follows it
+  // (decoding/cpu/avx512_decode_rows.h, 16 lanes with the same bits).
+  bool avx512;
 };
 
 // The widest kernels this CPU runs; the environment variable ATTN_EXT_CPU_KERNELS = avx2,

@@ -28,6 +28,8 @@
 #include "common/cpu/vec_math.h"
 #include "attention/score_mod.h"
 #include "attention/cpu/tile_mask.h"
+#include "attention/cpu/block_kernels.h"
+#include "decoding/cpu/avx512_decode_rows.h"
 #include "decoding/cpu/decode_rows.h"
 
 namespace attn_ext::cpu {
@@ -133,14 +135,24 @@ void scores_in_place(const DecodeParams& p, int64_t m, int64_t heads, int64_t j0
   TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
 }
 
+// O += P V for a block of m rows on rows in place: 16 lanes where the CPU kernel set runs
+// AVX-512 (avx512_decode_rows.h), else 8; the same bits either way.
 template <typename scalar_t, typename acc_t>
 void pv_in_place(int64_t m, const acc_t* p, int64_t ldp, const scalar_t* const* values, int64_t n,
                  int64_t dv, acc_t* o) {
 #ifdef ATTN_EXT_AVX2
-  if constexpr (std::is_same_v<acc_t, float>)
+  if constexpr (std::is_same_v<acc_t, float>) {
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+    if (block_kernels().avx512) {
+      TORCH_CHECK(m >= 1 && m <= avx2::kMaxDecodeRows, "decode_attention: row block of ", m,
+                  " rows, expected 1 to ", avx2::kMaxDecodeRows);
+      return avx512::decode_pv(m, p, ldp, values, n, dv, o);
+    }
+#endif
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
       avx2::decode_pv<decltype(rows)::value>(p, ldp, values, n, dv, o, dv);
     });
+  }
 #endif
   TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
 }

@@ -106,28 +106,35 @@ inline void decode_pv_chunk(const float* p, int64_t ldp, const scalar_t* const* 
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + r * ldo + c + w * kWidth, acc[r][w]);
 }
 
-// o[r * ldo + c] += sum_j p[r * ldp + j] * values[j][c] for r < M, j < n, c < dv; every
-// element's sum runs in j order (so the chunking below changes no bits).
+// Columns [c, dv) of o_r += sum_j p[r * ldp + j] * values[j] over rows [j0, j1): register-sized
+// chunks, then one column at a time. (avx512_decode_rows.cpp takes the columns past its
+// 16-lane chunks through here.)
 template <int M, typename scalar_t>
-inline void decode_pv(const float* p, int64_t ldp, const scalar_t* const* values, int64_t n,
-                      int64_t dv, float* o, int64_t ldo) {
+inline void decode_pv_columns(const float* p, int64_t ldp, const scalar_t* const* values,
+                              int64_t j0, int64_t j1, int64_t c, int64_t dv, float* o,
+                              int64_t ldo) {
   // Two vectors per row while M x 2 accumulators leave registers for the values.
   constexpr int kWide = M <= 4 ? 2 : 1;
   const int64_t d8 = dv / kWidth * kWidth;
-  for (int64_t j0 = 0; j0 < n; j0 += kPvRowRun) {
-    const int64_t j1 = std::min(n, j0 + kPvRowRun);
-    int64_t c = 0;
-    for (; c + kWide * kWidth <= d8; c += kWide * kWidth)
-      decode_pv_chunk<M, kWide>(p, ldp, values, j0, j1, c, o, ldo);
-    for (; c < d8; c += kWidth) decode_pv_chunk<M, 1>(p, ldp, values, j0, j1, c, o, ldo);
-    for (; c < dv; ++c)
-      for (int r = 0; r < M; ++r) {
-        float t = o[r * ldo + c];
-        for (int64_t j = j0; j < j1; ++j)
-          t = std::fma(p[r * ldp + j], static_cast<float>(values[j][c]), t);
-        o[r * ldo + c] = t;
-      }
-  }
+  for (; c + kWide * kWidth <= d8; c += kWide * kWidth)
+    decode_pv_chunk<M, kWide>(p, ldp, values, j0, j1, c, o, ldo);
+  for (; c < d8; c += kWidth) decode_pv_chunk<M, 1>(p, ldp, values, j0, j1, c, o, ldo);
+  for (; c < dv; ++c)
+    for (int r = 0; r < M; ++r) {
+      float t = o[r * ldo + c];
+      for (int64_t j = j0; j < j1; ++j)
+        t = std::fma(p[r * ldp + j], static_cast<float>(values[j][c]), t);
+      o[r * ldo + c] = t;
+    }
+}
+
+// o[r * ldo + c] += sum_j p[r * ldp + j] * values[j][c] for r < M, j < n, c < dv; every
+// element's sum runs in j order (so the chunking below, and any vector width, changes no bits).
+template <int M, typename scalar_t>
+inline void decode_pv(const float* p, int64_t ldp, const scalar_t* const* values, int64_t n,
+                      int64_t dv, float* o, int64_t ldo) {
+  for (int64_t j0 = 0; j0 < n; j0 += kPvRowRun)
+    decode_pv_columns<M>(p, ldp, values, j0, std::min(n, j0 + kPvRowRun), 0, dv, o, ldo);
 }
 
 // Calls f(Rows<m>{}) for 1 <= m <= kMaxDecodeRows (row_tiles.h's dispatch on the row count).

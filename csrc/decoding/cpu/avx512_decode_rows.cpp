@@ -1,0 +1,137 @@
+// The decode step's P V on 16 lanes (contract in avx512_decode_rows.h).
+//
+// Same bits as decode_rows.h's avx2::decode_pv: output element (r, c) is
+// o = fma(p[r][j], values[j][c], o) over the rows j in order in both, with o kept in a register
+// across a run of avx2::kPvRowRun rows and stored between runs (exact). Only the number of
+// columns per register differs. bf16 and fp16 rows widen exactly, as avx2::load8 does. The
+// columns past the last 16-lane chunk go through avx2::decode_pv_columns.
+//
+// Why: with a few query rows per key row, the AVX2 P V issues one 8-column FMA per row and
+// value chunk, and 16-bit rows add a widening per chunk. On a Zen 5 VM (2026-11-29, H 32,
+// Hkv 8, D 128, B 1 and 4, 1k-16k keys) the bf16 step ran 5-26% faster on 16 lanes, fp16
+// mostly 7-26%, fp32 at parity within the noise (docs/performance.md, "Decode's P V on
+// AVX-512"). The scores product stays on AVX2: two key rows per 16-lane register (the same
+// bits) measured no faster for bf16 and 1.6x slower for fp32 from DRAM.
+//
+// This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
+// pragma after its includes, as avx512_softmax_rows.cpp does; the AVX2 helpers it calls are
+// defined before the pragma, so they keep the build's flags.
+#include "decoding/cpu/avx512_decode_rows.h"
+
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <immintrin.h>
+
+#include "attention/cpu/row_tiles.h"
+#include "decoding/cpu/decode_rows.h"
+
+#ifdef ATTN_EXT_AVX512_EMULATION
+// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
+// (tests/avx512_emulation.h) on CPUs without AVX-512, with no target attributes.
+#include ATTN_EXT_AVX512_EMULATION
+#else
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+// GCC 12's widening intrinsics (vpmovzxwd, vcvtph2ps) pass a self-initialized undefined
+// register as the unused merge operand: the same false positive of -Wuninitialized as in
+// avx512_softmax_rows.cpp (the instructions write every lane).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#endif
+
+namespace attn_ext::cpu::avx512 {
+namespace {
+
+constexpr int kLanes = 16;
+
+inline __m512 load16(const float* src) {
+  return _mm512_loadu_ps(src);
+}
+inline __m512 load16(const c10::BFloat16* src) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+
+// Columns [c, c + 16 W) of o_r += sum_j p[r * ldp + j] * values[j] over rows [j0, j1).
+template <int M, int W, typename scalar_t>
+void pv_chunk(const float* p, int64_t ldp, const scalar_t* const* values, int64_t j0, int64_t j1,
+              int64_t c, float* o, int64_t ldo) {
+  __m512 acc[M][W];
+  for (int r = 0; r < M; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_loadu_ps(o + r * ldo + c + w * kLanes);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 v[W];
+    for (int w = 0; w < W; ++w) v[w] = load16(values[j] + c + w * kLanes);
+    for (int r = 0; r < M; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * ldp + j]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(pr, v[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + r * ldo + c + w * kLanes, acc[r][w]);
+}
+
+template <int M, typename scalar_t>
+void pv_rows(const float* p, int64_t ldp, const scalar_t* const* values, int64_t n, int64_t dv,
+             float* o) {
+  // Two registers per row: M x 2 accumulators (at most 16), the values and a broadcast fit
+  // AVX-512's 32 registers.
+  constexpr int kWide = 2;
+  const int64_t d16 = dv / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < n; j0 += avx2::kPvRowRun) {
+    const int64_t j1 = std::min(n, j0 + avx2::kPvRowRun);
+    int64_t c = 0;
+    for (; c + kWide * kLanes <= d16; c += kWide * kLanes)
+      pv_chunk<M, kWide>(p, ldp, values, j0, j1, c, o, dv);
+    for (; c < d16; c += kLanes) pv_chunk<M, 1>(p, ldp, values, j0, j1, c, o, dv);
+    avx2::decode_pv_columns<M>(p, ldp, values, j0, j1, c, dv, o, dv);
+  }
+}
+
+// pv_rows for m rows (the caller checks 1 <= m <= avx2::kMaxDecodeRows).
+template <typename scalar_t>
+void pv(int64_t m, const float* p, int64_t ldp, const scalar_t* const* values, int64_t n,
+        int64_t dv, float* o) {
+  auto kernel = [&](auto rows, int64_t /*r0*/) {
+    pv_rows<decltype(rows)::value>(p, ldp, values, n, dv, o);
+  };
+  detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
+}
+
+}  // namespace
+
+void decode_pv(int64_t m, const float* p, int64_t ldp, const float* const* values, int64_t n,
+               int64_t dv, float* o) {
+  pv(m, p, ldp, values, n, dv, o);
+}
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::BFloat16* const* values,
+               int64_t n, int64_t dv, float* o) {
+  pv(m, p, ldp, values, n, dv, o);
+}
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Half* const* values, int64_t n,
+               int64_t dv, float* o) {
+  pv(m, p, ldp, values, n, dv, o);
+}
+
+}  // namespace attn_ext::cpu::avx512
+
+#ifndef ATTN_EXT_AVX512_EMULATION
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+#endif
+
+#endif  // ATTN_EXT_AVX512_PRODUCTS
