@@ -326,19 +326,20 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
 // read, and FlashAttention's (page, rows, Hkv, D) pages, one row per run, at 0.45-0.55x;
 // reading every head of a page before the next page streams at the contiguous rate (a
 // read-only loop on a Zen 5 VM, 2026-11-29: dev/paged_stream). So a task covers as many
-// heads as leave each thread a task: all of them where the splits allow, else part of each
-// page (4 of 8 heads still took the fp32 step from ~1.5x to ~1.3x the contiguous one; 2 of 8
-// gained nothing). The exception: 16-bit rows in (page, Hkv, rows, D)
-// pages, read head by head with the key rows prefetched across the page jumps (decode_rows.h), ran
-// 1.1-1.25x the contiguous step against 1.25-1.5x page by page, where the 256-key tile of
-// every head (1 MB of K and V at D 128) outgrows L2.
+// heads as leave each thread a task: all of them where the splits allow, else at least half
+// of each page (4 of 8 heads still took the fp32 step from ~1.5x to ~1.3x the contiguous one
+// and FlashAttention's pages from ~1.9x to ~1.75x), else one head (2 of 8 gained nothing in
+// fp32 and lost in FlashAttention's pages: ~2.15x). The exception: 16-bit rows in
+// (page, Hkv, rows, D) pages, read head by head with the key rows prefetched across the page
+// jumps (decode_rows.h), ran 1.1-1.25x the contiguous step against 1.25-1.5x page by page,
+// where the 256-key tile of every head (1 MB of K and V at D 128) outgrows L2.
 inline int64_t heads_per_task(const DecodeParams& p, int64_t element_bytes, int64_t tasks_per_head,
                               int64_t tile) {
   if (!p.pages.paged() || p.pages.page_size >= tile) return 1;
   const bool rows_interleave_heads = p.k_head_stride < p.k_row_stride;
   if (!rows_interleave_heads && element_bytes == 2) return 1;
   const int64_t threads = at::get_num_threads();
-  for (int64_t heads = p.kv_heads; heads > 1; --heads)
+  for (int64_t heads = p.kv_heads; 2 * heads >= p.kv_heads && heads > 1; --heads)
     if (p.kv_heads % heads == 0 && tasks_per_head * (p.kv_heads / heads) >= threads) return heads;
   return 1;
 }
