@@ -8,9 +8,9 @@
 // (P V) is applied while writing the caller's row-major block, with masked stores at its edges.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512/AMX with a target
-// pragma after its includes, as avx512_block_products.cpp does, so no inline function it shares
-// with the rest of the library is ever emitted with these instructions; block_kernels() calls
-// it only where available() holds.
+// pragma after its includes (wide_target_begin.h), as avx512_block_products.cpp does, so no inline
+// function it shares with the rest of the library is ever emitted with these instructions;
+// block_kernels() calls it only where available() holds.
 #include "attention/cpu/amx_block_products.h"
 
 #ifdef ATTN_EXT_AMX_PRODUCTS
@@ -23,26 +23,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#ifdef ATTN_EXT_AVX512_EMULATION
-// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
-// (tests/avx512_emulation.h) to check its tiling and packing on CPUs without them.
-#include ATTN_EXT_AVX512_EMULATION
-#else
-#if defined(__clang__)
-#pragma clang attribute push(                                                              \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
-// GCC 12's AVX-512 unpack intrinsics pass a self-initialized _mm512_undefined_epi32() as the
-// unused merge operand, which -Wmaybe-uninitialized reports once inlined (transpose_words): a
-// false positive of those headers, as in avx512_softmax_rows.cpp.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#endif
+#define ATTN_EXT_WIDE_TARGET "avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"
+#include "common/cpu/wide_target_begin.h"
 
 namespace attn_ext::cpu::amx {
 namespace {
@@ -462,13 +444,6 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
 
 }  // namespace attn_ext::cpu::amx
 
-#ifndef ATTN_EXT_AVX512_EMULATION
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
-#endif
+#include "common/cpu/wide_target_end.h"
 
 #endif  // ATTN_EXT_AMX_PRODUCTS

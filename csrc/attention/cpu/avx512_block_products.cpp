@@ -14,8 +14,9 @@
 // AVX2 kernels use a scalar std::fma loop, which rounds the same way.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
-// pragma after its includes, so no inline function it shares with the rest of the library
-// is ever emitted with AVX-512 code; block_kernels() calls it only on CPUs with AVX-512F.
+// pragma after its includes (wide_target_begin.h), so no inline function it shares with the rest of
+// the library is ever emitted with AVX-512 code; block_kernels() calls it only on CPUs with
+// AVX-512F.
 #include "attention/cpu/avx512_block_products.h"
 
 #ifdef ATTN_EXT_AVX512_PRODUCTS
@@ -25,19 +26,8 @@
 
 #include "attention/cpu/row_tiles.h"
 
-#ifdef ATTN_EXT_AVX512_EMULATION
-// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
-// (tests/avx512_emulation.h) to check its tiling bit for bit on CPUs without AVX-512.
-#include ATTN_EXT_AVX512_EMULATION
-#else
-#include <immintrin.h>
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-#endif
-#endif
+#define ATTN_EXT_WIDE_TARGET "avx512f,fma"
+#include "common/cpu/wide_target_begin.h"
 
 namespace attn_ext::cpu::avx512 {
 namespace {
@@ -216,12 +206,6 @@ void atb_tile(const float* a, int64_t lda, int64_t m, int64_t n, const float* b_
 
 }  // namespace attn_ext::cpu::avx512
 
-#ifndef ATTN_EXT_AVX512_EMULATION
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
+#include "common/cpu/wide_target_end.h"
 
 #endif  // ATTN_EXT_AVX512_PRODUCTS

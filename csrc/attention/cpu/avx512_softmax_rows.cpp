@@ -11,8 +11,9 @@
 // cheaper exp2 of the same or better accuracy.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
-// pragma after its includes, as avx512_block_products.cpp does; the AVX2 helpers it calls
-// (avx2::hsum, std::exp2) are defined before the pragma, so they keep the build's flags.
+// pragma after its includes (wide_target_begin.h), as avx512_block_products.cpp does; the AVX2
+// helpers it calls (avx2::hsum, std::exp2) are defined before the pragma, so they keep the build's
+// flags.
 #include "attention/cpu/avx512_softmax_rows.h"
 
 #ifdef ATTN_EXT_AVX512_PRODUCTS
@@ -23,25 +24,13 @@
 
 #include "common/cpu/vec_math.h"
 
+#define ATTN_EXT_WIDE_TARGET "avx512f,fma"
+#include "common/cpu/wide_target_begin.h"
+// The functions that need more than the region's sets name them (none under emulation).
 #ifdef ATTN_EXT_AVX512_EMULATION
-// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
-// (tests/avx512_emulation.h) on CPUs without AVX-512, with no target attributes.
-#include ATTN_EXT_AVX512_EMULATION
 #define ATTN_EXT_ROW_PASS_TARGET(isa)
 #else
 #define ATTN_EXT_ROW_PASS_TARGET(isa) __attribute__((target(isa)))
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-// GCC 12's AVX-512 intrinsics pass a self-initialized _mm512_undefined_ps() as the unused merge
-// operand, which -Wuninitialized reports once inlined here: a false positive of those headers
-// (the instructions write every lane; the block products' intrinsics do not trigger it).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 #endif
 
 namespace attn_ext::cpu::avx512 {
@@ -204,13 +193,6 @@ float exp2_shift_sum_bf16(const float* x, int64_t n, float scale, float shift, u
 }  // namespace attn_ext::cpu::avx512
 
 #undef ATTN_EXT_ROW_PASS_TARGET
-#ifndef ATTN_EXT_AVX512_EMULATION
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
-#endif
+#include "common/cpu/wide_target_end.h"
 
 #endif  // ATTN_EXT_AVX512_PRODUCTS

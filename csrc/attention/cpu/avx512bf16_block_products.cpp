@@ -8,9 +8,9 @@
 // row tile passes over them, as in the AVX-512 fp32 products.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512/BF16 with a
-// target pragma after its includes, as avx512_block_products.cpp does, so no inline function it
-// shares with the rest of the library is ever emitted with these instructions; block_kernels()
-// calls it only where available() holds.
+// target pragma after its includes (wide_target_begin.h), as avx512_block_products.cpp does, so no
+// inline function it shares with the rest of the library is ever emitted with these instructions;
+// block_kernels() calls it only where available() holds.
 #include "attention/cpu/avx512bf16_block_products.h"
 
 #ifdef ATTN_EXT_AVX512BF16_PRODUCTS
@@ -22,19 +22,8 @@
 
 #include "attention/cpu/row_tiles.h"
 
-#ifdef ATTN_EXT_AVX512_EMULATION
-// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
-// (tests/avx512_emulation.h) to check its tiling and packing on CPUs without them.
-#include ATTN_EXT_AVX512_EMULATION
-#else
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512bf16,fma"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512bf16,fma")
-#endif
-#endif
+#define ATTN_EXT_WIDE_TARGET "avx512f,avx512bw,avx512bf16,fma"
+#include "common/cpu/wide_target_begin.h"
 
 namespace attn_ext::cpu::avx512bf16 {
 namespace {
@@ -210,12 +199,6 @@ void pv(const uint16_t* p_bf16, int64_t ldp, int64_t m, const uint16_t* value_ti
 
 }  // namespace attn_ext::cpu::avx512bf16
 
-#ifndef ATTN_EXT_AVX512_EMULATION
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
+#include "common/cpu/wide_target_end.h"
 
 #endif  // ATTN_EXT_AVX512BF16_PRODUCTS

@@ -14,8 +14,8 @@
 // bits) measured no faster for bf16 and 1.6x slower for fp32 from DRAM.
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
-// pragma after its includes, as avx512_softmax_rows.cpp does; the AVX2 helpers it calls are
-// defined before the pragma, so they keep the build's flags.
+// pragma after its includes (wide_target_begin.h), as avx512_softmax_rows.cpp does; the AVX2
+// helpers it calls are defined before the pragma, so they keep the build's flags.
 #include "decoding/cpu/avx512_decode_rows.h"
 
 #ifdef ATTN_EXT_AVX512_PRODUCTS
@@ -27,24 +27,8 @@
 #include "attention/cpu/row_tiles.h"
 #include "decoding/cpu/decode_rows.h"
 
-#ifdef ATTN_EXT_AVX512_EMULATION
-// tests/test_cpu_kernels.py compiles this file against scalar stand-ins for the intrinsics
-// (tests/avx512_emulation.h) on CPUs without AVX-512, with no target attributes.
-#include ATTN_EXT_AVX512_EMULATION
-#else
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-// GCC 12's widening intrinsics (vpmovzxwd, vcvtph2ps) pass a self-initialized undefined
-// register as the unused merge operand: the same false positive of -Wuninitialized as in
-// avx512_softmax_rows.cpp (the instructions write every lane).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#endif
+#define ATTN_EXT_WIDE_TARGET "avx512f,fma"
+#include "common/cpu/wide_target_begin.h"
 
 namespace attn_ext::cpu::avx512 {
 namespace {
@@ -125,13 +109,6 @@ void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Half* const* v
 
 }  // namespace attn_ext::cpu::avx512
 
-#ifndef ATTN_EXT_AVX512_EMULATION
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
-#endif
+#include "common/cpu/wide_target_end.h"
 
 #endif  // ATTN_EXT_AVX512_PRODUCTS
