@@ -115,26 +115,14 @@ _WRAPPER = r"""
 #include "decoding/cpu/decode_rows.h"
 using namespace attn_ext::cpu;
 template <typename T>
-void decode_pv_avx2(int64_t m, const float* p, int64_t ldp, const T* const* values, int64_t n,
-                    int64_t dv, float* o) {
-  switch (m) {
-    case 1: return avx2::decode_pv<1>(p, ldp, values, n, dv, o, dv);
-    case 2: return avx2::decode_pv<2>(p, ldp, values, n, dv, o, dv);
-    case 3: return avx2::decode_pv<3>(p, ldp, values, n, dv, o, dv);
-    case 4: return avx2::decode_pv<4>(p, ldp, values, n, dv, o, dv);
-    case 5: return avx2::decode_pv<5>(p, ldp, values, n, dv, o, dv);
-    case 6: return avx2::decode_pv<6>(p, ldp, values, n, dv, o, dv);
-    case 7: return avx2::decode_pv<7>(p, ldp, values, n, dv, o, dv);
-    case 8: return avx2::decode_pv<8>(p, ldp, values, n, dv, o, dv);
-  }
-  std::abort();
-}
-template <typename T>
 void decode_pv_typed(int wide, int64_t m, const float* p, int64_t ldp, const void* const* rows,
                      int64_t n, int64_t dv, float* o) {
   const T* const* values = reinterpret_cast<const T* const*>(rows);
   if (wide) return avx512::decode_pv(m, p, ldp, values, n, dv, o);
-  decode_pv_avx2(m, p, ldp, values, n, dv, o);
+  auto kernel = [&](auto rows_, int64_t) {
+    avx2::decode_pv<decltype(rows_)::value>(p, ldp, values, n, dv, o, dv);
+  };
+  detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
 }
 extern "C" {
 // dtype 0: fp32 rows, 1: bf16, 2: fp16.

@@ -89,12 +89,11 @@ constexpr bool decode_rows_in_place(int64_t m) {
 #endif
 }
 
-// How a call's work is cut into tasks: one row block of one sequence, one key split, and
-// `heads` consecutive KV heads (a divisor of Hkv).
-struct DecodeSchedule {
-  int64_t splits = 1;
-  int64_t heads = 1;
-};
+// Whether a cache's rows hold every KV head's row of a position side by side (FlashAttention's
+// (page, rows, Hkv, D) pages) rather than each head's rows side by side.
+inline bool rows_interleave_heads(const DecodeParams& p) {
+  return p.k_head_stride < p.k_row_stride;
+}
 
 // S = Q K^T for a task's `heads` KV heads on key rows [0, n) of a tile in place (decode_rows.h;
 // only blocks that decode_rows_in_place admits come here): head h's queries at q + h * ldq_head,
@@ -115,10 +114,10 @@ void scores_in_place(const DecodeParams& p, int64_t m, int64_t heads, int64_t j0
       constexpr int M = decltype(rows)::value;
       if (heads == 1)
         return avx2::decode_scores<M>(q, D, keys, n, D, s, lds, values, Dv, p.pages.paged());
-      const bool rows_interleave_heads = p.k_head_stride < p.k_row_stride;
+      const bool interleaved = rows_interleave_heads(p);
       for (int64_t r = 0, run = 0; r < n; r += run) {
         run = std::min(n - r, p.pages.page_size - (j0 + r) % p.pages.page_size);
-        if (rows_interleave_heads) {
+        if (interleaved) {
           for (int64_t j = r; j < r + run; ++j)
             for (int64_t h = 0; h < heads; ++h)
               avx2::decode_scores<M>(q + h * ldq_head, D, keys + h * tile + j, 1, D,
@@ -141,24 +140,22 @@ template <typename scalar_t, typename acc_t>
 void pv_in_place(int64_t m, const acc_t* p, int64_t ldp, const scalar_t* const* values, int64_t n,
                  int64_t dv, acc_t* o) {
 #ifdef ATTN_EXT_AVX2
-  if constexpr (std::is_same_v<acc_t, float>) {
-#ifdef ATTN_EXT_AVX512_PRODUCTS
-    if (block_kernels().avx512) {
-      TORCH_CHECK(m >= 1 && m <= avx2::kMaxDecodeRows, "decode_attention: row block of ", m,
-                  " rows, expected 1 to ", avx2::kMaxDecodeRows);
-      return avx512::decode_pv(m, p, ldp, values, n, dv, o);
-    }
-#endif
+  if constexpr (std::is_same_v<acc_t, float>)
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
-      avx2::decode_pv<decltype(rows)::value>(p, ldp, values, n, dv, o, dv);
+      constexpr int M = decltype(rows)::value;
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+      if (block_kernels().avx512) return avx512::decode_pv(M, p, ldp, values, n, dv, o);
+#endif
+      avx2::decode_pv<M>(p, ldp, values, n, dv, o, dv);
     });
-  }
 #endif
   TORCH_INTERNAL_ASSERT(false, "decode_attention: no in-place products for this build and dtype");
 }
 
+// The tasks: one row block of one sequence, one key split, and `heads` consecutive KV heads (a
+// divisor of Hkv; heads_per_task).
 template <typename scalar_t>
-void decode_fwd(const DecodeParams& p, DecodeSchedule schedule,
+void decode_fwd(const DecodeParams& p, int64_t heads,
                 Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
@@ -166,8 +163,8 @@ void decode_fwd(const DecodeParams& p, DecodeSchedule schedule,
   const int64_t G = p.group(), Sq = p.seqlen_q, D = p.head_dim, Dv = p.head_dim_v;
   const int64_t rows = G * Sq;  // row r = i * G + g: query i of head hk * G + g
   const int64_t kM = std::min(Traits::kDecodeBlockM, rows);
-  const int64_t num_m = ceil_div(rows, kM), splits = schedule.splits;
-  const int64_t heads = schedule.heads, head_groups = p.kv_heads / heads;
+  const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
+  const int64_t head_groups = p.kv_heads / heads;
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
@@ -336,8 +333,7 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
 inline int64_t heads_per_task(const DecodeParams& p, int64_t element_bytes, int64_t tasks_per_head,
                               int64_t tile) {
   if (!p.pages.paged() || p.pages.page_size >= tile) return 1;
-  const bool rows_interleave_heads = p.k_head_stride < p.k_row_stride;
-  if (!rows_interleave_heads && element_bytes == 2) return 1;
+  if (!rows_interleave_heads(p) && element_bytes == 2) return 1;
   const int64_t threads = at::get_num_threads();
   for (int64_t heads = p.kv_heads; 2 * heads >= p.kv_heads && heads > 1; --heads)
     if (p.kv_heads % heads == 0 && tasks_per_head * (p.kv_heads / heads) >= threads) return heads;
@@ -361,10 +357,10 @@ void decode(DecodeParams& p) {
     const int64_t max_len = *std::max_element(p.lengths, p.lengths + p.batch);
     p.num_splits = auto_splits(blocks, max_len, Traits::kMinSplitKeys, Traits::kTasksPerThread);
   }
-  DecodeSchedule schedule{p.num_splits, 1};
-  if (in_place)
-    schedule.heads =
-        heads_per_task(p, sizeof(scalar_t), p.batch * num_m * p.num_splits, Traits::kDecodeBlockN);
+  const int64_t heads = in_place
+                            ? heads_per_task(p, sizeof(scalar_t), p.batch * num_m * p.num_splits,
+                                             Traits::kDecodeBlockN)
+                            : 1;
   Partials<acc_t> partials;
   std::vector<acc_t> o_ws;
   std::vector<SoftmaxState<acc_t>> state_ws;
@@ -374,7 +370,7 @@ void decode(DecodeParams& p) {
     state_ws.resize(slots);
     partials = {o_ws.data(), state_ws.data()};
   }
-  decode_fwd<scalar_t>(p, schedule, partials);
+  decode_fwd<scalar_t>(p, heads, partials);
   if (p.num_splits > 1) merge_splits<scalar_t>(p, partials);
 }
 
