@@ -29,6 +29,15 @@ then:
   candidate (a fresh cache each, its construction included: one copy of the prompt against
   ``--new-tokens`` reads of it), up to ``--gen-max-context`` (above: "skip").
 
+``--layers N`` gives every candidate N caches, one per layer of a model, each holding the
+prompt: a step then appends to and reads every layer in turn, and times are per layer. A model
+decodes that way: by the time a layer's cache is read again, the other layers' caches have
+evicted it from the last-level cache. With one layer (the default) each step re-reads the same
+cache, which stays in the last-level cache while it fits there (a 2-core Zen 5 VM with 32 MB of
+L3: bf16 up to ~4k keys at H 32 / Hkv 8 / D 128), so those cells time instructions where a model
+would time DRAM (docs/performance.md, "Q Kᵀ on vdpbf16ps, tried and dropped"). Pick N so that N
+caches are several times the last-level cache.
+
 Ratios ``<candidate> / attn_ext`` (> 1: attn_ext faster; for the paged caches, the cost of
 paging). On CUDA also the achieved bandwidth (bytes of K and V read / time) against the
 device's measured copy bandwidth, of a step and of the kernel alone: ``kernel`` replays a CUDA
@@ -156,6 +165,21 @@ def paged(page_size):
     return lambda k, v, max_len: PagedCache(k, v, max_len, page_size)
 
 
+class Layers:
+    """One candidate's caches for ``n`` layers, each holding the prompt: a step appends the new
+    token to every layer's cache and reads it, layer by layer, as a model's decode step does
+    (the same q, k, v for every layer: the data does not change the time)."""
+
+    def __init__(self, make, prompt, max_len, n):
+        self.caches = [make(*prompt, max_len) for _ in range(n)]
+
+    def step(self, q, k_new, v_new):
+        return [c.step(q, k_new, v_new) for c in self.caches][-1]
+
+    def read(self, q):
+        return [c.read(q) for c in self.caches][-1]
+
+
 MAKERS = {
     "attn_ext": AttnExtCache,
     "paged16": paged(16),
@@ -164,6 +188,24 @@ MAKERS = {
     "sdpa_nocudnn": SdpaNoCudnnCache,
     "doc": DocCache,
 }
+
+
+def build(name, prompt, max_len, layers):
+    """Candidate ``name``'s cache holding the prompt, or its ``layers`` caches (Layers)."""
+    if layers == 1:
+        return MAKERS[name](*prompt, max_len)
+    return Layers(MAKERS[name], prompt, max_len, layers)
+
+
+def per_layer(timing, layers):
+    """``timing`` with every time divided by the layers a call went through."""
+    if layers == 1:
+        return timing
+    return harness.Timing(
+        rounds=[{n: t / layers for n, t in r.items()} for r in timing.rounds],
+        results=timing.results,
+        errors=timing.errors,
+    )
 
 
 def stepper(cache, new):
@@ -178,9 +220,9 @@ def stepper(cache, new):
     return step
 
 
-def generation(name, prompt, new, n_new, max_len):
+def generation(name, prompt, new, n_new, max_len, layers):
     def run():
-        step = stepper(MAKERS[name](*prompt, max_len), new)
+        step = stepper(build(name, prompt, max_len, layers), new)
         for _ in range(n_new):
             step()
 
@@ -193,24 +235,25 @@ def reader(cache, q):
 
 
 def kernel_timing(bench, args, names, prompt, new, max_len, params):
-    """The ``kernel`` timing of one cell (CUDA): each candidate in ``names`` on a fresh cache
-    holding the prompt, ``--graph-reps`` reads per CUDA graph; per-call times (ms) and the
-    bytes of K and V read per call / time (GB/s). (None, {}) when nothing is graphed."""
+    """The ``kernel`` timing of one cell (CUDA): each candidate in ``names`` on fresh caches
+    holding the prompt (``--layers`` of them, read in turn), ``--graph-reps`` reads of them per
+    CUDA graph; per-read times (ms) and the bytes of K and V read per read / time (GB/s).
+    (None, {}) when nothing is graphed."""
     if not names:
         return None, {}
-    reps = args.graph_reps
+    reps, layers = args.graph_reps, args.layers
     calls, notes = {}, {}
     for n in names:
         try:
             calls[n] = harness.cuda_graph_replay(
-                reader(MAKERS[n](*prompt, max_len), new[0][0]), reps
+                reader(build(n, prompt, max_len, layers), new[0][0]), reps
             )
         except Exception as e:  # a candidate whose call does not capture: reported, not fatal
             notes[n] = harness.error_text(e)
     timing = bench.time(calls)
     del calls  # the graphs and their caches: the whole generations need the memory next
     per_call = harness.Timing(
-        rounds=[{n: t / reps for n, t in r.items()} for r in timing.rounds],
+        rounds=[{n: t / (reps * layers) for n, t in r.items()} for r in timing.rounds],
         results=timing.results,
         errors={**timing.errors, **notes},
     )
@@ -250,6 +293,13 @@ def main(argv=None):
     )
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="caches per candidate, read in turn each step as a model's layers are; times per "
+        "layer (1: one cache re-read every step)",
+    )
+    ap.add_argument(
         "--gen-max-context",
         type=int,
         default=32768,
@@ -269,6 +319,8 @@ def main(argv=None):
         help="default: all (on CPU, all but " + ", ".join(CUDA_ONLY) + ")",
     )
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error(f"--layers: expected at least 1, got {args.layers}")
     if args.quick:
         args.prompts, args.new_tokens, args.max_repeats = [256, 1024], 16, 4
         args.heads, args.kv_heads, args.head_dim = 8, 2, 64
@@ -300,7 +352,12 @@ def main(argv=None):
         # room for the warm-up, every round (close calls included) and a generation
         max_len = P + args.new_tokens + args.warmup + 2 * args.max_repeats + 2
         params = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=P, D=D, Hkv=Hkv)
-        step = bench.time({n: stepper(MAKERS[n](*prompt, max_len), new) for n in names})
+        if args.layers > 1:
+            params["layers"] = args.layers
+        L = args.layers
+        step = per_layer(
+            bench.time({n: stepper(build(n, prompt, max_len, L), new) for n in names}), L
+        )
         gbps = {}
         if bw and step.median_s("attn_ext"):
             # bytes of K and V read per step at context P (+ the new token)
@@ -323,11 +380,14 @@ def main(argv=None):
         )
         whole = None
         if P <= args.gen_max_context:
-            whole = bench.time(
-                {n: generation(n, prompt, new, args.new_tokens, max_len) for n in names},
-                warmup=0,
-                min_rounds=1,
-                max_rounds=1,
+            whole = per_layer(
+                bench.time(
+                    {n: generation(n, prompt, new, args.new_tokens, max_len, L) for n in names},
+                    warmup=0,
+                    min_rounds=1,
+                    max_rounds=1,
+                ),
+                L,
             )
             bench.record_timing(
                 whole,
@@ -364,6 +424,13 @@ def main(argv=None):
         f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} "
         "new tokens "
         "after the prompt. Ratios > 1: attn_ext faster."
+        + (
+            f" Each candidate holds {args.layers} layers' caches, read in turn every step as a "
+            "model's are (no layer's cache is still in the last-level cache when read); times are "
+            "per layer."
+            if args.layers > 1
+            else ""
+        )
         + (f" Copy bandwidth {bw:.0f} GB/s." if bw else "")
         + (
             f" `kernel` = us of one attention read at context P, from CUDA graphs of "

@@ -172,6 +172,37 @@ def test_quick_driver_run_writes_table_history_and_plot(tmp_path):
     assert (tmp_path / "decode_cpu.png").stat().st_size > 0
 
 
+def _bench_decode_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode", REPO / "benchmarks" / "bench_decode.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_layers_step_every_layer_and_time_per_layer():
+    """bench_decode's --layers: a step appends to and reads each layer's own cache (so the
+    layers' caches are distinct memory, read in turn), and times are divided by the layers."""
+    bd = _bench_decode_module()
+    P, layers = 5, 3
+    prompt = (torch.randn(1, 2, P, 16), torch.randn(1, 2, P, 16))
+    new = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    model = bd.build("attn_ext", prompt, 16, layers)
+    caches = [c.cache for c in model.caches]
+    assert len({c.k.data_ptr() for c in caches}) == layers
+    out = model.step(*new)
+    assert [c.lengths.tolist() for c in caches] == [[P + 1]] * layers
+    one = bd.build("attn_ext", prompt, 16, 1)
+    torch.testing.assert_close(out, one.step(*new), rtol=0, atol=0)
+    timing = harness.Timing(rounds=[{"a": 3.0, "b": 6.0}], results={"a": 1})
+    scaled = bd.per_layer(timing, layers)
+    assert scaled.rounds == [{"a": 1.0, "b": 2.0}] and scaled.results == {"a": 1}
+    assert bd.per_layer(timing, 1) is timing
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_runs_the_captured_calls():
     """cuda_graph_replay's call replays all `reps` calls on the tensors they captured: a graph
