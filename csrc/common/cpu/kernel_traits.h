@@ -48,6 +48,15 @@ struct FlashTraits {
   // 256-key tiles keep a K tile, a V tile and the scores in L2 while MKL streams them.
   static constexpr int64_t kDecodeBlockM = 128;
   static constexpr int64_t kDecodeBlockN = 256;
+  // Blocks of a few rows on the cache rows in place (decoding/cpu/decode_rows.h) take 128-key
+  // tiles: a paged task that reads every KV head of a page holds the tile of every head (8
+  // heads x 128 keys x 256 B of bf16 K and V at D 128: 512 KB), which at 256 keys outgrew the
+  // 1 MB L2 of the Zen 5 VM measured (2026-11-29, H 32, Hkv 8, D 128, 4k-16k keys, cold
+  // caches). FlashAttention's (page, rows, Hkv, D) pages of 16 rows went from 1.45-1.8x the
+  // contiguous step to 1.06-1.39x in bf16 and from 1.39-1.49x to 1.16-1.32x in fp32. With the
+  // next tile's keys asked for ahead (decode_attention.cpp) the contiguous step stayed within
+  // 0.93-1.07x of the 256-key one. 64 keys cost the contiguous step 7-26%.
+  static constexpr int64_t kDecodeRowsBlockN = 128;
   // Split-KV: a split below 512 keys costs more in its merge and task overhead than it
   // gains in parallelism; aim for two tasks per thread so uneven lengths balance.
   static constexpr int64_t kMinSplitKeys = 512;

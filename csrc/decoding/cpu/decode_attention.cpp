@@ -89,6 +89,37 @@ constexpr bool decode_rows_in_place(int64_t m) {
 #endif
 }
 
+// Keys per tile: few-row blocks on the rows in place take shorter tiles (kernel_traits.h says
+// why); a paged cache and a contiguous one take the same, so they still agree bit for bit.
+template <typename Traits>
+constexpr int64_t decode_tile(bool in_place) {
+  return in_place ? Traits::kDecodeRowsBlockN : Traits::kDecodeBlockN;
+}
+
+// Asks for the first avx2::kKeyAheadBytes of key rows [t0, t1) of sequence b at KV heads
+// [hk0, hk0 + heads) into L2: issued once a tile's scores are formed, the next tile's first
+// keys arrive while its softmax and P V run, where the hardware prefetcher would restart its
+// stream only at the next tile's first misses (the contiguous step at 128-key tiles, against
+// 256-key ones: 1.02-1.10x without, 0.97-1.06x with; asking for 32 KB instead of 8 cost 3-22%;
+// Zen 5 VM, 2026-11-29).
+template <typename scalar_t>
+void prefetch_next_keys(const DecodeParams& p, int64_t b, int64_t hk0, int64_t heads, int64_t t0,
+                        int64_t t1) {
+#ifdef ATTN_EXT_AVX2
+  const int64_t key_bytes = p.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  t1 = std::min(t1, t0 + std::max<int64_t>(1, avx2::kKeyAheadBytes / key_bytes));
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t t = t0; t < t1; ++t) {
+      const CacheSlot slot = p.key_slot(b, t);
+      avx2::prefetch_row_l2(row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
+                                    p.k_head_stride, p.k_row_stride, slot.block, hk0 + h, slot.row),
+                            key_bytes);
+    }
+#else
+  (void)p, (void)b, (void)hk0, (void)heads, (void)t0, (void)t1;
+#endif
+}
+
 // Whether a cache's rows hold every KV head's row of a position side by side (FlashAttention's
 // (page, rows, Hkv, D) pages) rather than each head's rows side by side.
 inline bool rows_interleave_heads(const DecodeParams& p) {
@@ -113,7 +144,7 @@ void scores_in_place(const DecodeParams& p, int64_t m, int64_t heads, int64_t j0
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
       constexpr int M = decltype(rows)::value;
       if (heads == 1)
-        return avx2::decode_scores<M>(q, D, keys, n, D, s, lds, values, Dv, p.pages.paged());
+        return avx2::decode_scores<M>(q, D, keys, n, D, s, lds, values, Dv, /*keys_ahead=*/true);
       const bool interleaved = rows_interleave_heads(p);
       for (int64_t r = 0, run = 0; r < n; r += run) {
         run = std::min(n - r, p.pages.page_size - (j0 + r) % p.pages.page_size);
@@ -159,16 +190,16 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
                 Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  constexpr int64_t kN = Traits::kDecodeBlockN;
   const int64_t G = p.group(), Sq = p.seqlen_q, D = p.head_dim, Dv = p.head_dim_v;
   const int64_t rows = G * Sq;  // row r = i * G + g: query i of head hk * G + g
   const int64_t kM = std::min(Traits::kDecodeBlockM, rows);
+  const bool in_place = decode_rows_in_place<acc_t>(kM);
+  const int64_t kN = decode_tile<Traits>(in_place);
   const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
   const int64_t head_groups = p.kv_heads / heads;
   const acc_t log2e = static_cast<acc_t>(kLog2e);
   const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
-  const bool in_place = decode_rows_in_place<acc_t>(kM);
   const bool gather = !in_place && p.pages.paged() && p.pages.page_size < kN;
   const bool buffered = !in_place && (Traits::kConvert || gather);
   TORCH_INTERNAL_ASSERT(in_place || heads == 1, "decode_attention: ", heads,
@@ -218,6 +249,7 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
             tile_rows(p, b, hk0 + h, j0, n, k_rows.data() + h * kN, v_rows.data() + h * kN);
           scores_in_place(p, m, heads, j0, n, q_buf.get(), kM * D, k_rows.data(), v_rows.data(), kN,
                           s_buf.get(), kN, kM * kN);
+          prefetch_next_keys<scalar_t>(p, b, hk0, heads, j0 + n, j_end);
         } else if (gather) {
           const auto* k = static_cast<const scalar_t*>(p.k) + hk0 * p.k_head_stride;
           const auto* v = static_cast<const scalar_t*>(p.v) + hk0 * p.v_head_stride;
@@ -328,8 +360,9 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
 // and FlashAttention's pages from ~1.9x to ~1.75x), else one head (2 of 8 gained nothing in
 // fp32 and lost in FlashAttention's pages: ~2.15x). The exception: 16-bit rows in
 // (page, Hkv, rows, D) pages, read head by head with the key rows prefetched across the page
-// jumps (decode_rows.h), ran 1.1-1.25x the contiguous step against 1.25-1.5x page by page,
-// where the 256-key tile of every head (1 MB of K and V at D 128) outgrows L2.
+// jumps (decode_rows.h), ran 1.1-1.25x the contiguous step against 1.25-1.5x page by page
+// with 256-key tiles, and still 1.2-1.35x against 1.3-1.75x with the 128-key tiles of
+// kDecodeRowsBlockN (Zen 5 VM, 2026-11-29; why page by page loses there is not known).
 inline int64_t heads_per_task(const DecodeParams& p, int64_t element_bytes, int64_t tasks_per_head,
                               int64_t tile) {
   if (!p.pages.paged() || p.pages.page_size >= tile) return 1;
@@ -359,7 +392,7 @@ void decode(DecodeParams& p) {
   }
   const int64_t heads = in_place
                             ? heads_per_task(p, sizeof(scalar_t), p.batch * num_m * p.num_splits,
-                                             Traits::kDecodeBlockN)
+                                             decode_tile<Traits>(in_place))
                             : 1;
   Partials<acc_t> partials;
   std::vector<acc_t> o_ws;

@@ -47,19 +47,20 @@ inline void prefetch_row_l2(const void* row, int64_t bytes) {
 // d in order (lane = feature mod 8), summed by hsum, then the tail features in order.
 // Meanwhile value row j (dv features) is prefetched into L2 for decode_pv: its DRAM reads then
 // overlap these FMAs instead of following them (fp32 contiguous step, B 1, ctx 16k, Zen 3:
-// 15.2 -> 9.5 ms). Key rows are prefetched kKeyAheadBytes ahead only where the rows are
-// `scattered` (a paged cache: the hardware prefetcher loses the stream at every page) and
-// 16-bit: on a Zen 5 VM (2026-11-29, H 32, Hkv 8, D 128, pages of 16 rows) that took the bf16
-// step from 1.7-1.8x the contiguous cache's to 1.1-1.3x, while fp32 rows moved -8% to +7% and
-// contiguous caches of either type gained nothing (Zen 3, earlier), so they keep the hardware's.
+// 15.2 -> 9.5 ms). With `keys_ahead`, 16-bit key rows are prefetched kKeyAheadBytes ahead
+// too. On a Zen 5 VM (2026-11-29, H 32, Hkv 8, D 128) that took the bf16 step through pages of
+// 16 rows (where the hardware prefetcher loses the stream at every page) from 1.7-1.8x the
+// contiguous cache's to 1.1-1.3x, and the contiguous bf16 step with 128-key tiles 5-9% faster
+// (cold caches); fp32 rows moved -8% to +7% through pages and lost up to 4% contiguous, so they
+// keep the hardware's.
 template <int M, typename scalar_t>
 inline void decode_scores(const float* q, int64_t ldq, const scalar_t* const* keys, int64_t n,
                           int64_t d, float* s, int64_t lds, const scalar_t* const* values,
-                          int64_t dv, bool scattered) {
+                          int64_t dv, bool keys_ahead) {
   const int64_t d8 = d / kWidth * kWidth;
   const int64_t value_bytes = dv * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t key_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
-  const bool prefetch_keys = scattered && sizeof(scalar_t) == 2;
+  const bool prefetch_keys = keys_ahead && sizeof(scalar_t) == 2;
   const int64_t ahead = prefetch_keys ? std::max<int64_t>(1, kKeyAheadBytes / key_bytes) : n;
   for (int64_t j = 0; j < n; ++j) {
     const scalar_t* k = keys[j];
