@@ -464,9 +464,10 @@ def test_emulated_avx512_row_passes_match_avx2(emulated):
         assert torch.equal(_bits(rows[0]), _bits(rows[1])), f"softmax_grad_row n={n}"
 
 
-# Value widths through each 32- and 16-column chunk, the 8-column AVX2 chunk and the scalar
-# tail past them; row counts across decode_rows.h's 32-row runs.
-_DECODE_DV = (1, 7, 8, 15, 16, 24, 33, 41, 48, 64, 128)
+# Value widths through the 16-lane code's 128-column blocks, each width of a last block (1-7
+# chunks of 16, in passes of 16 / chunks rows), the 8-column AVX2 chunk and the scalar tail past
+# them; row counts across decode_rows.h's 32-row runs.
+_DECODE_DV = (1, 7, 8, 15, 16, 24, 33, 41, 48, 64, 80, 96, 112, 128, 129, 200, 256)
 _DECODE_N = (0, 1, 31, 32, 33, 70)
 
 

@@ -11,7 +11,8 @@
 // Hkv 8, D 128, B 1 and 4, 1k-16k keys) the bf16 step ran 5-26% faster on 16 lanes, fp16
 // mostly 7-26%, fp32 at parity within the noise (docs/performance.md, "Decode's P V on
 // AVX-512"). The scores product stays on AVX2: two key rows per 16-lane register (the same
-// bits) measured no faster for bf16 and 1.6x slower for fp32 from DRAM.
+// bits) measured no faster for bf16 and 1.6x slower for fp32 from DRAM (rows read chunk by
+// chunk, as pv_rows below no longer reads them).
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
 // pragma after its includes (wide_target_begin.h), as avx512_softmax_rows.cpp does; the AVX2
@@ -65,20 +66,52 @@ void pv_chunk(const float* p, int64_t ldp, const scalar_t* const* values, int64_
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + r * ldo + c + w * kLanes, acc[r][w]);
 }
 
+// Accumulators a pass over the value rows may hold: with the W value registers of a row and a
+// broadcast they fit AVX-512's 32 registers.
+constexpr int kMaxAccumulators = 16;
+// Value columns per block: 128 columns make a bf16 row of D 128 (256 bytes) or half an fp32 one,
+// read whole by each pass.
+constexpr int kBlockChunks = 8;
+
+// Columns [c, c + 16 W) of the M rows, over value rows [j0, j1): passes of as many rows as
+// kMaxAccumulators allows (R x W), each reading the rows' W chunks in order. The first pass
+// streams the value rows; the others find them in L1 (a run of avx2::kPvRowRun rows is 8 KB
+// of bf16 at D 128).
+template <int M, int W, typename scalar_t>
+void row_passes(const float* p, int64_t ldp, const scalar_t* const* values, int64_t j0, int64_t j1,
+                int64_t c, float* o, int64_t ldo) {
+  constexpr int kRows = kMaxAccumulators / W < M ? kMaxAccumulators / W : M;
+  pv_chunk<kRows, W>(p, ldp, values, j0, j1, c, o, ldo);
+  if constexpr (M > kRows)
+    row_passes<M - kRows, W>(p + kRows * ldp, ldp, values, j0, j1, c, o + kRows * ldo, ldo);
+}
+
+// Calls row_passes<M, W> for the 1 <= w <= kBlockChunks chunks left of a row.
+template <int M, typename scalar_t, int... W>
+void last_block(int w, const float* p, int64_t ldp, const scalar_t* const* values, int64_t j0,
+                int64_t j1, int64_t c, float* o, int64_t ldo, std::integer_sequence<int, W...>) {
+  ((w == W + 1 ? row_passes<M, W + 1>(p, ldp, values, j0, j1, c, o, ldo) : void()), ...);
+}
+
+// Each run of avx2::kPvRowRun value rows is read block by block of kBlockChunks 16-column
+// chunks (a whole bf16 row at D 128), its M rows in passes, and not chunk by chunk across the
+// rows: rows read chunk by chunk leave the hardware prefetchers behind when the rows are not
+// in L2 (dev/decode_bf16_pairs/read_order.cpp: half the rate). On a Zen 5 VM (2026-11-29, H 32,
+// Hkv 8, D 128, 4k-16k keys, cold caches) this took fp32 steps through 16-row pages 5-10%
+// faster and the contiguous bf16 step 3-4%.
 template <int M, typename scalar_t>
 void pv_rows(const float* p, int64_t ldp, const scalar_t* const* values, int64_t n, int64_t dv,
              float* o) {
-  // Two registers per row: M x 2 accumulators (at most 16), the values and a broadcast fit
-  // AVX-512's 32 registers.
-  constexpr int kWide = 2;
   const int64_t d16 = dv / kLanes * kLanes;
   for (int64_t j0 = 0; j0 < n; j0 += avx2::kPvRowRun) {
     const int64_t j1 = std::min(n, j0 + avx2::kPvRowRun);
     int64_t c = 0;
-    for (; c + kWide * kLanes <= d16; c += kWide * kLanes)
-      pv_chunk<M, kWide>(p, ldp, values, j0, j1, c, o, dv);
-    for (; c < d16; c += kLanes) pv_chunk<M, 1>(p, ldp, values, j0, j1, c, o, dv);
-    avx2::decode_pv_columns<M>(p, ldp, values, j0, j1, c, dv, o, dv);
+    for (; c + kBlockChunks * kLanes <= d16; c += kBlockChunks * kLanes)
+      row_passes<M, kBlockChunks>(p, ldp, values, j0, j1, c, o, dv);
+    if (c < d16)
+      last_block<M>(static_cast<int>((d16 - c) / kLanes), p, ldp, values, j0, j1, c, o, dv,
+                    std::make_integer_sequence<int, kBlockChunks>{});
+    avx2::decode_pv_columns<M>(p, ldp, values, j0, j1, d16, dv, o, dv);
   }
 }
 
