@@ -24,7 +24,13 @@ same everywhere):
 For each prompt length P the cache is filled with P random tokens (the prefill is not timed),
 then:
 
-* ``step``: one step at context P (+ the steps already taken), timed in interleaved rounds;
+* ``step``: one step at context P (+ the steps already taken), timed in interleaved rounds of
+  ``--step-reps`` consecutive steps per candidate (default on the CPU: 32768 // P, at least 1;
+  on CUDA 1, each step synchronized before and after). Rounds of
+  one step each at short contexts timed each candidate's step right after the others had
+  evicted its cache: through 256-row pages such a step read 1.3-1.8x the contiguous one at
+  512-4k keys, while whole generations of the same caches read 1.0-1.07x (Zen 5 VM,
+  2026-11-29);
 * ``gen``: a whole generation of ``--new-tokens`` (512) steps after the prompt, once per
   candidate (a fresh cache each, its construction included: one copy of the prompt against
   ``--new-tokens`` reads of it), up to ``--gen-max-context`` (above: "skip").
@@ -208,14 +214,29 @@ def per_layer(timing, layers):
     )
 
 
-def stepper(cache, new):
-    """A zero-argument call taking the next step, cycling through the new tokens."""
+# Keys per step of --step-reps' default: consecutive steps per timed call = this // P.
+STEP_REPS_KEYS = 32768
+
+
+def step_reps(requested, prompt, device):
+    """Consecutive steps per timed call of ``step``: ``requested``, or by default
+    STEP_REPS_KEYS // prompt (at least 1) on the CPU and 1 on CUDA."""
+    if requested:
+        return requested
+    return 1 if device.type == "cuda" else max(1, STEP_REPS_KEYS // prompt)
+
+
+def stepper(cache, new, reps=1):
+    """A zero-argument call taking the next ``reps`` steps, cycling through the new tokens;
+    returns the last step's output."""
     i = [0]
 
     def step():
-        j = i[0] % NEW_TOKEN_POOL
-        i[0] += 1
-        return cache.step(new[0][j], new[1][j], new[2][j])
+        for _ in range(reps):
+            j = i[0] % NEW_TOKEN_POOL
+            i[0] += 1
+            out = cache.step(new[0][j], new[1][j], new[2][j])
+        return out
 
     return step
 
@@ -293,6 +314,13 @@ def main(argv=None):
     )
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument(
+        "--step-reps",
+        type=int,
+        default=0,
+        help=f"consecutive steps per timed call of `step` (0: on the CPU {STEP_REPS_KEYS} // "
+        "prompt, at least 1; on CUDA 1)",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
         default=1,
@@ -321,6 +349,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error(f"--layers: expected at least 1, got {args.layers}")
+    if args.step_reps < 0:
+        ap.error(f"--step-reps: expected 0 (automatic) or more, got {args.step_reps}")
     if args.quick:
         args.prompts, args.new_tokens, args.max_repeats = [256, 1024], 16, 4
         args.heads, args.kv_heads, args.head_dim = 8, 2, 64
@@ -349,14 +379,18 @@ def main(argv=None):
 
         prompt = (rnd(B, Hkv, P, D), rnd(B, Hkv, P, D))
         new = tuple([rnd(B, h, 1, D) for _ in range(NEW_TOKEN_POOL)] for h in (H, Hkv, Hkv))
+        reps = step_reps(args.step_reps, P, device)
         # room for the warm-up, every round (close calls included) and a generation
-        max_len = P + args.new_tokens + args.warmup + 2 * args.max_repeats + 2
+        max_len = P + args.new_tokens + (args.warmup + 2 * args.max_repeats + 2) * reps
         params = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=P, D=D, Hkv=Hkv)
         if args.layers > 1:
             params["layers"] = args.layers
+        if reps > 1:
+            params["step_reps"] = reps
         L = args.layers
         step = per_layer(
-            bench.time({n: stepper(build(n, prompt, max_len, L), new) for n in names}), L
+            bench.time({n: stepper(build(n, prompt, max_len, L), new, reps) for n in names}),
+            L * reps,
         )
         gbps = {}
         if bw and step.median_s("attn_ext"):
@@ -419,9 +453,14 @@ def main(argv=None):
     if bw:
         cols += ["attn_ext GB/s", "% of copy bw"]
     cols += [f"{c} kernel (us)" for c in graphed] + [f"{c} kernel % of copy bw" for c in graphed]
+    if args.step_reps:
+        reps_text = str(args.step_reps)
+    else:
+        reps_text = "1" if device.type == "cuda" else f"max(1, {STEP_REPS_KEYS} // P)"
     head = (
         f"H={H}, Hkv={Hkv}, D={D}, {params['dtype']}; one new token per step. `step` = median ms "
-        f"of one step at context P (interleaved rounds); `gen` = ms for {args.new_tokens} "
+        f"of one step at context P (interleaved rounds of {reps_text} consecutive steps); "
+        f"`gen` = ms for {args.new_tokens} "
         "new tokens "
         "after the prompt. Ratios > 1: attn_ext faster."
         + (
