@@ -100,7 +100,7 @@ constexpr int64_t decode_tile(bool in_place) {
 // [hk0, hk0 + heads) into L2: issued once a tile's scores are formed, the next tile's first
 // keys arrive while its softmax and P V run, where the hardware prefetcher would restart its
 // stream only at the next tile's first misses (the contiguous step at 128-key tiles, against
-// 256-key ones: 1.02-1.10x without, 0.97-1.06x with; asking for 32 KB instead of 8 cost 3-22%;
+// 256-key ones: 1.02-1.10x without, 0.97-1.06x with; asking for 32 KB ran 1-15% slower than 8;
 // Zen 5 VM, 2026-11-29).
 template <typename scalar_t>
 void prefetch_next_keys(const DecodeParams& p, int64_t b, int64_t hk0, int64_t heads, int64_t t0,
