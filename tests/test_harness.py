@@ -198,9 +198,9 @@ def test_decode_layers_step_every_layer_and_time_per_layer():
     one = bd.build("attn_ext", prompt, 16, 1)
     torch.testing.assert_close(out, one.step(*new), rtol=0, atol=0)
     timing = harness.Timing(rounds=[{"a": 3.0, "b": 6.0}], results={"a": 1})
-    scaled = bd.per_layer(timing, layers)
+    scaled = bd.divided(timing, layers)
     assert scaled.rounds == [{"a": 1.0, "b": 2.0}] and scaled.results == {"a": 1}
-    assert bd.per_layer(timing, 1) is timing
+    assert bd.divided(timing, 1) is timing
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -2,9 +2,10 @@
 //
 // Same bits as decode_rows.h's avx2::decode_pv: output element (r, c) is
 // o = fma(p[r][j], values[j][c], o) over the rows j in order in both, with o kept in a register
-// across a run of avx2::kPvRowRun rows and stored between runs (exact). Only the number of
-// columns per register differs. bf16 and fp16 rows widen exactly, as avx2::load8 does. The
-// columns past the last 16-lane chunk go through avx2::decode_pv_columns.
+// across a run of avx2::kPvRowRun rows and stored between runs or passes (exact). Only the
+// columns per register and the order of the passes over them differ. bf16 and fp16 rows widen
+// exactly, as avx2::load8 does. The columns past the last 16-lane chunk go through
+// avx2::decode_pv_columns.
 //
 // Why: with a few query rows per key row, the AVX2 P V issues one 8-column FMA per row and
 // value chunk, and 16-bit rows add a widening per chunk. On a Zen 5 VM (2026-11-29, H 32,
