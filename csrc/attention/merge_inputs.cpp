@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "common/tensors.h"
+
 namespace attn_ext::merge {
 namespace {
 
@@ -101,7 +103,8 @@ PreparedMerge prepare_merge(const char* op, const at::Tensor& out_a, const at::T
       prepare_inputs(op, "out_a", "lse_a", "out_b", "lse_b", out_a, lse_a, out_b, lse_b);
   check_dtype(op, "out_b", out_b, out_a.scalar_type(), "both outs share one dtype");
   check_lse_dtype(op, "lse_a", lse_a, out_a.scalar_type());
-  *out = at::empty(out_a.sizes(), out_a.options().memory_format(at::MemoryFormat::Contiguous));
+  *out = advise_huge_pages(
+      at::empty(out_a.sizes(), out_a.options().memory_format(at::MemoryFormat::Contiguous)));
   *lse = at::empty(lse_a.sizes(), lse_a.options().memory_format(at::MemoryFormat::Contiguous));
   MergeParams& p = r.params;
   p.out = out->data_ptr();
@@ -156,9 +159,9 @@ PreparedMergeBackward prepare_merge_backward(const char* op, const at::Tensor& g
   }
   const int nd = r.fwd.params.shape.ndim;
   const auto dense = at::MemoryFormat::Contiguous;
-  *grads = {at::empty(out_a.sizes(), out_a.options().memory_format(dense)),
+  *grads = {advise_huge_pages(at::empty(out_a.sizes(), out_a.options().memory_format(dense))),
             at::empty(lse_a.sizes(), lse_a.options().memory_format(dense)),
-            at::empty(out_b.sizes(), out_b.options().memory_format(dense)),
+            advise_huge_pages(at::empty(out_b.sizes(), out_b.options().memory_format(dense))),
             at::empty(lse_b.sizes(), lse_b.options().memory_format(dense))};
   MergeBackwardParams& p = r.params;
   p.fwd = r.fwd.params;

@@ -1,6 +1,6 @@
 #pragma once
 // Tensor checks and layouts the input checks of every op family share (attention, decoding,
-// compression, linear).
+// compression, linear, spatial), and the advice their fresh outputs take.
 #include <cstdint>
 #include <ATen/core/Tensor.h>
 
@@ -16,5 +16,13 @@ void check_companion(const char* op, const char* name, const at::Tensor& t, cons
 at::Tensor blas_rows(const at::Tensor& t);
 // The row stride to hand to BLAS (any valid value for a single-row tensor).
 int64_t blas_row_stride(const at::Tensor& t);
+
+// Below this many bytes a fresh CPU tensor may come from glibc's heap, whose pages are reused
+// already faulted; from it on, always from a new mmap (glibc's largest mmap threshold).
+constexpr int64_t kHugePageMinBytes = int64_t(32) << 20;
+// t itself, with the whole 2 MB pages inside its bytes advised onto transparent huge pages when
+// it is a CPU tensor of at least kHugePageMinBytes (tensors.cpp says why): for the fresh
+// outputs that an op's kernel writes whole. ATTN_EXT_HUGE_PAGES=0 turns the advice off.
+at::Tensor advise_huge_pages(at::Tensor t);
 
 }  // namespace attn_ext

@@ -70,7 +70,7 @@ PreparedTpa prepare_tpa_expand(const char* op, const at::Tensor& a, const at::Te
 }
 
 at::Tensor allocate_tpa_output(const TpaExpandParams& p, const at::Tensor& a) {
-  return at::empty({p.batch, p.seqlen, p.heads, p.head_dim}, a.options());
+  return advise_huge_pages(at::empty({p.batch, p.seqlen, p.heads, p.head_dim}, a.options()));
 }
 
 namespace {

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "common/tensors.h"
+
 namespace attn_ext::spatial {
 namespace {
 
@@ -138,9 +140,10 @@ PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at:
 
 at::Tensor empty_map(const MapLayout& layout, int64_t channels, int64_t height, int64_t width,
                      const at::TensorOptions& options) {
-  return at::empty({layout.batch, channels, height, width},
-                   options.memory_format(layout.channels_last ? at::MemoryFormat::ChannelsLast
-                                                              : at::MemoryFormat::Contiguous));
+  return advise_huge_pages(
+      at::empty({layout.batch, channels, height, width},
+                options.memory_format(layout.channels_last ? at::MemoryFormat::ChannelsLast
+                                                           : at::MemoryFormat::Contiguous)));
 }
 
 }  // namespace attn_ext::spatial

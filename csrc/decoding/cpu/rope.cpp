@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common/tensors.h"
 #include "decoding/decode_inputs.h"
 #include "common/dispatch.h"
 #include "common/cpu/kernel_traits.h"
@@ -47,7 +48,7 @@ at::Tensor rope_out_of_place(const char* op, const at::Tensor& x,
                              bool inverse) {
   PreparedRope r = prepare_rope(op, x, {positions, offset, base, interleaved, rotary_dim});
   // Same layout as x (a (B, S, H, D).transpose(1, 2) view stays one), like ATen's pointwise ops.
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = advise_huge_pages(at::empty_like(x));
   r.params.inverse = inverse;
   set_rope_output(r.params, out);
   run(op, r.params, x);

@@ -295,7 +295,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_cpu(
                                              causal, eps, feature_map);
   const LinearAttentionParams& p = in.params;
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  at::Tensor out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
+  at::Tensor out =
+      advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options()));
   at::Tensor state_kv = at::empty({p.batch, p.heads, p.head_dim, p.head_dim_v}, acc);
   at::Tensor state_k = at::empty({p.batch, p.heads, p.head_dim}, acc);
   if (p.batch * p.heads == 0) return {out, state_kv, state_k};
@@ -455,9 +456,9 @@ linear_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, c
   const at::Tensor g = blas_rows(grad_out);
   const Rows dout{g.data_ptr(), g.stride(0), g.stride(1), blas_row_stride(g)};
   const auto acc = q.options().dtype(at::toOpMathType(q.scalar_type()));
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = advise_huge_pages(at::empty(q.sizes(), q.options()));
+  at::Tensor dk = advise_huge_pages(at::empty(k.sizes(), k.options()));
+  at::Tensor dv = advise_huge_pages(at::empty(v.sizes(), v.options()));
   at::Tensor grad_init_kv = at::empty({p.batch, p.heads, p.head_dim, p.head_dim_v}, acc);
   at::Tensor grad_init_k = at::empty({p.batch, p.heads, p.head_dim}, acc);
   if (p.batch * p.heads == 0) return {dq, dk, dv, grad_init_kv, grad_init_k};
