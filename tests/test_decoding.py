@@ -86,6 +86,25 @@ def test_rope_against_reference(device, dtype, interleaved, rotary_dim, pos_kind
     assert_error_rule(out, rope_reference(x, **kw), _truth_rope(x, **kw), name="rope")
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("D,rotary_dim", [(6, None), (46, 22), (80, None), (128, None), (128, 64)])
+def test_rope_strided_rows_give_the_contiguous_bits(device, dtype, interleaved, D, rotary_dim):
+    """A row read with a feature stride takes the scalar loop, a contiguous one the vector loop
+    where the CPU has one (8 pairs, or 4 interleaved, a step, then the scalar tail): both form
+    rotate_pair's FMAs, so the bits agree, NaN / Inf included. Before the FMAs were written out,
+    fp32 rows differed at every head dim here (GCC contracted each loop its own way)."""
+    torch.manual_seed(0)
+    wide = torch.randn(2, 3, 37, 2 * D, dtype=torch.float64) * 10
+    wide[0, 0, 0, 2], wide[0, 1, 2, 4] = float("nan"), float("inf")
+    strided = wide.to(device=device, dtype=dtype)[..., ::2]
+    assert strided.stride(-1) == 2
+    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, offset=1000)
+    a, b = attn_ext.rope(strided, **kw), attn_ext.rope(strided.contiguous(), **kw)
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("D", [16, 64, 96, 128])
 def test_apply_rope_matches_document(device, dtype, D):

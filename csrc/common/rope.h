@@ -39,13 +39,27 @@ struct RopePolicy {
   }
 };
 
-// (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); the backward rotates by -angle, which is
-// the same formula with sin negated (the rotation is orthogonal).
+// a * b + c, rounded once, on the host and on the device.
+template <typename T>
+C10_HOST_DEVICE inline T fused_multiply_add(T a, T b, T c) {
+#ifdef __CUDA_ARCH__
+  return fma(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin); the backward rotates by -angle, which is
+// the same formula with sin negated (the rotation is orthogonal). Each output is one FMA over
+// the other product rounded, written out: left to the compiler, GCC contracted the two
+// products of the C++ source into FMAs differently in each loop it generated, so a strided row
+// and a contiguous one came out a bit apart. The 8-lane CPU rotation (rope_rows.h) forms the
+// same FMAs.
 template <typename acc_t>
 C10_HOST_DEVICE inline void rotate_pair(acc_t x0, acc_t x1, acc_t c, acc_t s, acc_t* y0,
                                         acc_t* y1) {
-  *y0 = x0 * c - x1 * s;
-  *y1 = x0 * s + x1 * c;
+  *y0 = fused_multiply_add(x0, c, -(x1 * s));
+  *y1 = fused_multiply_add(x1, c, x0 * s);
 }
 
 }  // namespace attn_ext

@@ -295,9 +295,25 @@ inline __m256 load8(const c10::BFloat16* src) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+inline void store8(float* dst, __m256 v) {
+  _mm256_storeu_ps(dst, v);
+}
 inline void store8(c10::Half* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
                    _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// c10's rounding, lane by lane: round to nearest even by adding 0x7FFF plus the kept part's
+// lowest bit, NaN to the quiet NaN 0x7FC0. (The 32 -> 16-bit pack saturates signed inputs,
+// and the rounded words are 0..0xFFFF, so it keeps them.)
+inline void store8(c10::BFloat16* dst, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
 }
 }  // namespace avx2
 
