@@ -58,6 +58,16 @@ def _attention(nbytes):
     return [attn_ext.attention(q, q[:, :, :64], q[:, :, :64])]
 
 
+def _weights(nbytes):
+    """fp32 weights (the softmax's own buffer) and bf16 ones (converted from it)."""
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        s = int((nbytes / (torch.finfo(dtype).bits // 8)) ** 0.5) + 1
+        q = torch.randn(1, 1, s, 8, dtype=dtype)
+        outs.append(attn_ext.attention_weights(q, q))
+    return outs
+
+
 def _merge(nbytes):
     s = _rows(64, nbytes)
     o, lse = torch.randn(1, 1, s, 64), torch.randn(1, 1, s)
@@ -98,6 +108,7 @@ def _tpa(nbytes):
 
 SITES = {
     "attention": _attention,
+    "weights": _weights,
     "merge": _merge,
     "spatial": _spatial,
     "rope": _rope,
