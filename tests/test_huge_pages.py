@@ -1,4 +1,5 @@
-"""Large fresh CPU outputs are advised onto transparent huge pages (common/tensors.cpp says why).
+"""Large fresh CPU outputs of the memory-bound ops are advised onto transparent huge pages
+(common/tensors.cpp says why; the attention kernels' outputs, bound by their products, are not).
 
 Each case builds one output of at least 32 MB (the size from which glibc always maps a fresh
 allocation of its own) through one allocation site, then reads the flags of the mapping that
@@ -52,12 +53,6 @@ def _rows(elems_per_row: int, nbytes: int, dtype=torch.float32) -> int:
     return -(-nbytes // (elems_per_row * torch.finfo(dtype).bits // 8))
 
 
-def _attention(nbytes):
-    s = _rows(64, nbytes)
-    q = torch.randn(1, 1, s, 64)
-    return [attn_ext.attention(q, q[:, :, :64], q[:, :, :64])]
-
-
 def _weights(nbytes):
     """fp32 weights (the softmax's own buffer) and bf16 ones (converted from it)."""
     outs = []
@@ -107,7 +102,6 @@ def _tpa(nbytes):
 
 
 SITES = {
-    "attention": _attention,
     "weights": _weights,
     "merge": _merge,
     "spatial": _spatial,

@@ -285,12 +285,12 @@ std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at
     // kernels never write, read as zeros and -inf rather than as garbage.
     const bool unchecked = !q.device().is_cpu();
     out = unchecked ? at::zeros({p.total_q, p.heads, p.head_dim_v}, q.options())
-                    : advise_huge_pages(at::empty({p.total_q, p.heads, p.head_dim_v}, q.options()));
+                    : at::empty({p.total_q, p.heads, p.head_dim_v}, q.options());
     lse = unchecked ? at::full({p.heads, p.total_q}, -INFINITY, q.options().dtype(at::kFloat))
                     : at::empty({p.heads, p.total_q}, q.options().dtype(at::kFloat));
     out4 = out.transpose(0, 1).unsqueeze(0);
   } else {
-    out = advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options()));
+    out = at::empty({p.batch, p.heads, p.seqlen_q, p.head_dim_v}, q.options());
     lse = at::empty({p.batch, p.heads, p.seqlen_q}, q.options().dtype(at::kFloat));
     out4 = out;
   }
@@ -381,8 +381,7 @@ Grads allocate_grads(AttentionBwdParams& p, const at::Tensor& q, int64_t dq_part
   TORCH_INTERNAL_ASSERT(!final.dkv || H == p.kv_heads, "a final dk / dv has no group to sum");
   const auto make = [&](at::IntArrayRef shape, bool is_final) {
     const auto opts = is_final ? q.options() : acc;
-    at::Tensor g = advise_huge_pages(at::empty(shape, opts));
-    return zeroed ? g.zero_() : g;
+    return zeroed ? at::zeros(shape, opts) : at::empty(shape, opts);
   };
   Grads g;
   g.final = final;

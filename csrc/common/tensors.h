@@ -22,7 +22,9 @@ int64_t blas_row_stride(const at::Tensor& t);
 constexpr int64_t kHugePageMinBytes = int64_t(32) << 20;
 // t itself, with the whole 2 MB pages inside its bytes advised onto transparent huge pages when
 // it is a CPU tensor of at least kHugePageMinBytes (tensors.cpp says why): for the fresh
-// outputs that an op's kernel writes whole. ATTN_EXT_HUGE_PAGES=0 turns the advice off.
+// outputs that a memory-bound op's kernel writes whole (not the attention kernels': bound by
+// their products, they gained nothing and lost on a VM, docs/performance.md).
+// ATTN_EXT_HUGE_PAGES=0 turns the advice off.
 at::Tensor advise_huge_pages(at::Tensor t);
 
 }  // namespace attn_ext
