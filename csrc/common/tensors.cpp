@@ -34,13 +34,13 @@ void check_companion(const char* op, const char* name, const at::Tensor& t, cons
   TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-// A fresh CPU tensor of kHugePageMinBytes or more is a new mmap (torch's CPU allocator does not
-// cache), so the kernel's first write to each 4 KB page takes a page fault. In the memory-bound
-// ops that cost more than their reads and writes: a fresh 64 MB tensor took 20 ms to fill
-// against 1 ms for a reused one, the spatial gate on x (32, 256, 56, 56) fp32 ran 30 ms against
-// 8.6 ms with its output advised, the merge of two (1, 32, 8192, 128) fp32 states 45 against
-// 17 ms (Zen 5 VM, 2026-11-29, docs/performance.md). On 2 MB pages the kernel takes 512x fewer
-// faults. torch gives every allocation of 2 MB or more the same advice only under
+// A fresh CPU tensor of kHugePageMinBytes or more is, as a rule, a new mmap (torch's CPU allocator
+// does not cache), so the kernel's first write to each 4 KB page takes a page fault. In the
+// memory-bound ops that cost more than their reads and writes: a fresh 64 MB tensor took 20 ms to
+// fill against 1 ms for a reused one, the spatial gate on x (32, 256, 56, 56) fp32 ran 30 ms
+// against 8.6 ms with its output advised, the merge of two (1, 32, 8192, 128) fp32 states 45
+// against 17 ms (Zen 5 VM, 2026-11-29, docs/performance.md). On 2 MB pages the kernel takes 512x
+// fewer faults. torch gives every allocation of 2 MB or more the same advice only under
 // THP_MEM_ALLOC_ENABLE=1; here it is the op's large outputs alone. Advice only: where Linux
 // refuses it (THP disabled) the pages stay 4 KB and nothing else changes.
 at::Tensor advise_huge_pages(at::Tensor t) {

@@ -18,7 +18,8 @@ at::Tensor blas_rows(const at::Tensor& t);
 int64_t blas_row_stride(const at::Tensor& t);
 
 // Below this many bytes a fresh CPU tensor may come from glibc's heap, whose pages are reused
-// already faulted; from it on, always from a new mmap (glibc's largest mmap threshold).
+// already faulted; from it on, a new mmap (glibc's largest mmap threshold) unless the heap has a
+// free stretch that large.
 constexpr int64_t kHugePageMinBytes = int64_t(32) << 20;
 // t itself, with the whole 2 MB pages inside its bytes advised onto transparent huge pages when
 // it is a CPU tensor of at least kHugePageMinBytes (tensors.cpp says why): for the fresh
