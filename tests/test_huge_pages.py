@@ -121,7 +121,7 @@ def test_large_outputs_are_advised(site, monkeypatch):
         assert "hg" in _vm_flags(_middle(t)), f"{site} output {i} ({t.nbytes} B) not advised"
 
 
-def _unadvised_outputs(site: str, nbytes: int) -> list:
+def _advised_outputs(site: str, nbytes: int) -> list:
     """Descriptions of the outputs of `site` at `nbytes` whose mapping is advised."""
     return [
         f"{site}: a {t.nbytes} B output was advised"
@@ -139,10 +139,10 @@ def test_small_outputs_and_opt_out_are_not_advised():
     marks, and a later small output can land there."""
     code = (
         "import os, sys; sys.path.insert(0, sys.argv[1]); import test_huge_pages as t\n"
-        "bad = [m for s in t.NEGATIVE_SITES for m in t._unadvised_outputs(s, t.MIN_BYTES // 2)]\n"
+        "bad = [m for s in t.NEGATIVE_SITES for m in t._advised_outputs(s, t.MIN_BYTES // 2)]\n"
         "os.environ['ATTN_EXT_HUGE_PAGES'] = '0'\n"
         "bad += [m + ' under ATTN_EXT_HUGE_PAGES=0' for s in t.NEGATIVE_SITES\n"
-        "        for m in t._unadvised_outputs(s, t.MIN_BYTES + (4 << 20))]\n"
+        "        for m in t._advised_outputs(s, t.MIN_BYTES + (4 << 20))]\n"
         "print('\\n'.join(bad))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "ATTN_EXT_HUGE_PAGES"}

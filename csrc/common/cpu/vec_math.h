@@ -19,6 +19,8 @@ namespace attn_ext::cpu {
 #ifdef ATTN_EXT_AVX2
 namespace avx2 {
 constexpr int kWidth = 8;
+// Bytes per cache line: the step of the software prefetches.
+constexpr int64_t kCacheLine = 64;
 // Scores below 2^-127 flush to 0 (exp2(-inf) of masked scores included): clamping x at
 // kExp2Floor gives n = -127 and f = 0, so p = 1 and the exponent bits of 2^n * p are
 // exactly 0. Between 2^-127 and 2^-125 the construction yields a denormal within 2^-126 of
@@ -317,8 +319,9 @@ inline void store8(c10::BFloat16* dst, __m256 v) {
 }
 }  // namespace avx2
 
-// fp16 stores go through F16C (round to nearest even, like c10::Half); bf16 stores keep
-// c10's scalar rounding, which the compiler vectorizes well enough.
+// store_row: fp16 stores go through F16C (round to nearest even, like c10::Half); bf16 stores
+// keep c10's scalar rounding, which the compiler vectorizes well enough there (avx2::store8 is
+// the same rounding for loops the compiler leaves scalar).
 template <typename scalar_t>
 inline constexpr bool kVectorLoad =
     std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>;

@@ -32,7 +32,6 @@ constexpr int64_t kMaxDecodeRows = 8;
 // over the same rows, so the rows (32 x 512 B of fp32 at D = 128) stay in L1 between chunks.
 constexpr int64_t kPvRowRun = 32;
 
-constexpr int64_t kCacheLine = 64;
 // How far ahead decode_scores asks for a paged cache's key rows, in bytes of keys (32 rows of
 // bf16 at D = 128).
 constexpr int64_t kKeyAheadBytes = 8192;

@@ -225,11 +225,9 @@ inline PixelPool<double> pool_pixel_avx2(const double* row, int64_t C) {
 // and its backward 1.33-1.44x in bf16 and 1.05-1.16x in fp32, nn.SpatialAttention forward +
 // backward 1.08-1.30x. The same loops without the prefetch ran 0.93-1.08x: the reads, not the
 // arithmetic, were what the compiler's loops lost on.
-constexpr int64_t kCacheLine = 64;
-
 template <typename T>
 inline void prefetch_along(const T* ahead, int64_t i) {
-  if ((i * static_cast<int64_t>(sizeof(T))) % kCacheLine == 0)
+  if ((i * static_cast<int64_t>(sizeof(T))) % cpu::avx2::kCacheLine == 0)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
 }
 
@@ -311,15 +309,10 @@ int64_t pool_backward_row_avx2(scalar_t* row, int64_t C, float g_avg, float g_ma
   }
   return c;
 }
-#endif
 
-// Whether the 8-pixel loops above serve scalar_t (float-accumulated types, AVX2 builds).
+// Whether the 8-pixel loops above serve scalar_t (float-accumulated types).
 template <typename scalar_t>
-constexpr bool kVectorRuns =
-#ifdef ATTN_EXT_AVX2
-    std::is_same_v<at::opmath_type<scalar_t>, float>;
-#else
-    false;
+constexpr bool kVectorRuns = std::is_same_v<at::opmath_type<scalar_t>, float>;
 #endif
 
 template <typename scalar_t, typename acc_t>
