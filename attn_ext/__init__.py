@@ -25,8 +25,10 @@ from .caches import (
 from .decoding import decode_attention, rope, rope_
 from .functional import (
     attention,
+    attention_probabilities,
     attention_varlen,
     attention_weights,
+    attention_with_weights,
     dropout_keep_mask,
     merge_attention_states,
     merge_attention_states_,
@@ -41,6 +43,8 @@ __all__ = [
     "attention",
     "attention_varlen",
     "attention_weights",
+    "attention_probabilities",
+    "attention_with_weights",
     "dropout_keep_mask",
     "merge_attention_states",
     "merge_attention_states_",

@@ -73,6 +73,13 @@ def _attention_weights_backward_fake(grad_weights, weights, q, k, *, scale=None)
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+@torch.library.register_fake("attn_ext::attention_probabilities")
+def _attention_probabilities_fake(q, k, lse, attn_mask=None, *, mean_heads=False, **kw):
+    if mean_heads:
+        return q.new_empty((q.size(0), q.size(2), k.size(2)))
+    return q.new_empty((q.size(0), q.size(1), q.size(2), k.size(2)))
+
+
 @torch.library.register_fake("attn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, batch, heads, sq, sk, dropout_p):
     return rng_state.new_empty((batch, heads, sq, sk), dtype=torch.bool)
@@ -164,6 +171,44 @@ def _weights_backward(ctx, grad_weights):
 
 torch.library.register_autograd(
     "attn_ext::attention_weights", _weights_backward, setup_context=_weights_setup_context
+)
+
+
+def _probabilities_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, lse, mask = inputs
+    ctx.kw = dict(keyword_only_inputs)
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError(
+            "attn_ext.attention_probabilities: the gradient with respect to attn_mask is not "
+            "supported"
+        )
+    # The backward takes the per-head probabilities: the output itself, or for a mean over
+    # heads what recomputes them.
+    if ctx.kw.get("mean_heads", False):
+        ctx.save_for_backward(q, k, lse, mask)
+    else:
+        ctx.save_for_backward(q, k, output)
+
+
+def _probabilities_backward(ctx, grad_weights):
+    # The softmax's backward, as attention_weights has it: lse is the scores' own log-sum-exp,
+    # so it takes no gradient (a float32 lse gradient would also cap float64 at ~1e-7).
+    kw = dict(ctx.kw)
+    if kw.pop("mean_heads", False):
+        q, k, lse, mask = ctx.saved_tensors
+        weights = _ops.attention_probabilities(q, k, lse, mask, **kw)
+        # d mean_h P_h / d P_h = 1 / H for every head.
+        grad_weights = (grad_weights / q.size(1)).unsqueeze(1).expand(weights.shape)
+    else:
+        q, k, weights = ctx.saved_tensors
+    dq, dk = _ops.attention_weights_backward(grad_weights, weights, q, k, scale=kw.get("scale"))
+    return dq, dk, None, None
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_probabilities",
+    _probabilities_backward,
+    setup_context=_probabilities_setup_context,
 )
 
 

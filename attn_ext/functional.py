@@ -249,6 +249,88 @@ def attention_weights(
     return w.squeeze(1) if three_d else w
 
 
+def attention_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    attn_mask: Optional[torch.Tensor] = None,
+    mean_heads: bool = False,
+) -> torch.Tensor:
+    """The probabilities of the :func:`attention` call that returned ``lse`` (same q, k, scale
+    and masks): ``exp(scale * q k^T + mask - lse)``, (B, H, Sq, Sk) (or (B, Sq, Sk) for 3-D
+    inputs) in q's dtype, zero where masked and in rows that saw no key. With ``sinks`` in
+    that call the rows sum to one less the sink's share (float32 / bfloat16 / float16:
+    float64 recomputes lse in float64, as attention's backward does, and so counts no sink).
+    ``mean_heads=True`` returns their mean over heads, (B, Sq, Sk), without forming the
+    per-head matrices (``average_attn_weights`` of torch's ``MultiheadAttention``).
+    Differentiated as the softmax of the scores, in q and k; lse is taken as theirs and takes
+    no gradient."""
+    three_d = q.dim() == 3
+    q4, k4 = _as_4d("q", q), _as_4d("k", k)
+    lse3 = lse.unsqueeze(1) if three_d and lse.dim() == 2 else lse
+    left, right = _window(window_size)
+    w = _ops.attention_probabilities(
+        q4,
+        k4,
+        lse3,
+        attn_mask=_mask_as_4d(attn_mask, three_d),
+        scale=scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        mean_heads=mean_heads,
+    )
+    return w.squeeze(1) if three_d and not mean_heads else w
+
+
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    mean_heads: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, weights)``: :func:`attention`'s output and the probabilities it was formed with,
+    (B, H, Sq, Sk) in q's dtype, or with ``mean_heads=True`` their mean over heads (B, Sq, Sk)
+    (``need_weights=True`` and ``average_attn_weights`` of torch's ``MultiheadAttention``).
+    With dropout, the weights are the dropped and rescaled ones that ``out`` averaged, as torch
+    returns them. The output comes from the flash kernels and the weights from its lse in one
+    more pass over the scores (the mean without forming the per-head matrices, unless dropout
+    needs them), so when only ``out`` takes a gradient the backward is :func:`attention`'s; a
+    gradient of the weights adds the softmax backward of :func:`attention_weights`."""
+    three_d = q.dim() == 3
+    q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
+    mask = _mask_as_4d(attn_mask, three_d)
+    left, right = _window(window_size)
+    state = _rng_state(dropout_p, generator)
+    band = dict(scale=scale, causal=causal, window_left=left, window_right=right)
+    out, lse = _ops.attention(
+        q4, k4, v4, attn_mask=mask, rng_state=state, dropout_p=dropout_p, **band
+    )
+    if state is None:
+        w = _ops.attention_probabilities(q4, k4, lse, attn_mask=mask, mean_heads=mean_heads, **band)
+    else:
+        w = _ops.attention_probabilities(q4, k4, lse, attn_mask=mask, **band)
+        B, H, Sq, Sk = w.shape
+        keep = _ops.dropout_mask(state, B, H, Sq, Sk, dropout_p)
+        w = w * keep.to(device=w.device, dtype=w.dtype) * (1.0 / (1.0 - dropout_p))
+        w = w.mean(dim=1) if mean_heads else w
+    if three_d:
+        out = out.squeeze(1)
+        w = w if mean_heads else w.squeeze(1)
+    return out, w
+
+
 def dropout_keep_mask(
     batch: int,
     heads: int,

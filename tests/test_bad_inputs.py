@@ -275,6 +275,39 @@ OPS = {
         empty={"sq": lambda a: {**a, "q": a["q"][:, :, :0], "attn_mask": a["attn_mask"][:, :, :0]}},
         no_grad_args=("attn_mask",),
     ),
+    "attention_with_weights": Op(
+        make=lambda dtype, device: {
+            k: v
+            for k, v in attention_args(dtype, device).items()
+            if k in ("q", "k", "v", "attn_mask")
+        },
+        call=lambda q, k, v, attn_mask: attn_ext.attention_with_weights(
+            q, k, v, attn_mask=attn_mask
+        ),
+        float_args=("q", "k", "v", "attn_mask"),
+        bad_shapes={
+            "k_batch": ("k", reshape("k", (3, 2, 6, 8))),
+            "v_seq": ("v", reshape("v", (2, 2, 7, 8))),
+            "k_head_dim": ("k", reshape("k", (2, 2, 6, 16))),
+            "gqa": ("k", reshape("k", (2, 3, 6, 8))),
+            "mask": ("attn_mask", reshape("attn_mask", (2, 4, 5, 7))),
+        },
+        reference=lambda q, k, v, attn_mask: (
+            attention_reference(q, k, v, attn_mask=attn_mask),
+            attention_weights_reference(q, k, attn_mask=attn_mask),
+        ),
+        empty={
+            "batch": lambda a: {**a, **{n: a[n][:0] for n in ("q", "k", "v", "attn_mask")}},
+            "sq": lambda a: {**a, "q": a["q"][:, :, :0], "attn_mask": a["attn_mask"][:, :, :0]},
+            "sk": lambda a: {
+                **a,
+                "k": a["k"][:, :, :0],
+                "v": a["v"][:, :, :0],
+                "attn_mask": a["attn_mask"][..., :0],
+            },
+        },
+        no_grad_args=("attn_mask",),
+    ),
     "rope": Op(
         make=lambda dtype, device: dict(
             x=rnd(2, 3, 5, 8, dtype=dtype, device=device),

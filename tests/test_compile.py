@@ -153,6 +153,30 @@ def test_compile_attention_weights(device):
         watch.step()
 
 
+@pytest.mark.parametrize("mean_heads", [False, True], ids=["heads", "mean"])
+def test_compile_attention_with_weights(device, mean_heads):
+    def fn(q, k, v):
+        out, w = attn_ext.attention_with_weights(q, k, v, causal=True, mean_heads=mean_heads)
+        return out, w.sum(-2)
+
+    cfn, counter = _compile(fn)
+    watch = NoRecompile(counter)
+    for sq, sk in LENGTHS:
+        q, k, v = make_qkv(2, 4, 2, sq, sk, 16, device=device)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        refs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, w = cfn(*leaves)
+        want_out, want_w = fn(*refs)
+        _close(out, want_out)
+        _close(w, want_w)
+        key_weight = torch.arange(sk, device=device)
+        (out.sum() + (w * key_weight).sum()).backward()
+        (want_out.sum() + (want_w * key_weight).sum()).backward()
+        for a, b in zip(leaves, refs):
+            _close(a.grad, b.grad)
+        watch.step()
+
+
 def test_compile_in_a_module(device):
     """A small attention block (projection, head split via view + transpose,
     attn_ext, merge, projection) compiles as one graph and trains."""

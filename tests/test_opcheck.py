@@ -158,6 +158,28 @@ def test_opcheck_attention_weights_backward(device, idx):
     )
 
 
+def probabilities_samples(device):
+    """attention_probabilities on the lse of the attention call with the same masks; the
+    weights samples' inputs, per head and averaged over heads."""
+    s = []
+    for name, (q, k), kw in weights_samples(device):
+        v = torch.randn_like(k.detach())
+        _, lse = ops.attention(q.detach(), k.detach(), v, **kw)
+        for mean_heads in (False, True):
+            label = f"{name}_mean" if mean_heads else name
+            s.append((label, (q, k, lse), dict(kw, mean_heads=mean_heads)))
+    return s
+
+
+P_IDS = _ids(probabilities_samples("cpu"))
+
+
+@pytest.mark.parametrize("idx", range(len(P_IDS)), ids=P_IDS)
+def test_opcheck_attention_probabilities(device, idx):
+    _, args, kwargs = probabilities_samples(device)[idx]
+    torch.library.opcheck(ops.attention_probabilities.default, args, kwargs)
+
+
 @pytest.mark.parametrize(
     "shape,p", [((2, 3, 5, 7), 0.25), ((1, 1, 16, 33), 0.5), ((0, 2, 3, 4), 0.1)]
 )
@@ -175,7 +197,11 @@ def test_fake_shapes_match(device):
         v = torch.empty(2, 2, 9, 24, device=device, dtype=torch.bfloat16)
         out, lse = ops.attention(q, k, v, causal=True)
         w = ops.attention_weights(q, k)
+        p = ops.attention_probabilities(q, k, lse, causal=True)
+        p_mean = ops.attention_probabilities(q, k, lse, causal=True, mean_heads=True)
     assert mode is not None
+    assert p.shape == (2, 4, 7, 9) and p.dtype == torch.bfloat16
+    assert p_mean.shape == (2, 7, 9) and p_mean.dtype == torch.bfloat16
     assert out.shape == (2, 4, 7, 24) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     assert w.shape == (2, 4, 7, 9) and w.dtype == torch.bfloat16

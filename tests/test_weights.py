@@ -184,3 +184,179 @@ def test_weights_large_logits_fuzz_regression():
     truth = ground_truth(lambda a, b: attention_weights_reference(a, b, **kw), q, k)
     ref = attention_weights_reference(q, k, **kw)
     assert_error_rule(w, ref, truth, name="weights", slack_ulps=4.0, floor=floor)
+
+
+# ---------------------------------------------------------------- attention_with_weights
+# attention's output and the probabilities it was formed with: the flash kernel, then
+# attention_probabilities from its lse (mean_heads: their mean over heads, never per head).
+
+MEAN = [pytest.param(False, id="heads"), pytest.param(True, id="mean")]
+
+
+def _with_weights_reference(mean_heads, **kw):
+    """(out, weights) as the plain reference forms them: weights @ V and the weights."""
+
+    def fn(q, k, v):
+        w = attention_weights_reference(q, k, **kw)
+        out = w.to(v.dtype) @ expand_kv_heads(v, q.shape[1])
+        return out, (w.mean(1) if mean_heads else w)
+
+    return fn
+
+
+def _value(k, dtype, device, dv=24):
+    return rand((*k.shape[:-1], dv), dtype, device)
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_with_weights_forward(device, dtype, case, mean_heads):
+    q, k, kw = _setup(case, dtype, device)
+    v = _value(k, dtype, device)
+    out, w = attn_ext.attention_with_weights(q, k, v, mean_heads=mean_heads, **kw)
+    # The output is attention's own: the same kernel on the same inputs.
+    assert torch.equal(out, attn_ext.attention(q, k, v, **kw))
+    ref_fn = _with_weights_reference(mean_heads, **kw)
+    ref, tru = ref_fn(q, k, v)[1], ground_truth(lambda *a: ref_fn(*a)[1], q, k, v)
+    assert w.shape == tru.shape and w.dtype == dtype and w.device == q.device
+    assert_error_rule(w, ref, tru, name="weights")
+    # The per-head weights are attention_weights' matrix, whose masked entries are exactly 0.
+    if not mean_heads and kw.get("causal"):
+        keep = window_keep(q.shape[2], k.shape[2], (-1, 0), False, device=device)
+        assert (w[..., ~keep] == 0).all()
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask", "gqa", "mqa_scale", "bshd"],
+)
+def test_with_weights_backward(device, dtype, case, mean_heads):
+    """Gradients of a loss on both outputs: the flash backward for out, the softmax backward
+    of the weights added."""
+    q, k, kw = _setup(case, dtype, device)
+    v = _value(k, dtype, device)
+
+    def flat(fn):
+        return lambda *a: torch.cat([t.flatten() for t in fn(*a)])
+
+    ours = flat(lambda *a: attn_ext.attention_with_weights(*a, mean_heads=mean_heads, **kw))
+    ref_fn = flat(_with_weights_reference(mean_heads, **kw))
+    g = torch.randn(ours(q, k, v).shape, device=device).to(dtype)
+    got = autograd_grads(ours, [q, k, v], g)
+    ref = autograd_grads(ref_fn, [q, k, v], g)
+    tru = ground_truth_grads(ref_fn, [q, k, v], g)
+    for name, a, r, t in zip(("dq", "dk", "dv"), got, ref, tru):
+        assert_error_rule(a, r, t, name=name, slack_ulps=grad_slack_ulps(a.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
+def test_with_weights_unused_weights_give_attention_grads(device, dtype, case):
+    """Weights that take no gradient cost the backward nothing: it is attention's own, bit for
+    bit."""
+    q, k, kw = _setup(case, dtype, device)
+    v = _value(k, dtype, device)
+    g = torch.randn(*q.shape[:-1], v.shape[-1], device=device).to(dtype)
+    got = autograd_grads(lambda *a: attn_ext.attention_with_weights(*a, **kw)[0], [q, k, v], g)
+    want = autograd_grads(lambda *a: attn_ext.attention(*a, **kw), [q, k, v], g)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+def test_with_weights_dropout(device, mean_heads):
+    """With dropout the weights are the dropped, rescaled probabilities that out averaged (as
+    torch's MultiheadAttention returns them): the mask dropout_keep_mask gives for the same
+    generator state."""
+    q, k, kw = _setup("gqa", torch.float64, device)
+    v = _value(k, torch.float64, device)
+    p = 0.3
+    gen = torch.Generator().manual_seed(7)
+    out, w = attn_ext.attention_with_weights(
+        q, k, v, dropout_p=p, generator=gen, mean_heads=mean_heads, **kw
+    )
+    keep = attn_ext.dropout_keep_mask(
+        *q.shape[:3], k.shape[2], p, generator=torch.Generator().manual_seed(7)
+    ).to(device)
+    dropped = attn_ext.attention_weights(q, k, **kw) * keep / (1 - p)
+    want_out = dropped @ expand_kv_heads(v, q.shape[1])
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    want_w = dropped.mean(1) if mean_heads else dropped
+    torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
+    assert not (keep.all() or (~keep).all())  # the mask did drop, and kept
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+@pytest.mark.parametrize("case", list(GRADCHECK))
+def test_with_weights_gradcheck(device, case, mean_heads):
+    c = dict(GRADCHECK[case])
+    B, H, Hkv, Sq, Sk, D = c.pop("shape")
+    f64 = dict(dtype=torch.float64, device=device, requires_grad=True)
+    if H is None:
+        q, k, v = rand((B, Sq, D), **f64), rand((B, Sk, D), **f64), rand((B, Sk, 3), **f64)
+    else:
+        q, k = rand((B, H, Sq, D), **f64), rand((B, Hkv, Sk, D), **f64)
+        v = rand((B, Hkv, Sk, 3), **f64)
+    mask = c.pop("mask", None)
+    if mask == "bool":
+        m = random_bool_mask((B, 1, Sq, Sk), device)
+        m[0, 0, 1] = False
+        c["attn_mask"] = m
+    elif mask == "float":
+        c["attn_mask"] = random_float_mask((1, H, Sq, Sk), torch.float64, device)
+
+    def fn(q, k, v):
+        return attn_ext.attention_with_weights(q, k, v, mean_heads=mean_heads, **c)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_weights_3d(device, dtype, mean_heads):
+    q, k = rand((3, 13, 16), dtype, device), rand((3, 17, 16), dtype, device)
+    v = rand((3, 17, 8), dtype, device)
+    m = random_bool_mask((3, 13, 17), device)
+    out, w = attn_ext.attention_with_weights(
+        q, k, v, causal=True, attn_mask=m, mean_heads=mean_heads
+    )
+    assert out.shape == (3, 13, 8) and w.shape == (3, 13, 17)
+    assert torch.equal(out, attn_ext.attention(q, k, v, causal=True, attn_mask=m))
+    ref = attention_weights_reference(q, k, causal=True, attn_mask=m)
+    tru = ground_truth(attention_weights_reference, q, k, causal=True, attn_mask=m)
+    assert_error_rule(w, ref, tru, name="weights")
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+@pytest.mark.parametrize("B,H,Sq,Sk", [(0, 2, 5, 7), (2, 2, 0, 7), (2, 2, 5, 0)])
+def test_with_weights_empty(device, B, H, Sq, Sk, mean_heads):
+    q, k, v = make_qkv(B, H, H, Sq, Sk, 8, device=device)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out, w = attn_ext.attention_with_weights(q, k, v, causal=True, mean_heads=mean_heads)
+    assert w.shape == ((B, Sq, Sk) if mean_heads else (B, H, Sq, Sk))
+    (out.sum() + w.sum()).backward()
+    assert (q.grad == 0).all() and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+def test_probabilities_count_a_sink(device):
+    """From the lse of a call with sinks, each row's probabilities sum to one less the sink's
+    share exp(sink - lse)."""
+    q, k, v = make_qkv(2, 4, 2, 9, 11, 16, device=device)
+    sinks = torch.tensor([0.5, 3.0, -2.0, 8.0], device=device)
+    _, lse = attn_ext.attention(q, k, v, sinks=sinks, causal=True, return_lse=True)
+    p = attn_ext.attention_probabilities(q, k, lse, causal=True)
+    sink_share = torch.exp(sinks[:, None] - lse)
+    torch.testing.assert_close(p.sum(-1) + sink_share, torch.ones_like(lse))
+    assert (sink_share > 1e-3).all()  # the sinks took a visible share
+
+
+def test_probabilities_refuse_a_bad_lse(device):
+    q, k, _ = make_qkv(2, 4, 2, 9, 11, 16, device=device)
+    lse = torch.zeros(2, 4, 9, device=device)
+    with pytest.raises(RuntimeError, match=r"lse must have shape \[2, 4, 9\], got \[2, 4, 8\]"):
+        attn_ext.attention_probabilities(q, k, lse[..., :8])
+    with pytest.raises(RuntimeError, match="lse must have dtype Float, got Double"):
+        attn_ext.attention_probabilities(q, k, lse.double())

@@ -198,8 +198,8 @@ class TemporalAttention(nn.Module):
     times into ``T`` (n_t S, d_k) and scores ``Q (T^T T / (||T||_F + 1e-8)) K^T / sqrt(d_k)``.
     Since ``T^T T = S E^T E`` and ``||T||_F = sqrt(S) ||E||_F``, the drop-in forms the (d_k, d_k)
     matrix from ``E`` alone, folds it into the queries and calls :func:`attn_ext.attention`
-    (and :func:`attn_ext.attention_weights` for the returned weights): the same numbers
-    without the (n_t S, d_k) repeat or a separate pass over the scores.
+    (:func:`attn_ext.attention_with_weights` for the returned weights): the same numbers
+    without the (n_t S, d_k) repeat.
 
     Kept from the document (it differs from the paper's per-token time matrix): with one time
     point ``e``, ``T^T T / ||T||`` is ``sqrt(S) e e^T / ||e||``, so the scores scale with the
@@ -247,10 +247,7 @@ class TemporalAttention(nn.Module):
         scale = 1.0 / _float32_sqrt(self.d_k)
         if not need_weights:
             return _F.attention(Q, K, V, scale=scale), None
-        # The weights are formed anyway: one product with V finishes the output (as the
-        # document does) instead of a second pass over the scores in the flash kernel.
-        attn_weights = _F.attention_weights(Q, K, scale=scale)
-        return torch.matmul(attn_weights, V), attn_weights
+        return _F.attention_with_weights(Q, K, V, scale=scale)
 
 
 class TensorProductAttention(_TPA):

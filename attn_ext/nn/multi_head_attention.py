@@ -12,10 +12,9 @@ the output projection.
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..functional import attention, attention_weights
+from ..functional import attention, attention_with_weights
 
 __all__ = ["MultiHeadAttention"]
 
@@ -210,13 +209,15 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            weights = attention_weights(
-                q, k, causal=self.causal, window_size=self.window_size, attn_mask=attn_mask
+            out, weights = attention_with_weights(
+                q,
+                k,
+                v,
+                causal=self.causal,
+                window_size=self.window_size,
+                attn_mask=attn_mask,
+                dropout_p=p,
             )
-            if p > 0.0:
-                weights = F.dropout(weights, p=p)
-            # Query head h = g_kv * G + g reads kv head g_kv: broadcast v over the group axis.
-            out = torch.matmul(weights.unflatten(1, (Hkv, H // Hkv)), v.unsqueeze(2)).flatten(1, 2)
         else:
             out = attention(
                 q,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..functional import attention, attention_weights, scaled_dot_product_attention
+from ..functional import attention, attention_with_weights, scaled_dot_product_attention
 
 __all__ = ["MultiheadAttention"]
 
@@ -100,12 +100,13 @@ class MultiheadAttention(nn.MultiheadAttention):
     How it computes: the projections are torch's ``F.linear`` calls (one packed matmul for self
     attention); heads are split with views (no copy) and the attention runs on
     :func:`attn_ext.attention` (or :func:`attn_ext.scaled_dot_product_attention` for the causal
-    hint) when ``need_weights=False``. With ``need_weights=True`` (torch's default) the
-    probabilities are materialized by :func:`attn_ext.attention_weights`, dropout is applied
-    to them with ``F.dropout`` (the returned weights are the dropped ones, as in torch), and the
-    output is ``weights @ v`` (a batched matmul); pass ``need_weights=False`` for the fused,
-    memory-light path. Bool masks are given to the kernel as keep-masks (no float copy) and a
-    lone ``key_padding_mask`` is read through a broadcast view.
+    hint) when ``need_weights=False``. With ``need_weights=True`` (torch's default) it runs
+    :func:`attn_ext.attention_with_weights`: the same flash kernel, then the probabilities from
+    its log-sum-exp in one more pass over the scores (with dropout, the returned weights are the
+    dropped ones, as in torch); the backward is the flash kernel's unless the weights take a
+    gradient. Pass ``need_weights=False`` to skip the (N, H, L, S) weights. Bool masks are
+    given to the kernel as keep-masks (no float copy) and a lone ``key_padding_mask`` is read
+    through a broadcast view.
 
     Differences from torch, all deliberate:
 
@@ -242,10 +243,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            weights = attention_weights(q, k, attn_mask=mask)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            out = torch.matmul(weights, v)
+            out, weights = attention_with_weights(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, mean_heads=average_attn_weights
+            )
         elif causal:
             out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
@@ -259,11 +259,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if not is_batched:
             out = out.squeeze(0)
-        if weights is not None:
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            if not is_batched:
-                weights = weights.squeeze(0)
+        if weights is not None and not is_batched:
+            weights = weights.squeeze(0)
         return out, weights
 
     def _in_projection(

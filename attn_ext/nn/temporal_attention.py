@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from ..functional import attention, attention_weights
+from ..functional import attention, attention_with_weights
 
 __all__ = ["TemporalAttention"]
 
@@ -137,9 +137,10 @@ class TemporalAttention(nn.Module):
         M = time_matrix(t.view(t.size(0), t.size(1), H, d), S, self.eps)  # (B|1, H, d, d)
         q = torch.matmul(heads(self.q_proj(x)), M)  # the time matrix folded into the queries
         k, v = heads(self.k_proj(x)), heads(self.v_proj(x))
-        # With the weights requested they are formed anyway: one product with v finishes the
-        # output instead of a second pass over the scores in the flash kernel.
-        weights = attention_weights(q, k, causal=causal) if need_weights else None
-        out = attention(q, k, v, causal=causal) if weights is None else torch.matmul(weights, v)
+        weights = None
+        if need_weights:
+            out, weights = attention_with_weights(q, k, v, causal=causal)
+        else:
+            out = attention(q, k, v, causal=causal)
         out = self.out_proj(out.transpose(1, 2).reshape(B, S, self.embed_dim))
         return out if weights is None else (out, weights)

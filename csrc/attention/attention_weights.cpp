@@ -1,6 +1,8 @@
-// attention_weights: the probability matrix itself (the one op that materializes
-// Sq x Sk), for diagnostics and modules that must return weights. Written with ATen ops,
-// so one implementation serves every device; the band comes from the shared LocalBand.
+// attention_weights: the probability matrix itself (the ops that materialize Sq x Sk), for
+// diagnostics and modules that must return weights; attention_probabilities: the same matrix
+// from the lse of an attention call; the softmax backward of both. Written with ATen ops, so one
+// implementation serves every device (the CPU has its own attention_probabilities kernel);
+// the band comes from the shared LocalBand.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
@@ -25,25 +27,17 @@ at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale
   return s.mul_(scale).reshape({B, H, Sq, Sk});
 }
 
-at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
-                                  const std::optional<at::Tensor>& attn_mask,
-                                  std::optional<double> scale, bool causal, int64_t window_left,
-                                  int64_t window_right, std::optional<int64_t> key_offset) {
-  constexpr const char* kOp = "attn_ext.attention_weights";
-  // k doubles as v: validation and the band are exactly those of attention.
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+// The scaled scores in acc_t with the band and the mask applied (-inf where masked).
+at::Tensor masked_scores(const PreparedInputs& in, const at::Tensor& q) {
   const AttentionParams& p = in.params;
-  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());
   at::Tensor s = grouped_scores(in.q, in.k, p.scale);
   const auto neg_inf = -std::numeric_limits<double>::infinity();
   if (p.window_left >= 0 || p.window_right >= 0) {
     const LocalBand band{p.key_offset, p.window_left, p.window_right};
     const auto idx = q.options().dtype(at::kLong);
-    const at::Tensor center = at::arange(Sq, idx).unsqueeze(1) + band.key_offset;
-    const at::Tensor j = at::arange(Sk, idx).unsqueeze(0);
-    at::Tensor allowed = at::ones({Sq, Sk}, q.options().dtype(at::kBool));
+    const at::Tensor center = at::arange(p.seqlen_q, idx).unsqueeze(1) + band.key_offset;
+    const at::Tensor j = at::arange(p.seqlen_k, idx).unsqueeze(0);
+    at::Tensor allowed = at::ones({p.seqlen_q, p.seqlen_k}, q.options().dtype(at::kBool));
     if (band.has_left()) allowed = allowed.logical_and(j >= center - band.left);
     if (band.has_right()) allowed = allowed.logical_and(j <= center + band.right);
     s.masked_fill_(allowed.logical_not(), neg_inf);
@@ -55,16 +49,56 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
       s.add_(in.mask);
     }
   }
+  return s;
+}
+
+// e in q's dtype (advised like the buffers above when a copy is needed).
+at::Tensor in_dtype_of(const at::Tensor& e, const at::Tensor& q) {
+  if (e.scalar_type() == q.scalar_type()) return e;
+  return advise_huge_pages(at::empty_like(e, e.options().dtype(q.scalar_type()))).copy_(e);
+}
+
+// d scores -> (grad_q, grad_k) through s = scale q k^T, GQA groups summed, in q's dtype.
+std::tuple<at::Tensor, at::Tensor> score_grads(const at::Tensor& ds, const PreparedInputs& in,
+                                               const at::Tensor& q, double scale) {
+  const AttentionParams& p = in.params;
+  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int64_t D = p.head_dim, G = H / Hkv;
+  const at::ScalarType acc = ds.scalar_type();
+  const at::Tensor dsg = ds.reshape({B, Hkv, G, Sq, Sk});
+  const at::Tensor kf = in.k.to(acc).unsqueeze(2);
+  const at::Tensor dq = at::matmul(dsg, kf).mul_(scale).reshape({B, H, Sq, D});
+  const at::Tensor qg = in.q.to(acc).reshape({B, Hkv, G, Sq, D});
+  const at::Tensor dk = at::matmul(dsg.transpose(-1, -2), qg).sum(2).mul_(scale);
+  return {dq.to(q.scalar_type()), dk.to(q.scalar_type())};
+}
+
+bool has_band_or_mask(const PreparedInputs& in) {
+  const AttentionParams& p = in.params;
+  return p.window_left >= 0 || p.window_right >= 0 || in.mask.defined();
+}
+
+at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
+                                  const std::optional<at::Tensor>& attn_mask,
+                                  std::optional<double> scale, bool causal, int64_t window_left,
+                                  int64_t window_right, std::optional<int64_t> key_offset) {
+  constexpr const char* kOp = "attn_ext.attention_weights";
+  // k doubles as v: validation and the band are exactly those of attention.
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  const AttentionParams& p = in.params;
+  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());
+  const at::Tensor s = masked_scores(in, q);
   // ATen's fused softmax (one kernel, no temporaries); rows that a mask or band left without
   // a key come out of it as NaN and are set to 0. Only masks can empty a row, so unmasked
   // scores skip the row-max pass, and NaN from the inputs propagates either way.
   at::Tensor e = advise_huge_pages(at::empty_like(s));
   at::_softmax_out(e, s, -1, false);
-  if (p.window_left >= 0 || p.window_right >= 0 || in.mask.defined()) {
-    e.masked_fill_(std::get<0>(s.max(-1, true)) == neg_inf, 0.0);
+  if (has_band_or_mask(in)) {
+    e.masked_fill_(std::get<0>(s.max(-1, true)) == -std::numeric_limits<double>::infinity(), 0.0);
   }
-  if (e.scalar_type() == q.scalar_type()) return e;
-  return advise_huge_pages(at::empty_like(e, e.options().dtype(q.scalar_type()))).copy_(e);
+  return in_dtype_of(e, q);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Tensor& grad_weights,
@@ -75,26 +109,48 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
   PreparedInputs in = prepare_attention(kOp, q, k, k, {});
   const AttentionParams& p = in.params;
-  const int64_t B = p.batch, H = p.heads, Hkv = p.kv_heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int64_t D = p.head_dim;
+  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const std::vector<int64_t> w_shape{B, H, Sq, Sk};
   check_companion(kOp, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
   check_companion(kOp, "weights", weights, q, w_shape, q.scalar_type());
   const double sc = scale.has_value() ? *scale : p.scale;
-  if (B * H * Sq * Sk == 0 || Hkv == 0) return {at::zeros_like(q), at::zeros_like(k)};
+  if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return {at::zeros_like(q), at::zeros_like(k)};
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
   // dS = P * (dP - rowsum(dP * P)) by ATen's fused softmax backward (one Sq x Sk result, no
   // temporaries; rows emptied by a mask have P = 0 and so dS = 0), then the two products of
   // the score matmul.
   at::Tensor ds = advise_huge_pages(at::empty({B, H, Sq, Sk}, q.options().dtype(acc)));
   at::_softmax_backward_data_out(ds, grad_weights.to(acc), weights.to(acc), -1, acc);
-  const int64_t G = H / Hkv;
-  const at::Tensor dsg = ds.reshape({B, Hkv, G, Sq, Sk});
-  const at::Tensor kf = k.to(acc).unsqueeze(2);
-  const at::Tensor dq = at::matmul(dsg, kf).mul_(sc).reshape({B, H, Sq, D});
-  const at::Tensor qg = q.to(acc).reshape({B, Hkv, G, Sq, D});
-  const at::Tensor dk = at::matmul(dsg.transpose(-1, -2), qg).sum(2).mul_(sc);
-  return {dq.to(q.scalar_type()), dk.to(q.scalar_type())};
+  return score_grads(ds, in, q, sc);
+}
+
+// attention_probabilities on any device with ATen ops (the CPU has its own kernel,
+// cpu/flash_fwd.cpp): the masked scores against the given lse.
+at::Tensor attention_probabilities_impl(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& lse,
+                                        const std::optional<at::Tensor>& attn_mask,
+                                        std::optional<double> scale, bool causal,
+                                        int64_t window_left, int64_t window_right,
+                                        std::optional<int64_t> key_offset, bool mean_heads) {
+  constexpr const char* kOp = "attn_ext.attention_probabilities";
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  const AttentionParams& p = in.params;
+  const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
+  check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
+  if (B * H * Sq * Sk == 0 || p.kv_heads == 0) {
+    return mean_heads ? at::zeros({B, Sq, Sk}, q.options())
+                      : at::zeros({B, H, Sq, Sk}, q.options());
+  }
+  at::Tensor s = masked_scores(in, q);
+  // fp64 recomputes the lse in fp64, as the CPU kernel and attention's backward do (the
+  // float32 lse would cap the probabilities at ~1e-7 relative error).
+  const at::Tensor l = q.scalar_type() == at::kDouble ? at::logsumexp(s, -1, true)
+                                                      : lse.to(s.scalar_type()).unsqueeze(-1);
+  s.sub_(l).exp_();
+  // A row that saw no key (lse -inf) has only -inf scores: -inf - -inf is NaN, its P is 0.
+  s.masked_fill_(l == -std::numeric_limits<double>::infinity(), 0.0);
+  return in_dtype_of(mean_heads ? s.mean(1) : s, q);
 }
 
 }  // namespace
@@ -103,6 +159,7 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
 TORCH_LIBRARY_IMPL(attn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention_weights", &attention_weights_impl);
   m.impl("attention_weights_backward", &attention_weights_backward_impl);
+  m.impl("attention_probabilities", &attention_probabilities_impl);
 }
 
 }  // namespace attn_ext

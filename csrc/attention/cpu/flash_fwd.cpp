@@ -1,5 +1,6 @@
 // CPU flash-attention forward: blocked over queries and keys with an online softmax;
-// no Sq x Sk buffer, parallel over (batch, head, query block).
+// no Sq x Sk buffer, parallel over (batch, head, query block). Also attention_probabilities,
+// the Sq x Sk probabilities of a forward's lse, on the same products and masks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -415,6 +416,160 @@ struct FwdWorker {
   }
 };
 
+// One thread's attention_probabilities: P = exp2(S - lse2) for the keys a block's rows may see,
+// on the forward's products and mask pieces, with the lse of the forward that is given (no
+// online softmax). run() writes a (batch, head, query block)'s rows whole: zeros outside its
+// band and for rows that saw no key (lse -inf); run_mean() writes a (batch, query block)'s rows
+// of the mean over heads, summed in acc_t in a buffer of the block's rows.
+template <typename scalar_t, typename Products>
+struct ProbWorker {
+  using Traits = FlashTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  static constexpr int64_t kN = Products::kBlockN;
+
+  const AttentionParams& p;
+  scalar_t* weights;  // (B, H, Sq, Sk), or (B, Sq, Sk) for run_mean; contiguous
+  int64_t kM;
+  Products prod;
+  RowPass<acc_t> rows;
+  Buffer<acc_t> q_buf, s_buf, lse2, lse2_lo;
+  AlignedVector<acc_t> sum_rows;  // run_mean's block rows, sized on first use
+
+  ProbWorker(const AttentionParams& params, scalar_t* w, int64_t block_m)
+      : p(params),
+        weights(w),
+        kM(block_m),
+        prod(params, kN),
+        q_buf(Traits::kConvert && !Products::kReadsInputQuery ? block_m * params.head_dim : 0),
+        s_buf((block_m + Products::kScoreRowAlign - 1) / Products::kScoreRowAlign *
+              Products::kScoreRowAlign * kN),
+        lse2(block_m),
+        lse2_lo(block_m) {}
+
+  // The keys [lo, hi) that some row of block [i0, i0 + m) may see, and the first tile's start.
+  struct KeyRange {
+    int64_t tiles_begin, lo, hi;
+  };
+  KeyRange key_range(const SeqBounds& sb, int64_t i0, int64_t m) const {
+    const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+    const int64_t Sk = sb.seqlen_k;
+    const int64_t n_begin = band.key_begin(i0, Sk) / Products::kKeyAlign * Products::kKeyAlign;
+    const int64_t lo = std::clamp<int64_t>(n_begin, 0, Sk);
+    return {n_begin, lo, std::clamp(band.key_end(i0 + m, Sk), lo, Sk)};
+  }
+
+  void run(int64_t b, int64_t h, int64_t mb) {
+    const SeqBounds sb = seq_bounds(p, b);
+    const int64_t Sk = sb.seqlen_k, i0 = mb * kM, m = std::min(kM, sb.seqlen_q - i0);
+    const KeyRange kr = key_range(sb, i0, m);
+    scalar_t* w = weights + ((b * p.heads + h) * sb.seqlen_q + i0) * Sk;
+    for (int64_t r = 0; r < m; ++r) {
+      std::fill(w + r * Sk, w + r * Sk + kr.lo, scalar_t(0));
+      std::fill(w + r * Sk + kr.hi, w + (r + 1) * Sk, scalar_t(0));
+    }
+    head_rows(b, h, sb, i0, m, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
+      store_row(pr, w + r * Sk + j0, n, acc_t(1));
+    });
+  }
+
+  void run_mean(int64_t b, int64_t mb) {
+    const SeqBounds sb = seq_bounds(p, b);
+    const int64_t Sk = sb.seqlen_k, i0 = mb * kM, m = std::min(kM, sb.seqlen_q - i0);
+    const KeyRange kr = key_range(sb, i0, m);
+    grow(sum_rows, m * Sk);
+    std::fill(sum_rows.begin(), sum_rows.begin() + m * Sk, acc_t(0));
+    for (int64_t h = 0; h < p.heads; ++h) {
+      head_rows(b, h, sb, i0, m, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
+        acc_t* sum = sum_rows.data() + r * Sk + j0;
+        for (int64_t j = 0; j < n; ++j) sum[j] += pr[j];
+      });
+    }
+    scalar_t* w = weights + (b * sb.seqlen_q + i0) * Sk;
+    const acc_t inv_heads = acc_t(1) / static_cast<acc_t>(p.heads);
+    for (int64_t r = 0; r < m; ++r) store_row(sum_rows.data() + r * Sk, w + r * Sk, Sk, inv_heads);
+  }
+
+  // emit(r, j0, P, n): row r's probabilities of keys [j0, j0 + n), key tile by key tile over
+  // kr (masked keys and rows that saw no key give 0).
+  template <typename Emit>
+  void head_rows(int64_t b, int64_t h, const SeqBounds& sb, int64_t i0, int64_t m,
+                 const KeyRange& kr, Emit&& emit) {
+    if (kr.lo >= kr.hi) return;
+    const acc_t log2e = static_cast<acc_t>(kLog2e);
+    const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+    const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+    const int64_t hk = h / p.group(), n_begin = kr.tiles_begin, n_end = kr.hi;
+    const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
+                            p.q_row_stride, b, h, sb.q_begin + i0);
+    int64_t ldq = p.q_row_stride;
+    const auto* qt = [&] {
+      if constexpr (Products::kReadsInputQuery)
+        return q;
+      else
+        return load_tile(q, p.q_row_stride, m, p.head_dim, q_buf.get(), &ldq);
+    }();
+    // k doubles as v (prepare_attention(q, k, k)): the products pack it for P V too, a pass over
+    // the head's keys next to the Sq x Sk products.
+    const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
+                            p.k_row_stride, b, hk, sb.k_begin);
+    prod.load_head(b * p.kv_heads + hk, k, p.k_row_stride, k, p.k_row_stride, n_begin, n_end,
+                   sb.seqlen_k);
+    // Scaled (log2 domain), masked scores of key tile [j0, j0 + n) into s.
+    auto tile_scores = [&](int64_t j0, int64_t n, acc_t* s) {
+      prod.load_tile(j0, n);
+      prod.scores(qt, ldq, m, n, s_scale, s, kN);
+      const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
+      if (band_partial || p.mask_kind != MaskKind::kNone)
+        mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
+    };
+
+    // lse in the log2 domain as a float pair hi + lo (exp2_scale_shift2), as the backward has it.
+    // fp64 recomputes it in fp64 as the backward does (recompute_lse2): the float32 lse would
+    // cap its probabilities at ~1e-7 relative error. One more pass over the scores.
+    if constexpr (std::is_same_v<acc_t, double>) {
+      std::vector<SoftmaxState<acc_t>> st(m, initial_state<acc_t>(p, h, log2e));
+      for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
+        const int64_t n = std::min(kN, n_end - j0);
+        acc_t* s = s_buf.get();
+        tile_scores(j0, n, s);
+        for (int64_t r = 0; r < m; ++r) {
+          st[r].rescale_to(rows.max(s + r * kN, n));
+          st[r].sum += rows.exp2_sum(s + r * kN, n, st[r].shift());
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        lse2.get()[r] = st[r].empty() && !std::isnan(st[r].sum)
+                            ? -std::numeric_limits<acc_t>::infinity()
+                            : st[r].max + std::log2(st[r].sum);
+        lse2_lo.get()[r] = 0;
+      }
+    } else {
+      const int64_t row0 = row_index(p, sb, b, h, i0);
+      for (int64_t r = 0; r < m; ++r) {
+        const double l2 = static_cast<double>(p.lse[row0 + r]) * kLog2e;
+        lse2.get()[r] = static_cast<acc_t>(l2);
+        lse2_lo.get()[r] =
+            std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
+      }
+    }
+
+    for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
+      const int64_t n = std::min(kN, n_end - j0);
+      acc_t* s = s_buf.get();
+      tile_scores(j0, n, s);
+      for (int64_t r = 0; r < m; ++r) {
+        acc_t* sr = s + r * kN;
+        if (lse2.get()[r] == -std::numeric_limits<acc_t>::infinity()) {
+          std::fill(sr, sr + n, acc_t(0));  // a row that saw no key has no probabilities
+        } else {
+          rows.exp2_rows(sr, n, lse2.get()[r], lse2_lo.get()[r]);
+        }
+        emit(r, j0, sr, n);
+      }
+    }
+  }
+};
+
 // A varlen batch's (sequence, head, query block) tasks, the sequences with the most work
 // first (work of a block ~ the keys it sees), a sequence's heads and blocks in order so that a
 // thread's consecutive tasks share its packed keys; for parallel_claim.
@@ -439,22 +594,20 @@ inline std::vector<VarlenTask> varlen_tasks(const AttentionParams& p, int64_t bl
   return tasks;
 }
 
-template <typename scalar_t, typename Products>
-void flash_fwd(const AttentionParams& p) {
-  using Traits = FlashTraits<scalar_t>;
-  const LocalBand band{p.key_offset, p.window_left, p.window_right};
-  const int64_t kM = Traits::fwd_block_m(band.has_right(), p.seqlen_k);
-  using Worker = FwdWorker<scalar_t, Products>;
+// The (sequence, head, query block) tasks of a forward-side kernel, each run by a thread's
+// worker (make_worker()): dense batches in order, varlen batches as varlen_tasks orders them.
+template <typename MakeWorker>
+void run_query_blocks(const AttentionParams& p, int64_t kM, MakeWorker make_worker) {
+  using Worker = decltype(make_worker());
   if (p.varlen()) {
     const std::vector<VarlenTask> tasks = varlen_tasks(p, kM);
-    parallel_claim(
-        static_cast<int64_t>(tasks.size()), [&] { return Worker(p, kM); },
-        [&](Worker& w, int64_t t) { w.run(tasks[t].b, tasks[t].h, tasks[t].mb); });
+    parallel_claim(static_cast<int64_t>(tasks.size()), make_worker,
+                   [&](Worker& w, int64_t t) { w.run(tasks[t].b, tasks[t].h, tasks[t].mb); });
     return;
   }
   const int64_t num_m = (p.seqlen_q + kM - 1) / kM;
   at::parallel_for(0, p.batch * p.heads * num_m, 1, [&](int64_t begin, int64_t end) {
-    Worker w(p, kM);
+    Worker w = make_worker();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % num_m, bh = task / num_m;
       w.run(bh / p.heads, bh % p.heads, mb);
@@ -462,11 +615,45 @@ void flash_fwd(const AttentionParams& p) {
   });
 }
 
-// The packed products for float accumulation once the query blocks of a head are enough to
-// amortize packing it (for bf16 on AMX tiles or AVX512-BF16 where block_kernels() says so);
-// BLAS otherwise (fp64, other ISAs, a few query rows).
 template <typename scalar_t>
-void flash_fwd(const AttentionParams& p) {
+int64_t fwd_block_m(const AttentionParams& p) {
+  const LocalBand band{p.key_offset, p.window_left, p.window_right};
+  return FlashTraits<scalar_t>::fwd_block_m(band.has_right(), p.seqlen_k);
+}
+
+// The forward: out and lse.
+template <typename scalar_t, typename Products>
+struct FlashFwd {
+  static void run(const AttentionParams& p) {
+    const int64_t kM = fwd_block_m<scalar_t>(p);
+    run_query_blocks(p, kM, [&] { return FwdWorker<scalar_t, Products>(p, kM); });
+  }
+};
+// The probabilities of a forward's lse into weights, the op's (B, H, Sq, Sk) output, or with
+// mean_heads their mean over heads, (B, Sq, Sk): one task per (batch, query block).
+template <typename scalar_t, typename Products>
+struct Probabilities {
+  static void run(const AttentionParams& p, scalar_t* weights, bool mean_heads) {
+    using Worker = ProbWorker<scalar_t, Products>;
+    const int64_t kM = fwd_block_m<scalar_t>(p);
+    if (!mean_heads) {
+      run_query_blocks(p, kM, [&] { return Worker(p, weights, kM); });
+      return;
+    }
+    const int64_t num_m = (p.seqlen_q + kM - 1) / kM;
+    at::parallel_for(0, p.batch * num_m, 1, [&](int64_t begin, int64_t end) {
+      Worker w(p, weights, kM);
+      for (int64_t task = begin; task < end; ++task) w.run_mean(task / num_m, task % num_m);
+    });
+  }
+};
+
+// Kernel<scalar_t, Products>::run(p, args...) on the packed products for float accumulation
+// once the query blocks of a head are enough to amortize packing it (for bf16 on AMX tiles or
+// AVX512-BF16 where block_kernels() says so); BLAS otherwise (fp64, other ISAs, a few query
+// rows).
+template <template <typename, typename> class Kernel, typename scalar_t, typename... Args>
+void with_fwd_products(const AttentionParams& p, Args... args) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
     if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries) {
@@ -474,23 +661,25 @@ void flash_fwd(const AttentionParams& p) {
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         switch (block_kernels().bf16_operands) {
           case Bf16Operands::kAmx:
-            return flash_fwd<scalar_t, Bf16Products<AmxPairs>>(p);
+            return Kernel<scalar_t, Bf16Products<AmxPairs>>::run(p, args...);
           case Bf16Operands::kAvx512Bf16:
-            return flash_fwd<scalar_t, Bf16Products<Avx512Bf16Pairs>>(p);
+            return Kernel<scalar_t, Bf16Products<Avx512Bf16Pairs>>::run(p, args...);
           case Bf16Operands::kFp32:
             break;
         }
       }
 #endif
-      return flash_fwd<scalar_t, PackedProducts<scalar_t>>(p);
+      return Kernel<scalar_t, PackedProducts<scalar_t>>::run(p, args...);
     }
   }
 #endif
-  flash_fwd<scalar_t, BlasProducts<scalar_t>>(p);
+  Kernel<scalar_t, BlasProducts<scalar_t>>::run(p, args...);
 }
 
 void run_fwd(const char* op, AttentionParams& p, const at::Tensor& q) {
-  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op, [&] { flash_fwd<scalar_t>(p); });
+  // (The lambdas are parenthesized: their template arguments' commas would split the macro's.)
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), op,
+                             ([&] { with_fwd_products<FlashFwd, scalar_t>(p); }));
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(
@@ -531,11 +720,41 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
   return {out, lse};
 }
 
+at::Tensor attention_probabilities_cpu(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& lse,
+                                       const std::optional<at::Tensor>& attn_mask,
+                                       std::optional<double> scale, bool causal,
+                                       int64_t window_left, int64_t window_right,
+                                       std::optional<int64_t> key_offset, bool mean_heads) {
+  constexpr const char* kOp = "attn_ext.attention_probabilities";
+  check_cpu_support(kOp);
+  // k doubles as v: validation, band and mask exactly those of attention.
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  AttentionParams& p = in.params;
+  check_companion(kOp, "lse", lse, q, {p.batch, p.heads, p.seqlen_q}, at::kFloat);
+  // Written whole by the tasks; a memory-bound output, advised as attention_weights' buffers are.
+  const std::vector<int64_t> shape =
+      mean_heads ? std::vector<int64_t>{p.batch, p.seqlen_q, p.seqlen_k}
+                 : std::vector<int64_t>{p.batch, p.heads, p.seqlen_q, p.seqlen_k};
+  at::Tensor w = advise_huge_pages(at::empty(shape, q.options()));
+  if (w.numel() == 0) return w;
+  if (p.kv_heads == 0 || p.heads == 0) return w.zero_();
+  const at::Tensor l = lse.contiguous();
+  p.lse = const_cast<float*>(l.const_data_ptr<float>());
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, ([&] {
+                               with_fwd_products<Probabilities, scalar_t>(
+                                   p, w.mutable_data_ptr<scalar_t>(), mean_heads);
+                             }));
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention", &attention_cpu);
   m.impl("attention_varlen", &attention_varlen_cpu);
+  m.impl("attention_probabilities", &attention_probabilities_cpu);
 }
 
 }  // namespace attn_ext::cpu
