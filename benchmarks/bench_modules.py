@@ -12,7 +12,9 @@ each:
   ``(B, H, S, E / H)`` tensors, without and with a causal bool mask;
 * ``torch.nn.MultiheadAttention`` (self attention, ``batch_first=True``, ``need_weights=False``)
   against ``attn_ext.nn.MultiheadAttention`` and the canonical ``attn_ext.nn.MultiHeadAttention``
-  (same math, separate q/k/v projections, its own initialization).
+  (same math, separate q/k/v projections, its own initialization);
+* the same torch layer called with its defaults (``need_weights=True``, averaged weights
+  returned) against ``attn_ext.nn.MultiheadAttention`` called the same way.
 
 Default shape: embed E = 768, H = 12 heads, batch 8, S = 1024 tokens; the document rows in
 float32 (``--doc-dtypes``), the torch rows in float32 and bfloat16 (``--dtypes``).
@@ -202,6 +204,24 @@ def row_nn_multihead(shape, device, dtype, seq):
     )
 
 
+def row_nn_multihead_weights(shape, device, dtype, seq):
+    """torch's layer and the drop-in called as most code calls them, with torch's defaults
+    (``need_weights=True``, ``average_attn_weights=True``): the (B, S, S) weights are formed and
+    returned, the output takes the gradient."""
+    theirs = torch.nn.MultiheadAttention(
+        shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype
+    )
+    dropin = attn_ext.nn.MultiheadAttention(
+        shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype
+    )
+    dropin.load_state_dict(theirs.state_dict(), strict=True)
+    inputs = _x(shape, device, dtype, seq)
+    return (
+        Candidate(lambda x: theirs(x, x, x)[0], inputs, list(theirs.parameters()), theirs),
+        Candidate(lambda x: dropin(x, x, x)[0], inputs, list(dropin.parameters()), dropin),
+    )
+
+
 @dataclass
 class Row:
     """A reference and one or more of ours; ``build(shape, device, dtype, seq)`` returns their
@@ -257,6 +277,13 @@ ROWS = {
             row_nn_multihead,
             lambda s: "torch nn.MultiheadAttention",
             ("nn.MultiheadAttention", "nn.MultiHeadAttention (canonical)"),
+            False,
+        ),
+        Row(
+            "nn.MultiheadAttention.need_weights",
+            row_nn_multihead_weights,
+            lambda s: "torch nn.MultiheadAttention, need_weights=True",
+            ("nn.MultiheadAttention",),
             False,
         ),
     ]

@@ -129,4 +129,9 @@ def test_autocast_behaves_like_sdpa(device):
         cu = torch.tensor([0, 37], dtype=torch.int32, device=device)
         varlen = attn_ext.attention_varlen(tokens, tokens, tokens, cu, cu, 37, 37)
         weights = attn_ext.attention_weights(q.detach(), k.detach())
-    assert varlen.dtype == weights.dtype == dtype
+        out_w, with_weights = attn_ext.attention_with_weights(q, k, v, causal=True)
+    assert varlen.dtype == weights.dtype == out_w.dtype == with_weights.dtype == dtype
+    manual_w = attn_ext.attention_with_weights(
+        *(x.detach().to(dtype) for x in (q, k, v)), causal=True
+    )[1]
+    assert torch.equal(with_weights, manual_w)

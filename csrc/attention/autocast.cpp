@@ -28,7 +28,8 @@ void autocast_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
-constexpr const char* kAutocastOps[] = {"attention", "attention_varlen", "attention_weights"};
+constexpr const char* kAutocastOps[] = {"attention", "attention_varlen", "attention_weights",
+                                        "attention_probabilities"};
 
 }  // namespace
 
