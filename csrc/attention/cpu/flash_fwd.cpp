@@ -416,11 +416,11 @@ struct FwdWorker {
   }
 };
 
-// One thread's attention_probabilities: P = exp2(S - lse2) for the keys a block's rows may see,
-// on the forward's products and mask pieces, with the lse of the forward that is given (no
-// online softmax). run() writes a (batch, head, query block)'s rows whole: zeros outside its
-// band and for rows that saw no key (lse -inf); run_mean() writes a (batch, query block)'s rows
-// of the mean over heads, summed in acc_t in a buffer of the block's rows.
+// One thread's attention_probabilities (and attention_weights): P = exp2(S - lse2) for the keys a
+// block's rows may see, on the forward's products and mask pieces, with the lse of the forward
+// that is given, or its own (head_rows). run() writes a (batch, head, query block)'s rows whole:
+// zeros outside its band and for rows that saw no key (lse -inf); run_mean() writes a (batch, query
+// block)'s rows of the mean over heads, summed in acc_t in a buffer of the block's rows.
 template <typename scalar_t, typename Products>
 struct ProbWorker {
   using Traits = FlashTraits<scalar_t>;
@@ -524,9 +524,10 @@ struct ProbWorker {
     };
 
     // lse in the log2 domain as a float pair hi + lo (exp2_scale_shift2), as the backward has it.
-    // fp64 recomputes it in fp64 as the backward does (recompute_lse2): the float32 lse would
-    // cap its probabilities at ~1e-7 relative error. One more pass over the scores.
-    if constexpr (std::is_same_v<acc_t, double>) {
+    // Recomputed here, in one more pass over the scores, without a given lse (attention_weights:
+    // p.lse null) and for fp64, as the backward does (recompute_lse2): the float32 lse would cap
+    // fp64's probabilities at ~1e-7 relative error.
+    if (std::is_same_v<acc_t, double> || p.lse == nullptr) {
       std::vector<SoftmaxState<acc_t>> st(m, initial_state<acc_t>(p, h, log2e));
       for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
         const int64_t n = std::min(kN, n_end - j0);
@@ -538,10 +539,13 @@ struct ProbWorker {
         }
       }
       for (int64_t r = 0; r < m; ++r) {
-        lse2.get()[r] = st[r].empty() && !std::isnan(st[r].sum)
-                            ? -std::numeric_limits<acc_t>::infinity()
-                            : st[r].max + std::log2(st[r].sum);
-        lse2_lo.get()[r] = 0;
+        const double l2 =
+            st[r].empty() && !std::isnan(st[r].sum)
+                ? -std::numeric_limits<double>::infinity()
+                : static_cast<double>(st[r].max) + std::log2(static_cast<double>(st[r].sum));
+        lse2.get()[r] = static_cast<acc_t>(l2);
+        lse2_lo.get()[r] =
+            std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
       }
     } else {
       const int64_t row0 = row_index(p, sb, b, h, i0);
@@ -749,12 +753,35 @@ at::Tensor attention_probabilities_cpu(const at::Tensor& q, const at::Tensor& k,
   return w;
 }
 
+// The softmax of the scores itself: the probabilities kernel with its own lse (no P V).
+at::Tensor attention_weights_cpu(const at::Tensor& q, const at::Tensor& k,
+                                 const std::optional<at::Tensor>& attn_mask,
+                                 std::optional<double> scale, bool causal, int64_t window_left,
+                                 int64_t window_right, std::optional<int64_t> key_offset) {
+  constexpr const char* kOp = "attn_ext.attention_weights";
+  check_cpu_support(kOp);
+  PreparedInputs in = prepare_attention(
+      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  AttentionParams& p = in.params;
+  at::Tensor w =
+      advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.seqlen_k}, q.options()));
+  if (w.numel() == 0) return w;
+  if (p.kv_heads == 0) return w.zero_();
+  p.lse = nullptr;  // head_rows recomputes it
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, ([&] {
+                               with_fwd_products<Probabilities, scalar_t>(
+                                   p, w.mutable_data_ptr<scalar_t>(), false);
+                             }));
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention", &attention_cpu);
   m.impl("attention_varlen", &attention_varlen_cpu);
   m.impl("attention_probabilities", &attention_probabilities_cpu);
+  m.impl("attention_weights", &attention_weights_cpu);
 }
 
 }  // namespace attn_ext::cpu
