@@ -1,8 +1,8 @@
 // attention_weights: the probability matrix itself (the ops that materialize Sq x Sk), for
 // diagnostics and modules that must return weights; attention_probabilities: the same matrix
 // from the lse of an attention call; the softmax backward of both. Written with ATen ops, so one
-// implementation serves every device (the CPU has its own attention_probabilities kernel);
-// the band comes from the shared LocalBand.
+// implementation serves every device; the CPU runs its own kernels for the two forwards
+// (cpu/flash_fwd.cpp) and this backward. The band comes from the shared LocalBand.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
@@ -13,16 +13,13 @@
 namespace attn_ext {
 namespace {
 
-// (B, H, Sq, Sk) scores in acc_t of q @ k^T, GQA by viewing q as (B, Hkv, G, Sq, D). The Sq x Sk
-// buffers here are written whole into memory this op allocates and advises onto 2 MB pages
-// (common/tensors.h): at (4, 8, 2048, 2048) fp32 the weights took 419 ms with ATen's own
-// allocations and 177 ms on 2 MB pages (Zen 5 VM, 2026-11-29).
+// (B, H, Sq, Sk) scores in acc_t of q @ k^T, GQA by viewing q as (B, Hkv, G, Sq, D).
 at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Sk = k.size(2);
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
   const at::Tensor qg = q.to(acc).reshape({B, Hkv, H / Hkv, Sq, q.size(3)});
   const at::Tensor kg = k.to(acc).unsqueeze(2).transpose(-1, -2);
-  at::Tensor s = advise_huge_pages(at::empty({B, Hkv, H / Hkv, Sq, Sk}, q.options().dtype(acc)));
+  at::Tensor s = at::empty({B, Hkv, H / Hkv, Sq, Sk}, q.options().dtype(acc));
   at::matmul_out(s, qg, kg);
   return s.mul_(scale).reshape({B, H, Sq, Sk});
 }
@@ -52,10 +49,9 @@ at::Tensor masked_scores(const PreparedInputs& in, const at::Tensor& q) {
   return s;
 }
 
-// e in q's dtype (advised like the buffers above when a copy is needed).
+// e in q's dtype.
 at::Tensor in_dtype_of(const at::Tensor& e, const at::Tensor& q) {
-  if (e.scalar_type() == q.scalar_type()) return e;
-  return advise_huge_pages(at::empty_like(e, e.options().dtype(q.scalar_type()))).copy_(e);
+  return e.scalar_type() == q.scalar_type() ? e : e.to(q.scalar_type());
 }
 
 // d scores -> (grad_q, grad_k) through s = scale q k^T, GQA groups summed, in q's dtype.
@@ -93,7 +89,7 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
   // ATen's fused softmax (one kernel, no temporaries); rows that a mask or band left without
   // a key come out of it as NaN and are set to 0. Only masks can empty a row, so unmasked
   // scores skip the row-max pass, and NaN from the inputs propagates either way.
-  at::Tensor e = advise_huge_pages(at::empty_like(s));
+  at::Tensor e = at::empty_like(s);
   at::_softmax_out(e, s, -1, false);
   if (has_band_or_mask(in)) {
     e.masked_fill_(std::get<0>(s.max(-1, true)) == -std::numeric_limits<double>::infinity(), 0.0);
