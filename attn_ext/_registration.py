@@ -74,7 +74,9 @@ def _attention_weights_backward_fake(grad_weights, weights, q, k, *, scale=None)
 
 
 @torch.library.register_fake("attn_ext::attention_probabilities")
-def _attention_probabilities_fake(q, k, lse, attn_mask=None, *, mean_heads=False, **kw):
+def _attention_probabilities_fake(
+    q, k, lse, attn_mask=None, rng_state=None, *, mean_heads=False, **kw
+):
     if mean_heads:
         return q.new_empty((q.size(0), q.size(2), k.size(2)))
     return q.new_empty((q.size(0), q.size(1), q.size(2), k.size(2)))
@@ -175,34 +177,41 @@ torch.library.register_autograd(
 
 
 def _probabilities_setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, lse, mask = inputs
+    q, k, lse, mask, rng_state = inputs
     ctx.kw = dict(keyword_only_inputs)
     if mask is not None and mask.requires_grad:
         raise NotImplementedError(
             "attn_ext.attention_probabilities: the gradient with respect to attn_mask is not "
             "supported"
         )
-    # The backward takes the per-head probabilities: the output itself, or for a mean over
-    # heads what recomputes them.
-    if ctx.kw.get("mean_heads", False):
-        ctx.save_for_backward(q, k, lse, mask)
+    # The backward takes the per-head probabilities before dropout: the output itself, or
+    # (for a mean over heads, or dropped weights) what recomputes them.
+    if ctx.kw.get("mean_heads", False) or ctx.kw.get("dropout_p", 0.0) > 0.0:
+        ctx.save_for_backward(q, k, lse, mask, rng_state)
+        ctx.recompute = True
     else:
         ctx.save_for_backward(q, k, output)
+        ctx.recompute = False
 
 
 def _probabilities_backward(ctx, grad_weights):
     # The softmax's backward, as attention_weights has it: lse is the scores' own log-sum-exp,
     # so it takes no gradient (a float32 lse gradient would also cap float64 at ~1e-7).
     kw = dict(ctx.kw)
-    if kw.pop("mean_heads", False):
-        q, k, lse, mask = ctx.saved_tensors
+    mean_heads, p = kw.pop("mean_heads", False), kw.pop("dropout_p", 0.0)
+    if ctx.recompute:
+        q, k, lse, mask, rng_state = ctx.saved_tensors
         weights = _ops.attention_probabilities(q, k, lse, mask, **kw)
-        # d mean_h P_h / d P_h = 1 / H for every head.
-        grad_weights = (grad_weights / q.size(1)).unsqueeze(1).expand(weights.shape)
+        if mean_heads:  # d mean_h P_h / d P_h = 1 / H for every head
+            grad_weights = (grad_weights / q.size(1)).unsqueeze(1).expand(weights.shape)
+        if p > 0.0:  # the dropped P_h is P_h * keep / (1 - p)
+            B, H, Sq, Sk = weights.shape
+            keep = _ops.dropout_mask(rng_state, B, H, Sq, Sk, p).to(weights.device)
+            grad_weights = grad_weights * keep.to(grad_weights.dtype) * (1.0 / (1.0 - p))
     else:
         q, k, weights = ctx.saved_tensors
     dq, dk = _ops.attention_weights_backward(grad_weights, weights, q, k, scale=kw.get("scale"))
-    return dq, dk, None, None
+    return dq, dk, None, None, None
 
 
 torch.library.register_autograd(

@@ -304,10 +304,11 @@ def attention_with_weights(
     (B, H, Sq, Sk) in q's dtype, or with ``mean_heads=True`` their mean over heads (B, Sq, Sk)
     (``need_weights=True`` and ``average_attn_weights`` of torch's ``MultiheadAttention``).
     With dropout, the weights are the dropped and rescaled ones that ``out`` averaged, as torch
-    returns them. The output comes from the flash kernels and the weights from its lse in one
-    more pass over the scores (the mean without forming the per-head matrices, unless dropout
-    needs them), so when only ``out`` takes a gradient the backward is :func:`attention`'s; a
-    gradient of the weights adds the softmax backward of :func:`attention_weights`."""
+    returns them (the same mask, from the same random state). The output comes from the flash
+    kernels and the weights from its lse in one more pass over the scores (the mean without
+    forming the per-head matrices), so when only ``out`` takes a gradient the backward is
+    :func:`attention`'s; a gradient of the weights adds the softmax backward of
+    :func:`attention_weights`."""
     three_d = q.dim() == 3
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
     mask = _mask_as_4d(attn_mask, three_d)
@@ -317,14 +318,16 @@ def attention_with_weights(
     out, lse = _ops.attention(
         q4, k4, v4, attn_mask=mask, rng_state=state, dropout_p=dropout_p, **band
     )
-    if state is None:
-        w = _ops.attention_probabilities(q4, k4, lse, attn_mask=mask, mean_heads=mean_heads, **band)
-    else:
-        w = _ops.attention_probabilities(q4, k4, lse, attn_mask=mask, **band)
-        B, H, Sq, Sk = w.shape
-        keep = _ops.dropout_mask(state, B, H, Sq, Sk, dropout_p)
-        w = w * keep.to(device=w.device, dtype=w.dtype) * (1.0 / (1.0 - dropout_p))
-        w = w.mean(dim=1) if mean_heads else w
+    w = _ops.attention_probabilities(
+        q4,
+        k4,
+        lse,
+        mask,
+        state,
+        dropout_p=dropout_p,
+        mean_heads=mean_heads,
+        **band,
+    )
     if three_d:
         out = out.squeeze(1)
         w = w if mean_heads else w.squeeze(1)

@@ -23,9 +23,11 @@
 //   P = exp(scale q k^T + mask - lse) (B, H, Sq, Sk) in q's dtype, 0 where masked or where
 //   lse is -inf (a row that saw no key); rows sum to 1 (less a sink's share when lse counts
 //   one; float64 recomputes lse in float64, as attention_backward does, so counts no sink).
-//   mean_heads: their mean over heads (B, Sq, Sk) instead, without the per-head matrices.
-//   Differentiated as the softmax of the scores (attention_weights_backward on the per-head
-//   P): lse is taken as theirs and takes no gradient.
+//   dropout_p / rng_state: the probabilities that call kept, scaled by 1 / (1 - dropout_p),
+//   0 where it dropped (its mask: the same rng_state). mean_heads: their mean over heads
+//   (B, Sq, Sk) instead, without the per-head matrices. Differentiated as the softmax of the
+//   scores (attention_weights_backward on the per-head P, through the dropout mask): lse is
+//   taken as theirs and takes no gradient.
 // Merging attention states (split-KV parts, ring-attention blocks: partial results over
 //   disjoint key sets): out_* (..., Dv), any floating dtype, with lse_* = out's shape without
 //   Dv, float32 (or float64 with float64 outs). merge_attention_states returns
@@ -138,9 +140,10 @@ TORCH_LIBRARY(attn_ext, m) {
       "attention_weights_backward(Tensor grad_weights, Tensor weights, Tensor q, Tensor k, *, "
       "float? scale=None) -> (Tensor grad_q, Tensor grad_k)");
   m.def(
-      "attention_probabilities(Tensor q, Tensor k, Tensor lse, Tensor? attn_mask=None, *, "
-      "float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
-      "SymInt? key_offset=None, bool mean_heads=False) -> Tensor weights");
+      "attention_probabilities(Tensor q, Tensor k, Tensor lse, Tensor? attn_mask=None, "
+      "Tensor? rng_state=None, *, float? scale=None, bool causal=False, int window_left=-1, "
+      "int window_right=-1, SymInt? key_offset=None, float dropout_p=0.0, bool mean_heads=False) "
+      "-> Tensor weights");
   m.def(
       "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
       "-> (Tensor out, Tensor lse)");

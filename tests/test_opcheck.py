@@ -168,6 +168,18 @@ def probabilities_samples(device):
         for mean_heads in (False, True):
             label = f"{name}_mean" if mean_heads else name
             s.append((label, (q, k, lse), dict(kw, mean_heads=mean_heads)))
+    # the dropped probabilities of a call with dropout (the same rng_state)
+    q, k, _ = _qkv(device, grad=True)
+    v, state = torch.randn_like(k.detach()), torch.tensor([77, 0])
+    _, lse = ops.attention(q.detach(), k.detach(), v, rng_state=state, dropout_p=0.3)
+    for mean_heads in (False, True):
+        s.append(
+            (
+                "dropout_mean" if mean_heads else "dropout",
+                (q, k, lse),
+                dict(rng_state=state, dropout_p=0.3, mean_heads=mean_heads),
+            )
+        )
     return s
 
 

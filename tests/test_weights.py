@@ -360,3 +360,28 @@ def test_probabilities_refuse_a_bad_lse(device):
         attn_ext.attention_probabilities(q, k, lse[..., :8])
     with pytest.raises(RuntimeError, match="lse must have dtype Float, got Double"):
         attn_ext.attention_probabilities(q, k, lse.double())
+
+
+@pytest.mark.parametrize("mean_heads", MEAN)
+def test_with_weights_dropout_gradcheck(device, mean_heads):
+    """The dropped weights' gradient goes through the mask of the same rng_state: the ops on a
+    fixed state are a deterministic function of q, k, v (both outputs differentiated)."""
+    f64 = dict(dtype=torch.float64, device=device, requires_grad=True)
+    q, k, v = rand((1, 4, 6, 5), **f64), rand((1, 2, 7, 5), **f64), rand((1, 2, 7, 3), **f64)
+    state, p = torch.tensor([1234, 0]), 0.4
+    ops = torch.ops.attn_ext
+
+    def fn(q, k, v):
+        out, lse = ops.attention(q, k, v, None, state, causal=True, dropout_p=p)
+        w = ops.attention_probabilities(
+            q, k, lse, None, state, causal=True, dropout_p=p, mean_heads=mean_heads
+        )
+        return out, w
+
+    keep = ops.dropout_mask(state, 1, 4, 6, 7, p)
+    assert not (keep.all() or (~keep).all())
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+    # and the weights are the reference's dropped probabilities
+    want = attention_weights_reference(q, k, causal=True) * keep.to(device) / (1 - p)
+    want = want.mean(1) if mean_heads else want
+    torch.testing.assert_close(fn(q, k, v)[1], want, rtol=1e-10, atol=1e-12)

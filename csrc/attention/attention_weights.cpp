@@ -122,15 +122,15 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
 
 // attention_probabilities on any device with ATen ops (the CPU has its own kernel,
 // cpu/flash_fwd.cpp): the masked scores against the given lse.
-at::Tensor attention_probabilities_impl(const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& lse,
-                                        const std::optional<at::Tensor>& attn_mask,
-                                        std::optional<double> scale, bool causal,
-                                        int64_t window_left, int64_t window_right,
-                                        std::optional<int64_t> key_offset, bool mean_heads) {
+at::Tensor attention_probabilities_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
   PreparedInputs in = prepare_attention(
-      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+      kOp, q, k, k,
+      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
@@ -146,6 +146,15 @@ at::Tensor attention_probabilities_impl(const at::Tensor& q, const at::Tensor& k
   s.sub_(l).exp_();
   // A row that saw no key (lse -inf) has only -inf scores: -inf - -inf is NaN, its P is 0.
   s.masked_fill_(l == -std::numeric_limits<double>::infinity(), 0.0);
+  if (p.dropout_p > 0.0) {
+    // The attention kernels' mask for this rng_state (dropout_mask: generated on the CPU).
+    static const auto mask_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("attn_ext::dropout_mask", "")
+                                    .typed<at::Tensor(const at::Tensor&, c10::SymInt, c10::SymInt,
+                                                      c10::SymInt, c10::SymInt, double)>();
+    const at::Tensor keep = mask_op.call(*rng_state, B, H, Sq, Sk, dropout_p).to(s.device());
+    s.masked_fill_(keep.logical_not(), 0.0).mul_(1.0 / (1.0 - dropout_p));
+  }
   return in_dtype_of(mean_heads ? s.mean(1) : s, q);
 }
 

@@ -433,6 +433,7 @@ struct ProbWorker {
   Products prod;
   RowPass<acc_t> rows;
   Buffer<acc_t> q_buf, s_buf, lse2, lse2_lo;
+  Buffer<uint8_t> keep;
   AlignedVector<acc_t> sum_rows;  // run_mean's block rows, sized on first use
 
   ProbWorker(const AttentionParams& params, scalar_t* w, int64_t block_m)
@@ -444,7 +445,8 @@ struct ProbWorker {
         s_buf((block_m + Products::kScoreRowAlign - 1) / Products::kScoreRowAlign *
               Products::kScoreRowAlign * kN),
         lse2(block_m),
-        lse2_lo(block_m) {}
+        lse2_lo(block_m),
+        keep(params.dropout_p > 0.0 ? block_m * kN : 0) {}
 
   // The keys [lo, hi) that some row of block [i0, i0 + m) may see, and the first tile's start.
   struct KeyRange {
@@ -548,25 +550,31 @@ struct ProbWorker {
             std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
       }
     } else {
-      const int64_t row0 = row_index(p, sb, b, h, i0);
+      const int64_t lse_row0 = row_index(p, sb, b, h, i0);
       for (int64_t r = 0; r < m; ++r) {
-        const double l2 = static_cast<double>(p.lse[row0 + r]) * kLog2e;
+        const double l2 = static_cast<double>(p.lse[lse_row0 + r]) * kLog2e;
         lse2.get()[r] = static_cast<acc_t>(l2);
         lse2_lo.get()[r] =
             std::isfinite(l2) ? static_cast<acc_t>(l2 - static_cast<acc_t>(l2)) : acc_t(0);
       }
     }
 
+    // Dropout as the forward applies it (tile_mask.h): the same mask, from the same rows.
+    const bool dropout = p.dropout_p > 0.0;
+    const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+    const int64_t row0 = row_index(p, sb, b, h, i0);
     for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
       const int64_t n = std::min(kN, n_end - j0);
       acc_t* s = s_buf.get();
       tile_scores(j0, n, s);
+      if (dropout) dropout_tile(p, row0, m, j0, n, keep.get());
       for (int64_t r = 0; r < m; ++r) {
         acc_t* sr = s + r * kN;
         if (lse2.get()[r] == -std::numeric_limits<acc_t>::infinity()) {
           std::fill(sr, sr + n, acc_t(0));  // a row that saw no key has no probabilities
         } else {
           rows.exp2_rows(sr, n, lse2.get()[r], lse2_lo.get()[r]);
+          if (dropout) apply_keep(sr, keep.get() + r * n, n, keep_scale);
         }
         emit(r, j0, sr, n);
       }
@@ -724,17 +732,17 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
   return {out, lse};
 }
 
-at::Tensor attention_probabilities_cpu(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& lse,
-                                       const std::optional<at::Tensor>& attn_mask,
-                                       std::optional<double> scale, bool causal,
-                                       int64_t window_left, int64_t window_right,
-                                       std::optional<int64_t> key_offset, bool mean_heads) {
+at::Tensor attention_probabilities_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
   check_cpu_support(kOp);
-  // k doubles as v: validation, band and mask exactly those of attention.
+  // k doubles as v: validation, band, mask and dropout exactly those of attention.
   PreparedInputs in = prepare_attention(
-      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+      kOp, q, k, k,
+      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
   AttentionParams& p = in.params;
   check_companion(kOp, "lse", lse, q, {p.batch, p.heads, p.seqlen_q}, at::kFloat);
   // Written whole by the tasks; a memory-bound output, advised as attention_weights' buffers are.
