@@ -145,15 +145,16 @@ GRADCHECK = {
 }
 
 
-@pytest.mark.parametrize("case", list(GRADCHECK))
-def test_weights_gradcheck(device, case):
+def _gradcheck_inputs(case, device):
+    """float64 leaves q, k, v (v with 3 features) of a GRADCHECK case, and its keywords."""
     c = dict(GRADCHECK[case])
     B, H, Hkv, Sq, Sk, D = c.pop("shape")
     f64 = dict(dtype=torch.float64, device=device, requires_grad=True)
     if H is None:
-        q, k = rand((B, Sq, D), **f64), rand((B, Sk, D), **f64)
+        q, k, v = rand((B, Sq, D), **f64), rand((B, Sk, D), **f64), rand((B, Sk, 3), **f64)
     else:
         q, k = rand((B, H, Sq, D), **f64), rand((B, Hkv, Sk, D), **f64)
+        v = rand((B, Hkv, Sk, 3), **f64)
     mask = c.pop("mask", None)
     if mask == "bool":
         m = random_bool_mask((B, 1, Sq, Sk), device)
@@ -161,6 +162,12 @@ def test_weights_gradcheck(device, case):
         c["attn_mask"] = m
     elif mask == "float":
         c["attn_mask"] = random_float_mask((1, H, Sq, Sk), torch.float64, device)
+    return q, k, v, c
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK))
+def test_weights_gradcheck(device, case):
+    q, k, _, c = _gradcheck_inputs(case, device)
 
     def fn(q, k):
         return attn_ext.attention_weights(q, k, **c)
@@ -292,21 +299,7 @@ def test_with_weights_dropout(device, mean_heads):
 @pytest.mark.parametrize("mean_heads", MEAN)
 @pytest.mark.parametrize("case", list(GRADCHECK))
 def test_with_weights_gradcheck(device, case, mean_heads):
-    c = dict(GRADCHECK[case])
-    B, H, Hkv, Sq, Sk, D = c.pop("shape")
-    f64 = dict(dtype=torch.float64, device=device, requires_grad=True)
-    if H is None:
-        q, k, v = rand((B, Sq, D), **f64), rand((B, Sk, D), **f64), rand((B, Sk, 3), **f64)
-    else:
-        q, k = rand((B, H, Sq, D), **f64), rand((B, Hkv, Sk, D), **f64)
-        v = rand((B, Hkv, Sk, 3), **f64)
-    mask = c.pop("mask", None)
-    if mask == "bool":
-        m = random_bool_mask((B, 1, Sq, Sk), device)
-        m[0, 0, 1] = False
-        c["attn_mask"] = m
-    elif mask == "float":
-        c["attn_mask"] = random_float_mask((1, H, Sq, Sk), torch.float64, device)
+    q, k, v, c = _gradcheck_inputs(case, device)
 
     def fn(q, k, v):
         return attn_ext.attention_with_weights(q, k, v, mean_heads=mean_heads, **c)
