@@ -55,12 +55,13 @@ def _rows(elems_per_row: int, nbytes: int, dtype=torch.float32) -> int:
 
 
 def _weights(nbytes):
-    """fp32 weights (the softmax's own buffer) and bf16 ones (converted from it)."""
+    """fp32 and bf16 weights, from attention_weights and from attention_with_weights."""
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         s = int((nbytes / (torch.finfo(dtype).bits // 8)) ** 0.5) + 1
         q = torch.randn(1, 1, s, 8, dtype=dtype)
         outs.append(attn_ext.attention_weights(q, q))
+        outs.append(attn_ext.attention_with_weights(q, q, q)[1])
     return outs
 
 

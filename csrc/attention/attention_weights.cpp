@@ -1,8 +1,8 @@
 // attention_weights: the probability matrix itself (the ops that materialize Sq x Sk), for
 // diagnostics and modules that must return weights; attention_probabilities: the same matrix
 // from the lse of an attention call; the softmax backward of both. Written with ATen ops, so one
-// implementation serves every device; the CPU runs its own kernels for the two forwards
-// (cpu/flash_fwd.cpp) and this backward. The band comes from the shared LocalBand.
+// implementation serves every device; the CPU runs its own kernels (cpu/flash_fwd.cpp for the two
+// forwards, cpu/weights_bwd.cpp for the backward). The band comes from the shared LocalBand.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
@@ -115,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
   // dS = P * (dP - rowsum(dP * P)) by ATen's fused softmax backward (one Sq x Sk result, no
   // temporaries; rows emptied by a mask have P = 0 and so dS = 0), then the two products of
   // the score matmul.
-  at::Tensor ds = advise_huge_pages(at::empty({B, H, Sq, Sk}, q.options().dtype(acc)));
+  at::Tensor ds = at::empty({B, H, Sq, Sk}, q.options().dtype(acc));
   at::_softmax_backward_data_out(ds, grad_weights.to(acc), weights.to(acc), -1, acc);
   return score_grads(ds, in, q, sc);
 }
