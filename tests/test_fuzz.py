@@ -462,6 +462,83 @@ def test_fuzz_attention_weights(data):
     _count("attention_weights")
 
 
+# --------------------------------------------------------------- attention_with_weights
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_attention_with_weights(data):
+    """The output is attention's own (same call, same dropout state), the weights its
+    probabilities (dropped with the same mask; per head or their mean), both differentiated."""
+    _seeded(data)
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(0, 3), label="B")
+    Hkv = data.draw(st.integers(1, 3), label="Hkv")
+    H = Hkv * data.draw(st.integers(1, 3), label="group")
+    Sq, Sk = data.draw(st.integers(0, 40), label="Sq"), data.draw(st.integers(0, 40), label="Sk")
+    D, Dv = data.draw(st.integers(1, 72), label="D"), data.draw(st.integers(1, 40), label="Dv")
+    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
+    q = rand((B, H, Sq, D), dtype, "cpu", layout)
+    k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
+    v = rand((B, Hkv, Sk, Dv), dtype, "cpu", layout)
+    kw = dict(causal=data.draw(st.booleans(), label="causal"), window_size=_window(data))
+    mask = _mask(data, B, H, Sq, Sk, dtype)
+    if mask is not None:
+        kw["attn_mask"] = mask
+    if data.draw(st.booleans(), label="explicit scale"):
+        kw["scale"] = data.draw(st.sampled_from([0.05, 0.3, 1.0, 2.5]), label="scale")
+    mean_heads = data.draw(st.booleans(), label="mean over heads")
+    p = data.draw(st.sampled_from([0.0, 0.0, 0.3]), label="dropout")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="dropout seed") if p > 0 else None
+    keep = None
+    if p > 0:
+        keep = attn_ext.dropout_keep_mask(B, H, Sq, Sk, p, torch.Generator().manual_seed(seed))
+
+    def generator():
+        return torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def ours(q, k, v):
+        out, w = attn_ext.attention_with_weights(
+            q, k, v, dropout_p=p, generator=generator(), mean_heads=mean_heads, **kw
+        )
+        return torch.cat([out.flatten(), w.flatten()])
+
+    def ref_weights(q, k):
+        w = attention_weights_reference(q, k, **kw)
+        w = w if keep is None else w * keep.to(w.dtype) / (1 - p)
+        return w.mean(1) if mean_heads else w
+
+    def ref(q, k, v):
+        out = attention_reference(q, k, v, dropout_p=p, dropout_keep=keep, **kw)
+        return torch.cat([out.flatten(), ref_weights(q, k).flatten()])
+
+    out, w = attn_ext.attention_with_weights(
+        q, k, v, dropout_p=p, generator=generator(), mean_heads=mean_heads, **kw
+    )
+    want_out = attn_ext.attention(q, k, v, dropout_p=p, generator=generator(), **kw)
+    assert torch.equal(out, want_out)
+    assert w.dtype == dtype and w.shape == ((B, Sq, Sk) if mean_heads else (B, H, Sq, Sk))
+    assert_error_rule(
+        w,
+        ref_weights(q, k),
+        ground_truth(ref_weights, q, k),
+        name="weights",
+        slack_ulps=_fwd_ulps(dtype),
+        floor=max(
+            perturbation_floor(ref_weights, [q, k], dtype),
+            logit_rounding_floor(q, k, dtype, **kw) / (1 - p),
+        ),
+    )
+    assert (w >= 0).all()
+    if data.draw(st.booleans(), label="backward") and out.numel() + w.numel() > 0:
+        g = torch.randn(out.numel() + w.numel()).to(dtype)
+        # dq and dk carry the stored output's rounding through delta (test_fuzz_attention)
+        truth = ground_truth(
+            lambda *a: attention_reference(*a, dropout_p=p, dropout_keep=keep, **kw), q, k, v
+        )
+        fq, fk = stored_output_grad_floors(q, k, out, truth, g[: out.numel()].view(out.shape), **kw)
+        _check_grads(ours, ref, [q, k, v], g, [2 * _amax(fq), 2 * _amax(fk), 0.0])
+    _count("attention_with_weights")
+
+
 # --------------------------------------------------------------------------- cache appends
 def _rope_kw(data, D):
     """kv_cache_append's rope arguments: layout, base and rotary_dim (even, <= D)."""
