@@ -234,6 +234,22 @@ def weights_case(name, make, **opts):
     return Case(name, make, ext, ref, grads=("q", "k"))
 
 
+def with_weights_case(name, make, **opts):
+    """attention_with_weights' mean over heads (first: the backward runs through it) and out."""
+
+    def ref(q, k, v, attn_mask=None):
+        w = attention_weights_reference(q, k, attn_mask=attn_mask, **opts)
+        return w.mean(1), attention_reference(q, k, v, attn_mask=attn_mask, **opts)
+
+    def ext(q, k, v, attn_mask=None):
+        out, w = attn_ext.attention_with_weights(
+            q, k, v, attn_mask=attn_mask, mean_heads=True, **opts
+        )
+        return w, out
+
+    return Case(name, make, ext, ref, grads=("q", "k"))
+
+
 def rope_case(interleaved):
     def make(dev):
         return {
@@ -497,6 +513,11 @@ def all_cases() -> List[Case]:
             "attention_weights window + bool mask",
             lambda d: with_mask(qkv(device=d), bool_mask),
             window_size=(8, 8),
+        ),
+        with_weights_case(
+            "attention_with_weights mean over heads, GQA 8/2, causal",
+            lambda d: qkv(h=8, hkv=2, device=d),
+            causal=True,
         ),
         rope_case(interleaved=True),
         rope_case(interleaved=False),
