@@ -416,25 +416,34 @@ def _divisors(n):
 
 
 # --------------------------------------------------------------------------- attention_weights
-@_ci_examples(100)
-@given(data=st.data())
-def test_fuzz_attention_weights(data):
-    _seeded(data)
+def _probabilities_case(data, with_v=False):
+    """dtype, q, k, v (None unless with_v) and the masking keywords of a probabilities case."""
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     B = data.draw(st.integers(0, 3), label="B")
     Hkv = data.draw(st.integers(1, 3), label="Hkv")
     H = Hkv * data.draw(st.integers(1, 3), label="group")
     Sq, Sk = data.draw(st.integers(0, 40), label="Sq"), data.draw(st.integers(0, 40), label="Sk")
     D = data.draw(st.integers(1, 72), label="D")
+    Dv = data.draw(st.integers(1, 40), label="Dv") if with_v else None
     layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
     q = rand((B, H, Sq, D), dtype, "cpu", layout)
     k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
+    v = rand((B, Hkv, Sk, Dv), dtype, "cpu", layout) if with_v else None
     kw = dict(causal=data.draw(st.booleans(), label="causal"), window_size=_window(data))
     mask = _mask(data, B, H, Sq, Sk, dtype)
     if mask is not None:
         kw["attn_mask"] = mask
     if data.draw(st.booleans(), label="explicit scale"):
         kw["scale"] = data.draw(st.sampled_from([0.05, 0.3, 1.0, 2.5]), label="scale")
+    return dtype, q, k, v, kw
+
+
+@_ci_examples(100)
+@given(data=st.data())
+def test_fuzz_attention_weights(data):
+    _seeded(data)
+    dtype, q, k, _, kw = _probabilities_case(data)
+    mask, H = kw.get("attn_mask"), q.shape[1]
     if H == 1 and data.draw(st.booleans(), label="3-D"):  # (B, S, D): one head
         q, k = q.squeeze(1), k.squeeze(1)
         if mask is not None and mask.dim() == 4:
@@ -469,22 +478,8 @@ def test_fuzz_attention_with_weights(data):
     """The output is attention's own (same call, same dropout state), the weights its
     probabilities (dropped with the same mask; per head or their mean), both differentiated."""
     _seeded(data)
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    B = data.draw(st.integers(0, 3), label="B")
-    Hkv = data.draw(st.integers(1, 3), label="Hkv")
-    H = Hkv * data.draw(st.integers(1, 3), label="group")
-    Sq, Sk = data.draw(st.integers(0, 40), label="Sq"), data.draw(st.integers(0, 40), label="Sk")
-    D, Dv = data.draw(st.integers(1, 72), label="D"), data.draw(st.integers(1, 40), label="Dv")
-    layout = data.draw(st.sampled_from(["contiguous", "bshd", "noncontig"]), label="layout")
-    q = rand((B, H, Sq, D), dtype, "cpu", layout)
-    k = rand((B, Hkv, Sk, D), dtype, "cpu", layout)
-    v = rand((B, Hkv, Sk, Dv), dtype, "cpu", layout)
-    kw = dict(causal=data.draw(st.booleans(), label="causal"), window_size=_window(data))
-    mask = _mask(data, B, H, Sq, Sk, dtype)
-    if mask is not None:
-        kw["attn_mask"] = mask
-    if data.draw(st.booleans(), label="explicit scale"):
-        kw["scale"] = data.draw(st.sampled_from([0.05, 0.3, 1.0, 2.5]), label="scale")
+    dtype, q, k, v, kw = _probabilities_case(data, with_v=True)
+    B, H, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mean_heads = data.draw(st.booleans(), label="mean over heads")
     p = data.draw(st.sampled_from([0.0, 0.0, 0.3]), label="dropout")
     seed = data.draw(st.integers(0, 2**31 - 1), label="dropout seed") if p > 0 else None
