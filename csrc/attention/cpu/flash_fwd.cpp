@@ -418,9 +418,10 @@ struct FwdWorker {
 
 // One thread's attention_probabilities (and attention_weights): P = exp2(S - lse2) for the keys a
 // block's rows may see, on the forward's products and mask pieces, with the lse of the forward
-// that is given, or its own (head_rows). run() writes a (batch, head, query block)'s rows whole:
-// zeros outside its band and for rows that saw no key (lse -inf); run_mean() writes a (batch, query
-// block)'s rows of the mean over heads, summed in acc_t in a buffer of the block's rows.
+// that is given, or its own (head_rows); with dropout, P * keep / (1 - p) on the forward's mask.
+// run() writes a (batch, head, query block)'s rows whole: zeros outside its band and for rows
+// that saw no key (lse -inf); run_mean() writes a (batch, query block)'s rows of the mean over
+// heads, summed in acc_t in a buffer of the block's rows.
 template <typename scalar_t, typename Products>
 struct ProbWorker {
   using Traits = FlashTraits<scalar_t>;
