@@ -176,6 +176,12 @@ torch.library.register_autograd(
 )
 
 
+def _recomputes(kw):
+    """Whether the backward rebuilds the per-head probabilities (the output is their mean over
+    heads, or dropped) rather than reading them from the output."""
+    return kw.get("mean_heads", False) or kw.get("dropout_p", 0.0) > 0.0
+
+
 def _probabilities_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, lse, mask, rng_state = inputs
     ctx.kw = dict(keyword_only_inputs)
@@ -186,12 +192,10 @@ def _probabilities_setup_context(ctx, inputs, keyword_only_inputs, output):
         )
     # The backward takes the per-head probabilities before dropout: the output itself, or
     # (for a mean over heads, or dropped weights) what recomputes them.
-    if ctx.kw.get("mean_heads", False) or ctx.kw.get("dropout_p", 0.0) > 0.0:
+    if _recomputes(ctx.kw):
         ctx.save_for_backward(q, k, lse, mask, rng_state)
-        ctx.recompute = True
     else:
         ctx.save_for_backward(q, k, output)
-        ctx.recompute = False
 
 
 def _probabilities_backward(ctx, grad_weights):
@@ -199,7 +203,7 @@ def _probabilities_backward(ctx, grad_weights):
     # so it takes no gradient (a float32 lse gradient would also cap float64 at ~1e-7).
     kw = dict(ctx.kw)
     mean_heads, p = kw.pop("mean_heads", False), kw.pop("dropout_p", 0.0)
-    if ctx.recompute:
+    if _recomputes(ctx.kw):
         q, k, lse, mask, rng_state = ctx.saved_tensors
         weights = _ops.attention_probabilities(q, k, lse, mask, **kw)
         if mean_heads:  # d mean_h P_h / d P_h = 1 / H for every head

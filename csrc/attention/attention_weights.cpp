@@ -79,9 +79,8 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
                                   std::optional<double> scale, bool causal, int64_t window_left,
                                   int64_t window_right, std::optional<int64_t> key_offset) {
   constexpr const char* kOp = "attn_ext.attention_weights";
-  // k doubles as v: validation and the band are exactly those of attention.
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  PreparedInputs in = prepare_probabilities(
+      kOp, q, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());
@@ -103,12 +102,9 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
                                                                    const at::Tensor& k,
                                                                    std::optional<double> scale) {
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
-  PreparedInputs in = prepare_attention(kOp, q, k, k, {});
+  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k);
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const std::vector<int64_t> w_shape{B, H, Sq, Sk};
-  check_companion(kOp, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
-  check_companion(kOp, "weights", weights, q, w_shape, q.scalar_type());
   const double sc = scale.has_value() ? *scale : p.scale;
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return {at::zeros_like(q), at::zeros_like(k)};
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
@@ -128,12 +124,11 @@ at::Tensor attention_probabilities_impl(
     std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
     std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, k,
+  PreparedInputs in = prepare_probabilities(
+      kOp, q, k, lse,
       {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
-  check_companion(kOp, "lse", lse, q, {B, H, Sq}, at::kFloat);
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) {
     return mean_heads ? at::zeros({B, Sq, Sk}, q.options())
                       : at::zeros({B, H, Sq, Sk}, q.options());

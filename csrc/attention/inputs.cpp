@@ -278,6 +278,30 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
   return r;
 }
 
+PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                     const AttentionOptions& opts) {
+  return prepare_attention(op, q, k, k, opts);
+}
+
+PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& lse, const AttentionOptions& opts) {
+  PreparedInputs r = prepare_attention(op, q, k, k, opts);
+  const AttentionParams& p = r.params;
+  check_companion(op, "lse", lse, q, {p.batch, p.heads, p.seqlen_q}, at::kFloat);
+  return r;
+}
+
+PreparedInputs prepare_probabilities_backward(const char* op, const at::Tensor& grad_weights,
+                                              const at::Tensor& weights, const at::Tensor& q,
+                                              const at::Tensor& k) {
+  PreparedInputs r = prepare_attention(op, q, k, k, {});
+  const AttentionParams& p = r.params;
+  const std::vector<int64_t> w_shape{p.batch, p.heads, p.seqlen_q, p.seqlen_k};
+  check_companion(op, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
+  check_companion(op, "weights", weights, q, w_shape, q.scalar_type());
+  return r;
+}
+
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q) {
   at::Tensor out, lse, out4;
   if (p.varlen()) {

@@ -58,6 +58,19 @@ AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_
                                 const std::optional<at::Tensor>& alibi_slopes,
                                 const std::optional<at::Tensor>& sinks);
 
+// The probabilities ops (attention_weights, attention_probabilities): q and k checked and
+// prepared as attention's, k doubling as v (the same band, mask and dropout); for
+// attention_probabilities also lse, (B, H, Sq) float32.
+PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                     const AttentionOptions& opts);
+PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& lse, const AttentionOptions& opts);
+// Their backward (attention_weights_backward): q and k as above, grad_weights and weights
+// (B, H, Sq, Sk) in q's dtype.
+PreparedInputs prepare_probabilities_backward(const char* op, const at::Tensor& grad_weights,
+                                              const at::Tensor& weights, const at::Tensor& q,
+                                              const at::Tensor& k);
+
 // Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
 // float32 (varlen: out (total_q, H, Dv), lse (H, total_q)), and points the params at them.
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(AttentionParams& p, const at::Tensor& q);

@@ -511,7 +511,7 @@ struct ProbWorker {
       else
         return load_tile(q, p.q_row_stride, m, p.head_dim, q_buf.get(), &ldq);
     }();
-    // k doubles as v (prepare_attention(q, k, k)): the products pack it for P V too, a pass over
+    // k doubles as v (prepare_probabilities): the products pack it for P V too, a pass over
     // the head's keys next to the Sq x Sk products.
     const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
                             p.k_row_stride, b, hk, sb.k_begin);
@@ -740,12 +740,10 @@ at::Tensor attention_probabilities_cpu(
     std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
   check_cpu_support(kOp);
-  // k doubles as v: validation, band, mask and dropout exactly those of attention.
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, k,
+  PreparedInputs in = prepare_probabilities(
+      kOp, q, k, lse,
       {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
   AttentionParams& p = in.params;
-  check_companion(kOp, "lse", lse, q, {p.batch, p.heads, p.seqlen_q}, at::kFloat);
   // Written whole by the tasks; a memory-bound output, advised as attention_weights' buffers are.
   const std::vector<int64_t> shape =
       mean_heads ? std::vector<int64_t>{p.batch, p.seqlen_q, p.seqlen_k}
@@ -769,8 +767,8 @@ at::Tensor attention_weights_cpu(const at::Tensor& q, const at::Tensor& k,
                                  int64_t window_right, std::optional<int64_t> key_offset) {
   constexpr const char* kOp = "attn_ext.attention_weights";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_attention(
-      kOp, q, k, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  PreparedInputs in = prepare_probabilities(
+      kOp, q, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
   AttentionParams& p = in.params;
   at::Tensor w =
       advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.seqlen_k}, q.options()));

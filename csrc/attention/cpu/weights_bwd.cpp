@@ -125,11 +125,8 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_cpu(const at::Tens
                                                                   std::optional<double> scale) {
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_attention(kOp, q, k, k, {});
+  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k);
   const AttentionParams& p = in.params;
-  const std::vector<int64_t> w_shape{p.batch, p.heads, p.seqlen_q, p.seqlen_k};
-  check_companion(kOp, "grad_weights", grad_weights, q, w_shape, q.scalar_type());
-  check_companion(kOp, "weights", weights, q, w_shape, q.scalar_type());
   const std::vector<int64_t> dq_shape{p.batch, p.heads, p.seqlen_q, p.head_dim},
       dk_shape{p.batch, p.kv_heads, p.seqlen_k, p.head_dim};
   if (p.batch * p.heads * p.seqlen_q * p.seqlen_k == 0 || p.kv_heads == 0) {
