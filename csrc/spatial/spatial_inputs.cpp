@@ -7,6 +7,11 @@
 #include "common/tensors.h"
 
 namespace attn_ext::spatial {
+
+bool is_channels_last(const at::Tensor& x) {
+  return !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
 namespace {
 
 void check_map(const char* op, const char* name, const at::Tensor& t) {
@@ -24,11 +29,6 @@ void check_like(const char* op, const char* name, const at::Tensor& t, const at:
               like.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have ", like_name,
               "'s dtype ", like.scalar_type(), ", got ", t.scalar_type());
-}
-
-// Dense channels-last (and not also dense NCHW, as a 1-channel or 1-pixel map is).
-bool is_channels_last(const at::Tensor& x) {
-  return !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
 // x dense in its own layout (a copy to NCHW when it is neither layout) and that layout.

@@ -37,6 +37,10 @@ PreparedPoolBackward prepare_channel_pool_accumulate(const char* op, const at::T
 PreparedGate prepare_spatial_gate(const char* op, const at::Tensor& x, const at::Tensor& gate,
                                   const at::Tensor& grad_out);
 
+// Whether x is read as channels-last: dense channels-last and not also dense NCHW (as a
+// 1-channel or 1-pixel map is). Everything else is read as (or copied to) NCHW.
+bool is_channels_last(const at::Tensor& x);
+
 // Allocates (N, C, H, W) with `layout.channels_last` memory format.
 at::Tensor empty_map(const MapLayout& layout, int64_t channels, int64_t height, int64_t width,
                      const at::TensorOptions& options);
