@@ -13,9 +13,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ._ops import ops as _ops
 from .decoding import decode_attention
-
-_ops = torch.ops.attn_ext
 
 __all__ = [
     "KVCache",

@@ -6,9 +6,8 @@ from typing import Optional
 
 import torch
 
+from ._ops import ops as _ops
 from .functional import _as_4d
-
-_ops = torch.ops.attn_ext
 
 __all__ = ["rope", "rope_", "decode_attention"]
 

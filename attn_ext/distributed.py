@@ -47,9 +47,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._ops import ops as _ops
 from .functional import _as_4d, _window
-
-_ops = torch.ops.attn_ext
 
 __all__ = [
     "LAYOUTS",

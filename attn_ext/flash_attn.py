@@ -73,10 +73,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ._ops import ops as _ops
 from .decoding import decode_attention
 from .functional import _int32, _rng_state
-
-_ops = torch.ops.attn_ext
 
 __all__ = [
     "flash_attn_func",

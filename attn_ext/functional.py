@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-_ops = torch.ops.attn_ext
+from ._ops import ops as _ops
 
 # Seeds are drawn below 2**63 so they fit the int64 rng_state tensor.
 _SEED_BOUND = 2**63 - 1

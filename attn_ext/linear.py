@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-_ops = torch.ops.attn_ext
+from ._ops import ops as _ops
 
 FEATURE_MAPS = ("elu+1", "relu", "identity")
 

@@ -10,7 +10,7 @@ channels-last ``x`` without converting it, in float32, float64, bfloat16 and flo
 
 import torch
 
-_ops = torch.ops.attn_ext
+from ._ops import ops as _ops
 
 __all__ = ["channel_pool", "spatial_gate"]
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-_ops = torch.ops.attn_ext
+from ._ops import ops as _ops
 
 __all__ = ["tpa_expand", "tpa_decode_attention"]
 

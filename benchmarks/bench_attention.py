@@ -15,6 +15,11 @@ difference between attn_ext and sdpa; on CUDA also TFLOP/s. When the first two c
 within ``--close-margin`` they run at least ``--close-repeats`` rounds. Timing and output:
 ``attn_ext.testing.harness`` (table ``attention_<device>.md``, history.csv, PNG).
 
+``--small`` times short sequences instead (B=1, H=8, D=64, S 8-128: the per-call overhead that
+decides small models' and unit tests' speed; table ``attention_small_<device>.md``). A call
+shorter than ``ROUND_S`` is repeated back to back within each timed round (``--calls-per-round``,
+automatic by default), and its time is the round's divided by the calls.
+
 ``--memory`` instead measures the peak extra memory of one long sequence (S=32768, D=64,
 B=H=1, float32) forward and forward+backward, each candidate in a fresh process
 (``attention_memory_<device>.md``); exit status 1 when attn_ext exceeds ``--memory-target-mb``.
@@ -23,6 +28,7 @@ B=H=1, float32) forward and forward+backward, each candidate in a fresh process
     python benchmarks/bench_attention.py                  # full CPU grid
     python benchmarks/bench_attention.py --seqlens 512,2048 --dtypes float32
     python benchmarks/bench_attention.py --device cuda    # adds TFLOP/s columns
+    python benchmarks/bench_attention.py --small          # per-call overhead, short sequences
     python benchmarks/bench_attention.py --memory
 """
 
@@ -44,6 +50,21 @@ MODES = ("fwd", "fwd+bwd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The document-reference ratios are summarized at this S (or the largest S it ran at).
 DOC_SUMMARY_S = 2048
+# A timed round lasts at least this long: shorter calls are repeated back to back (one timer
+# read per call would time the timer and the device synchronization).
+ROUND_S = 2e-3
+# --small: the grid of short sequences.
+SMALL_GRID = dict(batch=1, heads=8, head_dims=[64], seqlens=[8, 32, 128])
+
+
+def calls_per_round(requested: int, step, device) -> int:
+    """``requested``, or (0) enough back-to-back calls of ``step`` for a round of ROUND_S, from
+    the fastest of three warm calls."""
+    if requested:
+        return requested
+    step()
+    fastest = min(harness.call_seconds(step, device)[0] for _ in range(3))
+    return max(1, round(ROUND_S / max(fastest, 1e-9)))
 
 
 def candidate_fn(name: str, causal: bool):
@@ -73,12 +94,17 @@ def sweep(bench: harness.Bench, args) -> list:
             torch.randn(args.batch, args.heads, s, d).to(bench.device, DTYPES[dt]) for _ in range(4)
         )
         notes = {"doc": "skip"} if "doc" in args.candidates and s > args.doc_max_s else {}
-        runs = {
+        steps = {
             n: harness.make_step(candidate_fn(n, causal), mode, (q, k, v), grad)
             for n in args.candidates
             if n not in notes
         }
-        timing = bench.time(runs, close_margin=args.close_margin, close_rounds=args.close_repeats)
+        calls = calls_per_round(args.calls_per_round, next(iter(steps.values())), bench.device)
+        runs = {n: harness.repeated(step, calls) for n, step in steps.items()}
+        timing = harness.divided(
+            bench.time(runs, close_margin=args.close_margin, close_rounds=args.close_repeats),
+            calls,
+        )
         flops = harness.attention_flops(args.batch, args.heads, s, s, d, causal, mode)
         figures = {
             n: {"tflops": flops / timing.median_s(n) / 1e12}
@@ -92,11 +118,13 @@ def sweep(bench: harness.Bench, args) -> list:
             else None
         )
         params = dict(dtype=dt, B=args.batch, H=args.heads, S=s, D=d, causal=causal, mode=mode)
+        if calls > 1:
+            params["calls_per_round"] = calls
         bench.record_timing(timing, "attn_ext", figures, notes, **params)
         cells.append((params, timing, figures, notes, diff))
         bar.write(
             f"{dt:8s} D={d:<3d} S={s:<5d} causal={causal!s:5s} {mode:7s} | "
-            + "  ".join(f"{n} {harness.fmt(timing.ms(n))}" for n in runs)
+            + "  ".join(f"{n} {ms_cell(timing, notes, n)}" for n in runs)
             + f" | sdpa/attn_ext {harness.fmt(timing.ratio('sdpa', 'attn_ext'))}"
         )
         bar.update(1)
@@ -108,7 +136,8 @@ def sweep(bench: harness.Bench, args) -> list:
 def ms_cell(timing, notes, name):
     if name in notes:
         return notes[name]
-    return "error" if name in timing.errors else harness.fmt(timing.ms(name))
+    # three significant digits: the short calls of --small take hundredths of a millisecond
+    return "error" if name in timing.errors else harness.fmt(timing.ms(name), ".3g")
 
 
 def table(cells, cuda: bool) -> str:
@@ -318,6 +347,18 @@ def parse_args(argv=None):
         help="rounds the two candidates of a close call run at least (0: none extra)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--calls-per-round",
+        type=int,
+        default=0,
+        help=f"back-to-back calls per timed round (0: enough for {ROUND_S * 1e3:g} ms)",
+    )
+    g.add_argument(
+        "--small",
+        action="store_true",
+        help="short sequences (B=1, H=8, D=64, S=8,32,128): per-call overhead; "
+        "table attention_small_<device>.md",
+    )
     m = p.add_argument_group("memory mode")
     m.add_argument("--memory", action="store_true", help="peak memory of one long sequence instead")
     m.add_argument("--memory-seqlen", type=int, default=32768)
@@ -327,6 +368,11 @@ def parse_args(argv=None):
     m.add_argument("--memory-target-mb", type=float, default=1024.0)
     m.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.calls_per_round < 0:
+        p.error(f"--calls-per-round: expected 0 (automatic) or more, got {args.calls_per_round}")
+    if args.small:
+        for name, value in SMALL_GRID.items():
+            setattr(args, name, value)
     if args.quick:
         args.dtypes, args.head_dims, args.seqlens = ["float32", "bfloat16"], [64], [128, 256]
         args.heads, args.target_time, args.max_repeats = min(args.heads, 4), 0.1, 5
@@ -349,12 +395,13 @@ def main(argv=None) -> int:
         return harness.child_main(args, lambda: memory_child(args))
     if args.memory:
         return memory_mode(args)
-    bench = harness.Bench("attention", args, __file__)
+    bench = harness.Bench("attention_small" if args.small else "attention", args, __file__)
     cells = sweep(bench, args)
     grid = (
         f"B={args.batch} H={args.heads}, Sq=Sk; doc reference up to S={args.doc_max_s}; median of "
         f">= {args.min_repeats} interleaved rounds after {args.warmup} warm-up (>= "
         f"{args.close_repeats} when the first two candidates are within {args.close_margin:.0%}); "
+        f"a round repeats calls shorter than {ROUND_S * 1e3:g} ms back to back (ms per call); "
         "ratios = candidate time / attn_ext time (> 1: attn_ext faster)"
     )
     bench.finish(

@@ -203,18 +203,6 @@ def build(name, prompt, max_len, layers):
     return Layers(MAKERS[name], prompt, max_len, layers)
 
 
-def divided(timing, calls, errors=None):
-    """``timing`` per unit of a timed call: every time divided by the ``calls`` (layers, steps,
-    graph replays) it went through, with ``errors`` added to its own."""
-    if calls == 1 and not errors:
-        return timing
-    return harness.Timing(
-        rounds=[{n: t / calls for n, t in r.items()} for r in timing.rounds],
-        results=timing.results,
-        errors={**timing.errors, **(errors or {})},
-    )
-
-
 # Keys per step of --step-reps' default: consecutive steps per timed call = this // P.
 STEP_REPS_KEYS = 32768
 
@@ -274,7 +262,7 @@ def kernel_timing(bench, args, names, prompt, new, max_len, params):
             notes[n] = harness.error_text(e)
     timing = bench.time(calls)
     del calls  # the graphs and their caches: the whole generations need the memory next
-    per_call = divided(timing, reps * layers, notes)
+    per_call = harness.divided(timing, reps * layers, notes)
     k, v = prompt
     read_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
     gbps = {
@@ -385,7 +373,7 @@ def main(argv=None):
         if reps > 1:
             params["step_reps"] = reps
         L = args.layers
-        step = divided(
+        step = harness.divided(
             bench.time({n: stepper(build(n, prompt, max_len, L), new, reps) for n in names}),
             L * reps,
         )
@@ -411,7 +399,7 @@ def main(argv=None):
         )
         whole = None
         if P <= args.gen_max_context:
-            whole = divided(
+            whole = harness.divided(
                 bench.time(
                     {n: generation(n, prompt, new, args.new_tokens, max_len, L) for n in names},
                     warmup=0,

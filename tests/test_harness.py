@@ -198,9 +198,17 @@ def test_decode_layers_step_every_layer_and_time_per_layer():
     one = bd.build("attn_ext", prompt, 16, 1)
     torch.testing.assert_close(out, one.step(*new), rtol=0, atol=0)
     timing = harness.Timing(rounds=[{"a": 3.0, "b": 6.0}], results={"a": 1})
-    scaled = bd.divided(timing, layers)
+    scaled = harness.divided(timing, layers)
     assert scaled.rounds == [{"a": 1.0, "b": 2.0}] and scaled.results == {"a": 1}
-    assert bd.divided(timing, 1) is timing
+    assert harness.divided(timing, 1) is timing
+
+
+def test_repeated_runs_back_to_back_and_returns_the_last():
+    calls = []
+    run = harness.repeated(lambda: calls.append(len(calls)) or len(calls), 4)
+    assert run() == 4 and calls == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="calls"):
+        harness.repeated(lambda: None, 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._ops import ops as _ops
 from ..spatial import channel_pool
-
-_ops = torch.ops.attn_ext
 
 __all__ = ["CBAM", "ChannelAttention", "SpatialAttention"]
 

@@ -141,6 +141,32 @@ class Timing:
         return statistics.median(rs) if rs else None
 
 
+def divided(timing: Timing, calls: int, errors: Optional[Dict[str, str]] = None) -> Timing:
+    """``timing`` per unit of a timed call: every time divided by the ``calls`` (layers, steps,
+    graph replays, repeated calls) it went through, with ``errors`` added to its own."""
+    if calls == 1 and not errors:
+        return timing
+    return Timing(
+        rounds=[{n: t / calls for n, t in r.items()} for r in timing.rounds],
+        results=timing.results,
+        errors={**timing.errors, **(errors or {})},
+    )
+
+
+def repeated(fn: Callable[[], object], calls: int) -> Callable[[], object]:
+    """A zero-argument call running ``fn`` ``calls`` times back to back (calls too short for one
+    timer read each: time them together and take :func:`divided`); returns the last result."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+
+    def run():
+        for _ in range(calls - 1):
+            fn()
+        return fn()
+
+    return run
+
+
 def error_text(e: BaseException) -> str:
     """An exception as one short line: its type and the first line of its message."""
     first = str(e).splitlines()[0][:120] if str(e) else ""

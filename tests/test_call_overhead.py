@@ -1,10 +1,13 @@
-"""Autograd of every differentiable op is the C++ kernel of csrc/<family>/autograd.cpp.
+"""What keeps a small call cheap (docs/performance.md, "Per-call overhead").
 
-torch.library.register_autograd (the Python route) cost ~40 us per call with a graph and ~4 us
-without on torch 2.13 (csrc/common/autograd.h), which made small-shape training slower than
-SDPA. These tests fail if an op's autograd goes back through Python: a forward and backward of
-each op may run no Python code of torch's autograd.Function machinery. Gradient values are
-tested per op elsewhere (gradcheck, opcheck, the reference comparisons).
+1. Autograd of every differentiable op is the C++ kernel of csrc/<family>/autograd.cpp.
+   torch.library.register_autograd (the Python route) cost ~40 us per call with a graph and
+   ~4 us without on torch 2.13 (csrc/common/autograd.h), which made small-shape training slower
+   than SDPA. These tests fail if an op's autograd goes back through Python: a forward and
+   backward of each op may run no Python code of torch's autograd.Function machinery. Gradient
+   values are tested per op elsewhere (gradcheck, opcheck, the reference comparisons).
+2. The package calls the ops through attn_ext._ops, which passes only the arguments that differ
+   from the schema's defaults, and never drops one that does.
 """
 
 import sys
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 import attn_ext  # noqa: F401  (registers the ops)
+from attn_ext._ops import _is_default, _Op
 
 ops = torch.ops.attn_ext
 
@@ -104,3 +108,50 @@ def test_no_graph_call_refuses_nothing():
     assert not out.requires_grad and out.grad_fn is None
     with pytest.raises(NotImplementedError, match="attn_mask"):
         ops.attention(q.requires_grad_(), k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "value,default,dropped",
+    [
+        (None, None, True),
+        (False, False, True),
+        (-1, -1, True),
+        (0.0, 0.0, True),
+        (True, False, False),
+        (0, 0.0, False),  # another type is passed as given: the schema decides what it means
+        (3, -1, False),
+        (None, 0.0, False),
+        (0.0, None, False),
+    ],
+)
+def test_is_default(value, default, dropped):
+    assert _is_default(value, default) is dropped
+
+
+def test_is_default_never_drops_a_tensor():
+    assert not _is_default(torch.tensor(0.0), 0.0)
+    assert not _is_default(torch.tensor(False), False)
+
+
+def test_op_passes_only_what_differs():
+    calls = []
+    op = _Op(torch.ops.attn_ext.attention)
+    op._op = lambda *args, **kwargs: calls.append((len(args), kwargs))
+    mask = torch.zeros(2, 2)
+    op(1, 2, 3, attn_mask=None, sinks=None, scale=None, causal=True, window_left=-1, softcap=0.0)
+    op(1, 2, 3, attn_mask=mask, scale=0.5, causal=False, dropout_p=0.1, window_right=2)
+    assert calls[0] == (3, {"causal": True})
+    assert calls[1][1].keys() == {"attn_mask", "scale", "dropout_p", "window_right"}
+    assert calls[1][1]["attn_mask"] is mask
+
+
+def test_ops_cover_every_registered_operator():
+    from attn_ext._ops import ops as wrapped
+
+    names = [
+        n.split("::", 1)[1]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("attn_ext::")
+    ]
+    assert len(names) >= 20
+    assert all(isinstance(getattr(wrapped, n), _Op) for n in names)
