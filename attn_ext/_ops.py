@@ -24,26 +24,23 @@ class _Op:
 
     def __call__(self, *args, **kwargs):
         defaults = self._defaults
-        return self._op(
-            *args,
-            **{
-                name: value
-                for name, value in kwargs.items()
-                if not _is_default(value, defaults.get(name, _REQUIRED))
-            },
-        )
+        passed = {}
+        for name, value in kwargs.items():
+            default = defaults.get(name, _REQUIRED)
+            # the default itself: None for None, an equal plain bool / int / float of its type
+            if value is default or (
+                value is not None
+                and type(value) is type(default)
+                and type(value) in _PLAIN
+                and value == default
+            ):
+                continue
+            passed[name] = value
+        return self._op(*args, **passed)
 
 
 # Marks an argument without a default: always passed.
 _REQUIRED = object()
-
-
-def _is_default(value, default) -> bool:
-    if default is _REQUIRED:
-        return False
-    if value is None or default is None:
-        return value is default
-    return type(value) in _PLAIN and type(value) is type(default) and value == default
 
 
 class _Ops:

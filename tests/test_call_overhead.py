@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attn_ext  # noqa: F401  (registers the ops)
-from attn_ext._ops import _is_default, _Op
+from attn_ext._ops import _Op
 
 ops = torch.ops.attn_ext
 
@@ -111,26 +111,37 @@ def test_no_graph_call_refuses_nothing():
 
 
 @pytest.mark.parametrize(
-    "value,default,dropped",
+    "name,value,dropped",
     [
-        (None, None, True),
-        (False, False, True),
-        (-1, -1, True),
-        (0.0, 0.0, True),
-        (True, False, False),
-        (0, 0.0, False),  # another type is passed as given: the schema decides what it means
-        (3, -1, False),
-        (None, 0.0, False),
-        (0.0, None, False),
+        ("scale", None, True),  # default None
+        ("causal", False, True),  # default False
+        ("window_left", -1, True),
+        ("dropout_p", 0.0, True),
+        ("causal", True, False),
+        ("dropout_p", 0, False),  # another type is passed as given: the schema decides
+        ("window_left", 3, False),
+        ("dropout_p", None, False),
+        ("scale", 0.0, False),
+        ("dropout_p", torch.tensor(0.0), False),  # never a tensor
+        ("causal", torch.tensor(False), False),
     ],
 )
-def test_is_default(value, default, dropped):
-    assert _is_default(value, default) is dropped
+def test_op_drops_only_the_default_itself(name, value, dropped):
+    calls = []
+    op = _Op(torch.ops.attn_ext.attention)
+    op._op = lambda *args, **kwargs: calls.append(kwargs)
+    op(1, 2, 3, **{name: value})
+    assert (name not in calls[0]) is dropped
+    if not dropped:
+        assert calls[0][name] is value
 
 
-def test_is_default_never_drops_a_tensor():
-    assert not _is_default(torch.tensor(0.0), 0.0)
-    assert not _is_default(torch.tensor(False), False)
+def test_op_passes_required_arguments():
+    calls = []
+    op = _Op(torch.ops.attn_ext.attention_varlen)
+    op._op = lambda *args, **kwargs: calls.append(kwargs)
+    op(1, 2, 3, 4, 5, max_seqlen_q=0, max_seqlen_k=None, causal=False)
+    assert calls[0] == {"max_seqlen_q": 0, "max_seqlen_k": None}
 
 
 def test_op_passes_only_what_differs():
