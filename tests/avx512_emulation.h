@@ -148,6 +148,20 @@ inline void mask_storeu_epi16_256(void* p, __mmask16 k, __m256i a) {
 inline Zmm maskz_mov_ps(__mmask16 k, Zmm a) {
   return each([&](int l) { return on(k, l) ? a.f[l] : 0.f; });
 }
+inline Zmm maskz_loadu_epi16(__mmask32 k, const void* p) {
+  Zmm r = zero();
+  for (int l = 0; l < 32; ++l)
+    if (on(k, l)) r.h[l] = static_cast<const uint16_t*>(p)[l];
+  return r;
+}
+inline __m256i maskz_loadu_epi16_256(__mmask16 k, const void* p) {
+  uint16_t h[16] = {};
+  for (int l = 0; l < 16; ++l)
+    if (on(k, l)) h[l] = static_cast<const uint16_t*>(p)[l];
+  __m256i r;
+  std::memcpy(&r, h, sizeof(h));
+  return r;
+}
 inline Zmm maskz_mov_epi16(__mmask32 k, Zmm a) {
   Zmm r = a;
   for (int l = 0; l < 32; ++l)
@@ -419,6 +433,7 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define __m512bh attn_ext_emu::Zmm
 #define __m256bh attn_ext_emu::Bf16x16
 #define _mm512_setzero_ps attn_ext_emu::setzero
+#define _mm512_setzero_si512 attn_ext_emu::setzero
 #define _mm512_set1_ps attn_ext_emu::set1_ps
 #define _mm512_set1_epi32 attn_ext_emu::set1_epi32
 #define _mm512_undefined_ps attn_ext_emu::setzero
@@ -433,6 +448,8 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _mm256_mask_storeu_epi16 attn_ext_emu::mask_storeu_epi16_256
 #define _mm512_maskz_mov_ps attn_ext_emu::maskz_mov_ps
 #define _mm512_maskz_mov_epi16 attn_ext_emu::maskz_mov_epi16
+#define _mm512_maskz_loadu_epi16 attn_ext_emu::maskz_loadu_epi16
+#define _mm256_maskz_loadu_epi16 attn_ext_emu::maskz_loadu_epi16_256
 #define _mm512_add_ps attn_ext_emu::add_ps
 #define _mm512_sub_ps attn_ext_emu::sub_ps
 #define _mm512_mul_ps attn_ext_emu::mul_ps

@@ -99,11 +99,23 @@ alignas(64) constexpr uint16_t kInterleave[2 * kLanes] = {
 
 // 16 bf16 of a row (even) and of the row ld below, interleaved into (even, odd) pairs by
 // kInterleave: one tile row of the pair layout, or 16 32-bit words of row pairs.
-inline __m512i pair_rows(const uint16_t* even, int64_t ld) {
-  const __m512i rows = _mm512_inserti64x4(
-      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)), 1);
+inline __m512i interleave_rows(__m256i even, __m256i odd) {
+  const __m512i rows = _mm512_inserti64x4(_mm512_zextsi256_si512(even), odd, 1);
   return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), rows);
+}
+inline __m512i pair_rows(const uint16_t* even, int64_t ld) {
+  return interleave_rows(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)));
+}
+
+// The first `elems` of 32 bf16 lanes (all for elems >= 32).
+inline __mmask32 pair_mask(int64_t elems) {
+  return elems >= kPairDepth ? ~__mmask32(0) : __mmask32((1u << elems) - 1u);
+}
+// 16 bf16 of `row` under `cols`, or zeros for a row that does not exist (nullptr): a partial
+// tile's rows, read without touching memory past the keys or features.
+inline __m256i row16_or_zero(const uint16_t* row, __mmask16 cols) {
+  return row ? _mm256_maskz_loadu_epi16(cols, row) : _mm256_setzero_si256();
 }
 
 // w[j][t] -> w[t][j] for a 16 x 16 matrix of 32-bit words, one row per register: words paired
@@ -246,22 +258,23 @@ void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* ds
     for (int64_t c = 0; c < chunks; ++c) {
       uint16_t* tile = dst + (j0 / kTileRows * chunks + c) * kTileElems;
       const int64_t f0 = c * kPairDepth;
-      if (j0 + kTileRows <= n && f0 + kPairDepth <= d) {
-        // A whole tile: a 16 x 16 transpose of feature pairs (32-bit words) in registers.
-        __m512i words[kTileRows];
+      // A 16 x 16 transpose of feature pairs (32-bit words) in registers. A partial tile (the
+      // keys past n, the features past d) loads its rows masked and zeros the missing ones: a
+      // short sequence's only tile took the element-by-element path, 7% of a bf16 fwd+bwd at
+      // S = 8 (docs/performance.md, "Per-call overhead").
+      const int64_t rows = std::clamp<int64_t>(n - j0, 0, kTileRows);
+      __m512i words[kTileRows];
+      if (rows == kTileRows && f0 + kPairDepth <= d) {
         for (int64_t j = 0; j < kTileRows; ++j)
           words[j] = _mm512_loadu_si512(k + (j0 + j) * ld + f0);
-        transpose_words(words);
-        for (int64_t t = 0; t < kTileRows; ++t)
-          _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
-        continue;
-      }
-      for (int64_t t = 0; t < kTileRows; ++t)
+      } else {
+        const __mmask32 feats = pair_mask(d - f0);
         for (int64_t j = 0; j < kTileRows; ++j)
-          for (int64_t e = 0; e < 2; ++e) {
-            const int64_t key = j0 + j, f = f0 + 2 * t + e;
-            tile[(t * kTileRows + j) * 2 + e] = key < n && f < d ? k[key * ld + f] : 0;
-          }
+          words[j] = j < rows ? _mm512_maskz_loadu_epi16(feats, k + (j0 + j) * ld + f0)
+                              : _mm512_setzero_si512();
+      }
+      transpose_words(words);
+      for (int64_t t = 0; t < kTileRows; ++t) _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
     }
   }
 }
@@ -272,18 +285,21 @@ void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t*
     for (int64_t b = 0; b < blocks; ++b) {
       uint16_t* tile = dst + (j0 / kPairDepth * blocks + b) * kTileElems;
       const int64_t f0 = b * kAccCols;
+      // Rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute; a partial tile loads its
+      // rows masked and zeros the keys past n (as pack_keys).
       if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
-        // A whole tile: rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute.
         for (int64_t t = 0; t < kTileRows; ++t)
           _mm512_storeu_si512(tile + t * kPairDepth, pair_rows(v + (j0 + 2 * t) * ld + f0, ld));
         continue;
       }
-      for (int64_t t = 0; t < kTileRows; ++t)
-        for (int64_t col = 0; col < kAccCols; ++col)
-          for (int64_t e = 0; e < 2; ++e) {
-            const int64_t key = j0 + 2 * t + e, f = f0 + col;
-            tile[(t * kAccCols + col) * 2 + e] = key < n && f < dv ? v[key * ld + f] : 0;
-          }
+      const __mmask16 cols = lane_mask(dv - f0);
+      auto row = [&](int64_t key) { return key < n ? v + key * ld + f0 : nullptr; };
+      for (int64_t t = 0; t < kTileRows; ++t) {
+        const int64_t key = j0 + 2 * t;
+        _mm512_storeu_si512(
+            tile + t * kPairDepth,
+            interleave_rows(row16_or_zero(row(key), cols), row16_or_zero(row(key + 1), cols)));
+      }
     }
   }
 }

@@ -57,9 +57,11 @@ inline void transpose8x8(__m256 (&r)[8]) {
 
 // Keys [0, n) of rows k (stride ld) as panels of kCols keys: panel g holds, for each
 // feature d, keys g * kCols .. g * kCols + 15 (zero past n). dst holds round_up_cols(n) * d.
-// Whole panels move as 8 x 8 register transposes (the element-wise loop was ~4% of the
-// fp32 forward at S = 512, where four query blocks share a head's panels); the last
-// partial panel and features past a multiple of 8 take the element-wise loop.
+// Panels move as 8 x 8 register transposes (the element-wise loop was ~4% of the fp32
+// forward at S = 512, where four query blocks share a head's panels); a partial panel
+// transposes zeros for its missing keys (element-wise it was 5% of an fp32 fwd+bwd at S = 8,
+// docs/performance.md, "Per-call overhead"). Features past a multiple of 8 take the
+// element-wise loop.
 template <typename scalar_t>
 void pack_key_panels(const scalar_t* k, int64_t ld, int64_t n, int64_t d, float* dst) {
   const int64_t d_vec = d / kWidth * kWidth;
@@ -68,16 +70,15 @@ void pack_key_panels(const scalar_t* k, int64_t ld, int64_t n, int64_t d, float*
     float* panel = dst + g * d;
     const int64_t w = std::min<int64_t>(kCols, n - g);
     int64_t f0 = 0;
-    if (w == kCols) {
-      for (; f0 < d_vec; f0 += kWidth) {
-        for (int64_t half = 0; half < kCols; half += kWidth) {
-          __m256 r[kWidth];
-          ATTN_EXT_UNROLL_ROWS
-          for (int c = 0; c < kWidth; ++c) r[c] = load8(k + (g + half + c) * ld + f0);
-          transpose8x8(r);
-          ATTN_EXT_UNROLL_ROWS
-          for (int f = 0; f < kWidth; ++f) _mm256_storeu_ps(panel + (f0 + f) * kCols + half, r[f]);
-        }
+    for (; f0 < d_vec; f0 += kWidth) {
+      for (int64_t half = 0; half < kCols; half += kWidth) {
+        __m256 r[kWidth];
+        ATTN_EXT_UNROLL_ROWS
+        for (int c = 0; c < kWidth; ++c)
+          r[c] = half + c < w ? load8(k + (g + half + c) * ld + f0) : _mm256_setzero_ps();
+        transpose8x8(r);
+        ATTN_EXT_UNROLL_ROWS
+        for (int f = 0; f < kWidth; ++f) _mm256_storeu_ps(panel + (f0 + f) * kCols + half, r[f]);
       }
     }
     for (int64_t f = f0; f < d; ++f) {

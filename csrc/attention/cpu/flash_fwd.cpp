@@ -662,14 +662,16 @@ struct Probabilities {
 };
 
 // Kernel<scalar_t, Products>::run(p, args...) on the packed products for float accumulation
-// once the query blocks of a head are enough to amortize packing it (for bf16 on AMX tiles or
-// AVX512-BF16 where block_kernels() says so); BLAS otherwise (fp64, other ISAs, a few query
-// rows).
+// once the query blocks of a head are enough to amortize packing it, or (fp32) its keys are few
+// (for bf16 on AMX tiles or AVX512-BF16 where block_kernels() says so); BLAS otherwise (fp64,
+// other ISAs, a few query rows against many keys).
 template <template <typename, typename> class Kernel, typename scalar_t, typename... Args>
 void with_fwd_products(const AttentionParams& p, Args... args) {
 #ifdef ATTN_EXT_AVX2
   if constexpr (std::is_same_v<typename FlashTraits<scalar_t>::acc_t, float>) {
-    if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries) {
+    const bool few_keys =
+        std::is_same_v<scalar_t, float> && p.seqlen_k <= FlashTraits<scalar_t>::kPackedFewKeys;
+    if (p.seqlen_q >= FlashTraits<scalar_t>::kPackedMinQueries || few_keys) {
 #ifdef ATTN_EXT_AMX_PRODUCTS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         switch (block_kernels().bf16_operands) {

@@ -36,8 +36,14 @@ struct FlashTraits {
   // The AVX2 forward packs K and V into panels once per (batch, kv head) and thread, up to
   // this many floats (16 MiB: S = 32768 at D = 64); a larger head is packed tile by tile.
   static constexpr int64_t kMaxPackedHeadElems = int64_t(1) << 22;
-  // Below this many query rows a head's panels serve too few rows to repay packing them.
+  // Below this many query rows a head's panels serve too few rows to repay packing them,
+  // unless (fp32) the head has at most kPackedFewKeys keys: packing those costs less than a
+  // BLAS call's fixed overhead (MKL's sgemm setup was ~12% of an fp32 forward at B 1, H 8,
+  // S 8; docs/performance.md, "Per-call overhead"). bf16 / fp16 keep BLAS there: their packed
+  // products round P to bf16 where BLAS keeps it in fp32, which moves the few-row errors their
+  // regression tests are built on (not re-derived yet).
   static constexpr int64_t kPackedMinQueries = 16;
+  static constexpr int64_t kPackedFewKeys = 64;
   // Backward tiles: two score-sized tiles (P and dP, 64 KiB each) live at once beside the
   // packed K/V block and Q/dO tile. 128 x 128 was 8% faster than 64 x 128 at D = 128
   // (fp32 S = 2048 forward + backward, 2-core Zen 3) and equal at D = 64.
