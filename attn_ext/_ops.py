@@ -11,6 +11,8 @@ for ``None``, or a plain bool / int / float equal to it, never a tensor or a sym
 import torch
 
 _PLAIN = (bool, int, float)
+# Marks an argument without a default: always passed.
+_REQUIRED = object()
 
 
 class _Op:
@@ -37,10 +39,6 @@ class _Op:
                 continue
             passed[name] = value
         return self._op(*args, **passed)
-
-
-# Marks an argument without a default: always passed.
-_REQUIRED = object()
 
 
 class _Ops:

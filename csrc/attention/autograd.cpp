@@ -4,7 +4,6 @@
 // backward op. Saved: the inputs the backward op reads and the forward's outputs; nothing is
 // recomputed here but the per-head probabilities of a head mean or dropped weights.
 #include <tuple>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 #include "common/autograd.h"
 
@@ -26,11 +25,6 @@ void refuse_slopes_grad(const char* op, const TensorOpt& alibi_slopes) {
 void refuse_mask_grad(const char* op, const TensorOpt& attn_mask, const char* advice) {
   TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask.has_value() || !attn_mask->requires_grad(), op,
                               ": the gradient with respect to attn_mask is not supported", advice);
-}
-
-// grad_out of a backward op: the incoming gradient, or zeros when only lse was used.
-Tensor grad_or_zeros(const Tensor& grad, const Tensor& like) {
-  return grad.defined() ? grad : at::zeros_like(like);
 }
 
 // ---------------------------------------------------------------------------------- attention

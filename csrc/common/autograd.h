@@ -11,6 +11,7 @@
 // (docs/performance.md, "Per-call overhead").
 #include <optional>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -46,6 +47,12 @@ inline at::Tensor saved(const std::optional<at::Tensor>& t) {
 }
 inline std::optional<at::Tensor> unsaved(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// grad_out of a backward op: the incoming gradient, or zeros shaped like the output when only
+// another output (lse) took a gradient.
+inline at::Tensor grad_or_zeros(const at::Tensor& grad, const at::Tensor& like) {
+  return grad.defined() ? grad : at::zeros_like(like);
 }
 
 // The gradients a backward returns for `count` arguments that take none (flags, sizes, masks).

@@ -1,7 +1,6 @@
 // Autograd of the Tensor Product Attention ops (common/autograd.h says why it is C++):
 // tpa_expand and tpa_decode_attention through their registered backward ops.
 #include <tuple>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 #include "common/autograd.h"
 
@@ -109,12 +108,11 @@ struct DecodeFunction : torch::autograd::Function<DecodeFunction> {
         registered_op<DecodeBackwardSig>("attn_ext::tpa_decode_attention_backward");
     const variable_list s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
-    // out has q's shape and dtype: zeros when only lse was used.
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(s[0]);
-    auto [dq, da_k, db_k, da_v, db_v] =
-        backward_op.call(grad_out, unsaved(grads[1]), s[0], s[1], s[2], s[3], s[4], s[5],
-                         d.at("scale").toOptional<double>(), d.at("k_scale").toOptional<double>(),
-                         d.at("v_scale").toOptional<double>());
+    // out is shaped like q (s[0]), which is saved; out is not.
+    auto [dq, da_k, db_k, da_v, db_v] = backward_op.call(
+        grad_or_zeros(grads[0], s[0]), unsaved(grads[1]), s[0], s[1], s[2], s[3], s[4], s[5],
+        d.at("scale").toOptional<double>(), d.at("k_scale").toOptional<double>(),
+        d.at("v_scale").toOptional<double>());
     variable_list result{dq, da_k, db_k, da_v, db_v};
     append_no_grads(result, kFlagArgs);
     return result;
