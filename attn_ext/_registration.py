@@ -54,28 +54,27 @@ def _attention_varlen_backward_fake(
 
 
 @torch.library.register_fake("attn_ext::attention_weights")
-def _attention_weights_fake(
-    q,
-    k,
-    attn_mask=None,
-    *,
-    scale=None,
-    causal=False,
-    window_left=-1,
-    window_right=-1,
-    key_offset=None,
-):
+def _attention_weights_fake(q, k, attn_mask=None, alibi_slopes=None, sinks=None, **kw):
     return q.new_empty((q.size(0), q.size(1), q.size(2), k.size(2)))
 
 
 @torch.library.register_fake("attn_ext::attention_weights_backward")
-def _attention_weights_backward_fake(grad_weights, weights, q, k, *, scale=None):
+def _attention_weights_backward_fake(grad_weights, weights, q, k, **kw):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake("attn_ext::attention_probabilities")
 def _attention_probabilities_fake(
-    q, k, lse, attn_mask=None, rng_state=None, *, mean_heads=False, **kw
+    q,
+    k,
+    lse,
+    attn_mask=None,
+    rng_state=None,
+    alibi_slopes=None,
+    sinks=None,
+    *,
+    mean_heads=False,
+    **kw,
 ):
     if mean_heads:
         return q.new_empty((q.size(0), q.size(2), k.size(2)))

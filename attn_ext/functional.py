@@ -230,10 +230,16 @@ def attention_weights(
     causal: bool = False,
     window_size=(-1, -1),
     attn_mask: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The attention probabilities ``softmax(scale * q k^T + mask)``, (B, H, Sq, Sk) (or
-    (B, Sq, Sk) for 3-D inputs), with :func:`attention`'s masking semantics. The one op that
-    materializes the score matrix; fully masked rows are all zero."""
+    (B, Sq, Sk) for 3-D inputs), with :func:`attention`'s masking semantics and score
+    modifiers (``softcap``, ``alibi_slopes``; a sink joins each row's denominator, so the row
+    sums to one less its share). The one op that materializes the score matrix; fully masked
+    rows are all zero. Differentiable in q and k (through softcap's tanh); ``alibi_slopes``
+    and ``sinks`` take no gradient here (requires_grad raises: pass them detached)."""
     three_d = q.dim() == 3
     q4, k4 = _as_4d("q", q), _as_4d("k", k)
     left, right = _window(window_size)
@@ -241,10 +247,13 @@ def attention_weights(
         q4,
         k4,
         attn_mask=_mask_as_4d(attn_mask, three_d),
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
         scale=scale,
         causal=causal,
         window_left=left,
         window_right=right,
+        softcap=softcap,
     )
     return w.squeeze(1) if three_d else w
 
@@ -259,12 +268,16 @@ def attention_probabilities(
     window_size=(-1, -1),
     attn_mask: Optional[torch.Tensor] = None,
     mean_heads: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The probabilities of the :func:`attention` call that returned ``lse`` (same q, k, scale
-    and masks): ``exp(scale * q k^T + mask - lse)``, (B, H, Sq, Sk) (or (B, Sq, Sk) for 3-D
+    """The probabilities of the :func:`attention` call that returned ``lse`` (same q, k, scale,
+    masks and score modifiers): ``exp(scores - lse)``, (B, H, Sq, Sk) (or (B, Sq, Sk) for 3-D
     inputs) in q's dtype, zero where masked and in rows that saw no key. With ``sinks`` in
-    that call the rows sum to one less the sink's share (float32 / bfloat16 / float16:
-    float64 recomputes lse in float64, as attention's backward does, and so counts no sink).
+    that call the rows sum to one less the sink's share (lse counts it; float64 recomputes lse
+    in float64, as attention's backward does, and reads ``sinks`` for it). ``alibi_slopes``
+    and ``sinks`` take no gradient here (requires_grad raises: pass them detached).
     ``mean_heads=True`` returns their mean over heads, (B, Sq, Sk), without forming the
     per-head matrices (``average_attn_weights`` of torch's ``MultiheadAttention``).
     Differentiated as the softmax of the scores, in q and k; lse is taken as theirs and takes
@@ -283,6 +296,9 @@ def attention_probabilities(
         window_left=left,
         window_right=right,
         mean_heads=mean_heads,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        softcap=softcap,
     )
     return w.squeeze(1) if three_d and not mean_heads else w
 
@@ -299,6 +315,9 @@ def attention_with_weights(
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
     mean_heads: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)``: :func:`attention`'s output and the probabilities it was formed with,
     (B, H, Sq, Sk) in q's dtype, or with ``mean_heads=True`` their mean over heads (B, Sq, Sk)
@@ -308,7 +327,9 @@ def attention_with_weights(
     kernels and the weights from its lse in one more pass over the scores (the mean without
     forming the per-head matrices), so when only ``out`` takes a gradient the backward is
     :func:`attention`'s; a gradient of the weights adds the softmax backward of
-    :func:`attention_weights`."""
+    :func:`attention_weights`. The score modifiers are :func:`attention`'s; with ``sinks`` the
+    weights' rows sum to one less the sink's share, and the sinks' gradient comes from ``out``
+    (and lse) only, not through the weights."""
     three_d = q.dim() == 3
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
     mask = _mask_as_4d(attn_mask, three_d)
@@ -316,7 +337,16 @@ def attention_with_weights(
     state = _rng_state(dropout_p, generator)
     band = dict(scale=scale, causal=causal, window_left=left, window_right=right)
     out, lse = _ops.attention(
-        q4, k4, v4, attn_mask=mask, rng_state=state, dropout_p=dropout_p, **band
+        q4,
+        k4,
+        v4,
+        attn_mask=mask,
+        rng_state=state,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        softcap=softcap,
+        **band,
     )
     w = _ops.attention_probabilities(
         q4,
@@ -324,8 +354,11 @@ def attention_with_weights(
         lse,
         mask,
         state,
+        alibi_slopes,
+        None if sinks is None else sinks.detach(),  # their gradient comes from out
         dropout_p=dropout_p,
         mean_heads=mean_heads,
+        softcap=softcap,
         **band,
     )
     if three_d:

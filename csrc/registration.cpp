@@ -1,5 +1,6 @@
 // Every operator attn_ext offers, in one place. Kernels register their implementations in
-// their own files (TORCH_LIBRARY_IMPL); fake kernels and autograd are registered in Python.
+// their own files (TORCH_LIBRARY_IMPL); fake kernels in Python,
+// autograd in each family's autograd.cpp (common/autograd.h says why).
 //
 // Shape legend:
 //   B batch, H query heads, Hkv key/value heads (H % Hkv == 0; query head h reads
@@ -19,15 +20,21 @@
 //   is an empty float32 tensor without sinks.
 // attention_backward also takes the gradient of lse (for callers that differentiate
 //   through it, e.g. when merging partial results).
+// attention_weights: P = softmax(scores) (B, H, Sq, Sk) in q's dtype, the scores and the
+//   softmax those of attention (scale, softcap, ALiBi, band, mask; a sink joins the
+//   denominator, so rows sum to 1 less its share), 0 in rows that saw no key.
+//   attention_weights_backward: dq, dk of P from grad_weights (dS = P (dP - rowsum(P dP)),
+//   through softcap's tanh, whose scores it recomputes); ALiBi slopes, sinks and masks take
+//   no gradient here.
 // attention_probabilities: the probabilities of the attention call that returned lse,
-//   P = exp(scale q k^T + mask - lse) (B, H, Sq, Sk) in q's dtype, 0 where masked or where
-//   lse is -inf (a row that saw no key); rows sum to 1 (less a sink's share when lse counts
-//   one; float64 recomputes lse in float64, as attention_backward does, so counts no sink).
-//   dropout_p / rng_state: the probabilities that call kept, scaled by 1 / (1 - dropout_p),
-//   0 where it dropped (its mask: the same rng_state). mean_heads: their mean over heads
-//   (B, Sq, Sk) instead, without the per-head matrices. Differentiated as the softmax of the
-//   scores (attention_weights_backward on the per-head P, through the dropout mask): lse is
-//   taken as theirs and takes no gradient.
+//   P = exp(scores - lse) (B, H, Sq, Sk) in q's dtype, the scores as attention_weights forms
+//   them, 0 where masked or where lse is -inf (a row that saw no key); rows sum to 1 less
+//   the share of that call's sink (float64 recomputes lse in float64, as attention_backward
+//   does, and reads sinks for it; the other dtypes read the sink in lse). dropout_p / rng_state:
+//   the probabilities that call kept, scaled by 1 / (1 - dropout_p), 0 where it dropped (its mask:
+//   the same rng_state). mean_heads: their mean over heads (B, Sq, Sk) instead, without the
+//   per-head matrices. Differentiated as the softmax of the scores (attention_weights_backward on
+//   the per-head P, through the dropout mask): lse is taken as theirs and takes no gradient.
 // Merging attention states (split-KV parts, ring-attention blocks: partial results over
 //   disjoint key sets): out_* (..., Dv), any floating dtype, with lse_* = out's shape without
 //   Dv, float32 (or float64 with float64 outs). merge_attention_states returns
@@ -133,16 +140,18 @@ TORCH_LIBRARY(attn_ext, m) {
       "Tensor? alibi_slopes=None, Tensor? sinks=None, float softcap=0.0) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   m.def(
-      "attention_weights(Tensor q, Tensor k, Tensor? attn_mask=None, *, float? scale=None, "
-      "bool causal=False, int window_left=-1, int window_right=-1, SymInt? key_offset=None) "
+      "attention_weights(Tensor q, Tensor k, Tensor? attn_mask=None, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, *, float? scale=None, bool causal=False, "
+      "int window_left=-1, int window_right=-1, SymInt? key_offset=None, float softcap=0.0) "
       "-> Tensor weights");
   m.def(
       "attention_weights_backward(Tensor grad_weights, Tensor weights, Tensor q, Tensor k, *, "
-      "float? scale=None) -> (Tensor grad_q, Tensor grad_k)");
+      "float? scale=None, float softcap=0.0) -> (Tensor grad_q, Tensor grad_k)");
   m.def(
       "attention_probabilities(Tensor q, Tensor k, Tensor lse, Tensor? attn_mask=None, "
-      "Tensor? rng_state=None, *, float? scale=None, bool causal=False, int window_left=-1, "
-      "int window_right=-1, SymInt? key_offset=None, float dropout_p=0.0, bool mean_heads=False) "
+      "Tensor? rng_state=None, Tensor? alibi_slopes=None, Tensor? sinks=None, *, "
+      "float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
+      "SymInt? key_offset=None, float dropout_p=0.0, bool mean_heads=False, float softcap=0.0) "
       "-> Tensor weights");
   m.def(
       "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "

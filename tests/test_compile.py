@@ -134,9 +134,18 @@ def test_compile_sdpa(device):
         watch.step()
 
 
-def test_compile_attention_weights(device):
+@pytest.mark.parametrize("mods", ["plain", "softcap_alibi_sinks"])
+def test_compile_attention_weights(device, mods):
+    extra = {}
+    if mods != "plain":
+        slopes, sinks = (
+            torch.tensor([0.25, 0.5], device=device),
+            torch.tensor([1.0, -0.5], device=device),
+        )
+        extra = dict(softcap=1.5, alibi_slopes=slopes, sinks=sinks)
+
     def fn(q, k):
-        return attn_ext.attention_weights(q, k, causal=True).sum(-2)
+        return attn_ext.attention_weights(q, k, causal=True, **extra).sum(-2)
 
     cfn, counter = _compile(fn)
     watch = NoRecompile(counter)

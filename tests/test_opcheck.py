@@ -134,6 +134,13 @@ def weights_samples(device):
             ),
         )
     )
+    # attention's score modifiers (slopes and sinks constant: they take no gradient here)
+    q, k, _ = _qkv(device, grad=True)
+    H = q.size(1)
+    slopes = torch.linspace(0.05, 0.5, 2 * H, device=device).view(2, H)
+    s.append(("softcap_alibi", (q, k), dict(alibi_slopes=slopes, softcap=0.7, causal=True)))
+    sinks = torch.linspace(-1.0, 2.0, H, device=device)
+    s.append(("sinks_softcap", (q, k), dict(sinks=sinks, softcap=1.5)))
     return s
 
 
@@ -154,7 +161,7 @@ def test_opcheck_attention_weights_backward(device, idx):
     torch.library.opcheck(
         ops.attention_weights_backward.default,
         (torch.randn_like(w), w, q, k),
-        dict(scale=kw.get("scale")),
+        dict(scale=kw.get("scale"), softcap=kw.get("softcap", 0.0)),
     )
 
 

@@ -36,7 +36,29 @@ CASES = {
     "mqa_scale": dict(shape=(1, 4, 1, 17, 20, 80), scale=0.3),
     "bshd": dict(shape=(2, 4, 2, 17, 17, 32), layout="bshd"),
     "long": dict(shape=(1, 1, 1, 65, 257, 128)),
+    # attention's score modifiers (softcap 1: below the scores' spread, so the tanh bends them)
+    "softcap": dict(shape=(2, 3, 3, 17, 23, 32), softcap=1.0),
+    "alibi": dict(shape=(1, 4, 2, 19, 23, 32), alibi="head", causal=True),
+    "alibi_batch_softcap": dict(
+        shape=(2, 2, 2, 15, 19, 16), alibi="batch", softcap=1.5, window_size=(6, 2)
+    ),
+    "sinks": dict(shape=(2, 4, 2, 13, 17, 32), sinks=True, causal=True),
 }
+# The slopes are ALiBi's geometric ones for 8 heads (2^-1 ... 2^-8), a head's distance bias
+# spanning ~0.1-10 over these lengths; the sinks span a share from negligible to most of a row.
+ALIBI_SLOPES = [2.0**-i for i in range(1, 9)]
+SINKS = [0.5, 3.0, -2.0, 1.0]
+
+
+def _score_mods(c, B, H, device):
+    """A case's alibi / sinks markers as the tensors attention takes (float32, detached)."""
+    alibi = c.pop("alibi", None)
+    if alibi is not None:
+        slopes = torch.tensor(ALIBI_SLOPES[:H], device=device)
+        c["alibi_slopes"] = slopes if alibi == "head" else slopes * torch.rand(B, 1, device=device)
+    if c.pop("sinks", False):
+        c["sinks"] = torch.tensor(SINKS[:H], device=device)
+    return c
 
 
 def _setup(case, dtype, device):
@@ -52,7 +74,7 @@ def _setup(case, dtype, device):
         c["attn_mask"] = m
     elif mask == "float":
         c["attn_mask"] = random_float_mask((B, 1, Sq, Sk), dtype, device)
-    return q, k, c
+    return q, k, _score_mods(c, B, H, device)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,12 +88,16 @@ def test_weights_forward(device, dtype, case):
     ref = attention_weights_reference(q, k, **kw)
     tru = ground_truth(attention_weights_reference, q, k, **kw)
     assert_error_rule(w, ref, tru, name="weights")
-    # probabilities: non-negative, rows sum to 1, or are all zero when the row sees no key
+    # probabilities: non-negative, rows sum to 1 (less a sink's share), or are all zero when
+    # the row sees no key
     assert (w >= 0).all()
     empty = tru.sum(-1) == 0
     sums = w.double().sum(-1)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2e-2 * (1 + Sk / 64))
-    assert ((sums - 1).abs()[~empty] <= tol).all()
+    want = tru.sum(-1) if "sinks" in kw else torch.ones_like(sums)
+    assert ((sums - want).abs()[~empty] <= tol).all()
+    if "sinks" in kw:
+        assert (want[~empty] < 1 - 1e-3).all()  # every row gave the sink a visible share
     assert (w[empty] == 0).all()
     # masked entries are exactly zero
     if kw.get("causal") or "window_size" in kw:
@@ -120,7 +146,19 @@ def test_weights_empty(device, B, H, Sq, Sk):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "case",
-    ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask", "gqa", "mqa_scale", "bshd"],
+    [
+        "plain",
+        "causal_sq_gt_sk",
+        "window",
+        "bool_mask",
+        "float_mask",
+        "gqa",
+        "mqa_scale",
+        "bshd",
+        "softcap",
+        "alibi_batch_softcap",
+        "sinks",
+    ],
 )
 def test_weights_backward(device, dtype, case):
     q, k, kw = _setup(case, dtype, device)
@@ -142,6 +180,9 @@ GRADCHECK = {
     "float_mask": dict(shape=(1, 2, 2, 6, 7, 5), mask="float"),
     "gqa": dict(shape=(1, 4, 2, 5, 6, 4), causal=True, scale=0.7),
     "3d": dict(shape=(2, None, None, 5, 6, 4)),
+    "softcap": dict(shape=(1, 2, 2, 6, 7, 5), softcap=0.8),
+    "alibi_softcap_gqa": dict(shape=(2, 4, 2, 5, 6, 4), alibi="batch", softcap=1.2, causal=True),
+    "sinks_softcap": dict(shape=(1, 4, 1, 5, 6, 4), sinks=True, softcap=2.0, window_size=(3, 0)),
 }
 
 
@@ -162,7 +203,7 @@ def _gradcheck_inputs(case, device):
         c["attn_mask"] = m
     elif mask == "float":
         c["attn_mask"] = random_float_mask((1, H, Sq, Sk), torch.float64, device)
-    return q, k, v, c
+    return q, k, v, _score_mods(c, B, H, device)
 
 
 @pytest.mark.parametrize("case", list(GRADCHECK))
@@ -238,7 +279,19 @@ def test_with_weights_forward(device, dtype, case, mean_heads):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "case",
-    ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask", "gqa", "mqa_scale", "bshd"],
+    [
+        "plain",
+        "causal_sq_gt_sk",
+        "window",
+        "bool_mask",
+        "float_mask",
+        "gqa",
+        "mqa_scale",
+        "bshd",
+        "alibi",
+        "alibi_batch_softcap",
+        "sinks",
+    ],
 )
 def test_with_weights_backward(device, dtype, case, mean_heads):
     """Gradients of a loss on both outputs: the flash backward for out, the softmax backward
@@ -378,3 +431,65 @@ def test_with_weights_dropout_gradcheck(device, mean_heads):
     want = attention_weights_reference(q, k, causal=True) * keep.to(device) / (1 - p)
     want = want.mean(1) if mean_heads else want
     torch.testing.assert_close(fn(q, k, v)[1], want, rtol=1e-10, atol=1e-12)
+
+
+def test_weights_refuse_modifier_grads(device):
+    """Slopes and sinks are constants of the probabilities ops: a gradient for them raises
+    rather than coming back as zero (attention's output carries the sinks' gradient)."""
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, device=device)
+    q.requires_grad_(True)
+    slopes = torch.tensor([0.5, 0.25], device=device, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0], device=device, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes.detach()"):
+        attn_ext.attention_weights(q, k, alibi_slopes=slopes)
+    with pytest.raises(NotImplementedError, match="sinks.detach()"):
+        attn_ext.attention_weights(q, k, sinks=sinks)
+    _, lse = attn_ext.attention(q, k, v, sinks=sinks, return_lse=True)
+    with pytest.raises(NotImplementedError, match="sinks.detach()"):
+        attn_ext.attention_probabilities(q, k, lse, sinks=sinks)
+    # attention_with_weights passes the sinks on detached: their gradient comes from out
+    out, w = attn_ext.attention_with_weights(q, k, v, sinks=sinks)
+    (out.sum() + w.sum()).backward()
+    assert sinks.grad is not None and (sinks.grad != 0).all()
+
+
+# ------------------------------------------------------------------------ the CUDA composite
+# The weights ops' ATen implementation (csrc/attention/attention_weights.cpp) is what CUDA runs;
+# redispatched to the CUDA key it runs on CPU tensors too, so it is checked here against the CPU
+# kernels in float64, where both are exact to rounding.
+CUDA_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+COMPOSITE_CASES = ["plain", "causal_sq_gt_sk", "window", "bool_mask", "float_mask", "gqa"]
+COMPOSITE_CASES += ["softcap", "alibi", "alibi_batch_softcap", "sinks"]
+
+
+def _composite(name, *args, **kwargs):
+    return getattr(torch.ops.attn_ext, name).default.redispatch(CUDA_KEY, *args, **kwargs)
+
+
+def _op_keywords(q, k, kw):
+    """An attention_weights CASES entry as the ops' keywords (the 4-D form of its window)."""
+    kw = dict(kw)
+    left, right = kw.pop("window_size", (-1, -1))
+    return dict(kw, window_left=left, window_right=right)
+
+
+@pytest.mark.parametrize("case", COMPOSITE_CASES)
+def test_composite_equals_cpu_kernels_float64(case):
+    q, k, kw = _setup(case, torch.float64, "cpu")
+    ops = torch.ops.attn_ext
+    kw = _op_keywords(q, k, kw)
+    tight = dict(rtol=1e-12, atol=1e-14)
+    w = ops.attention_weights(q, k, **kw)
+    torch.testing.assert_close(_composite("attention_weights", q, k, **kw), w, **tight)
+    v = _value(k, torch.float64, "cpu")
+    _, lse = ops.attention(q, k, v, **kw)
+    for mean_heads in (False, True):
+        got = _composite("attention_probabilities", q, k, lse, mean_heads=mean_heads, **kw)
+        want = ops.attention_probabilities(q, k, lse, mean_heads=mean_heads, **kw)
+        torch.testing.assert_close(got, want, **tight)
+    g = torch.randn_like(w)
+    softcap = kw.get("softcap", 0.0)
+    got = _composite("attention_weights_backward", g, w, q, k, softcap=softcap)
+    want = ops.attention_weights_backward(g, w, q, k, softcap=softcap)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

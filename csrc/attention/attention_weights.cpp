@@ -24,10 +24,25 @@ at::Tensor grouped_scores(const at::Tensor& q, const at::Tensor& k, double scale
   return s.mul_(scale).reshape({B, H, Sq, Sk});
 }
 
-// The scaled scores in acc_t with the band and the mask applied (-inf where masked).
+// |i + key_offset - j| (Sq, Sk) in acc_t: the distances ALiBi scales (score_mod.h).
+at::Tensor alibi_distances(const AttentionParams& p, const at::TensorOptions& acc) {
+  const auto idx = acc.dtype(at::kLong);
+  const at::Tensor center = at::arange(p.seqlen_q, idx).unsqueeze(1) + p.key_offset;
+  return (center - at::arange(p.seqlen_k, idx).unsqueeze(0)).abs_().to(acc.dtype());
+}
+
+// The scaled scores in acc_t with the score modifiers (score_mod.h: softcap, then ALiBi), the
+// band and the mask applied (-inf where masked).
 at::Tensor masked_scores(const PreparedInputs& in, const at::Tensor& q) {
   const AttentionParams& p = in.params;
   at::Tensor s = grouped_scores(in.q, in.k, p.scale);
+  if (p.softcap > 0.0) s.div_(p.softcap).tanh_().mul_(p.softcap);
+  if (in.alibi_slopes.defined()) {
+    // slopes (B or 1, H) as the kernels read them: s -= slope[b, h] * |i + key_offset - j|
+    const at::Tensor slopes =
+        in.alibi_slopes.to(s.scalar_type()).reshape({-1, p.heads}).unsqueeze(-1).unsqueeze(-1);
+    s.sub_(slopes * alibi_distances(p, s.options()));
+  }
   const auto neg_inf = -std::numeric_limits<double>::infinity();
   if (p.window_left >= 0 || p.window_right >= 0) {
     const LocalBand band{p.key_offset, p.window_left, p.window_right};
@@ -47,6 +62,13 @@ at::Tensor masked_scores(const PreparedInputs& in, const at::Tensor& q) {
     }
   }
   return s;
+}
+
+// The log-sum-exp l (B, H, Sq, 1) of a row's scores with the head's sink logit added to the
+// denominator, when there are sinks.
+at::Tensor with_sinks(const at::Tensor& l, const PreparedInputs& in) {
+  if (!in.sinks.defined()) return l;
+  return at::logaddexp(l, in.sinks.to(l.scalar_type()).view({1, -1, 1, 1}));
 }
 
 // e in q's dtype.
@@ -76,15 +98,34 @@ bool has_band_or_mask(const PreparedInputs& in) {
 
 at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
                                   const std::optional<at::Tensor>& attn_mask,
+                                  const std::optional<at::Tensor>& alibi_slopes,
+                                  const std::optional<at::Tensor>& sinks,
                                   std::optional<double> scale, bool causal, int64_t window_left,
-                                  int64_t window_right, std::optional<int64_t> key_offset) {
+                                  int64_t window_right, std::optional<int64_t> key_offset,
+                                  double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights";
-  PreparedInputs in = prepare_probabilities(
-      kOp, q, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  PreparedInputs in = prepare_probabilities(kOp, q, k,
+                                            {attn_mask,
+                                             scale,
+                                             causal,
+                                             window_left,
+                                             window_right,
+                                             key_offset,
+                                             0.0,
+                                             {},
+                                             softcap,
+                                             alibi_slopes,
+                                             sinks});
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());
   const at::Tensor s = masked_scores(in, q);
+  if (in.sinks.defined()) {
+    // The sink joins each row's denominator: P = exp(s - lse) with lse counting exp(sink); a
+    // row that saw no key has lse = sink and P = 0.
+    const at::Tensor l = with_sinks(at::logsumexp(s, -1, true), in);
+    return in_dtype_of(s.sub(l).exp_(), q);
+  }
   // ATen's fused softmax (one kernel, no temporaries); rows that a mask or band left without
   // a key come out of it as NaN and are set to 0. Only masks can empty a row, so unmasked
   // scores skip the row-max pass, and NaN from the inputs propagates either way.
@@ -96,13 +137,11 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
   return in_dtype_of(e, q);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Tensor& grad_weights,
-                                                                   const at::Tensor& weights,
-                                                                   const at::Tensor& q,
-                                                                   const at::Tensor& k,
-                                                                   std::optional<double> scale) {
+std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(
+    const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& q,
+    const at::Tensor& k, std::optional<double> scale, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
-  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k);
+  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k, softcap);
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const double sc = scale.has_value() ? *scale : p.scale;
@@ -113,6 +152,11 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
   // the score matmul.
   at::Tensor ds = at::empty({B, H, Sq, Sk}, q.options().dtype(acc));
   at::_softmax_backward_data_out(ds, grad_weights.to(acc), weights.to(acc), -1, acc);
+  if (softcap > 0.0) {
+    // Through c = softcap tanh(s / softcap): dc/ds = 1 - tanh^2, on the recomputed scores.
+    const at::Tensor t = grouped_scores(in.q, in.k, sc).div_(softcap).tanh_();
+    ds.mul_(t.mul_(t).neg_().add_(1.0));
+  }
   return score_grads(ds, in, q, sc);
 }
 
@@ -121,12 +165,14 @@ std::tuple<at::Tensor, at::Tensor> attention_weights_backward_impl(const at::Ten
 at::Tensor attention_probabilities_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
+    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
-  PreparedInputs in = prepare_probabilities(
-      kOp, q, k, lse,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  PreparedInputs in =
+      prepare_probabilities(kOp, q, k, lse,
+                            {attn_mask, scale, causal, window_left, window_right, key_offset,
+                             dropout_p, rng_state, softcap, alibi_slopes, sinks});
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) {
@@ -136,7 +182,7 @@ at::Tensor attention_probabilities_impl(
   at::Tensor s = masked_scores(in, q);
   // fp64 recomputes the lse in fp64, as the CPU kernel and attention's backward do (the
   // float32 lse would cap the probabilities at ~1e-7 relative error).
-  const at::Tensor l = q.scalar_type() == at::kDouble ? at::logsumexp(s, -1, true)
+  const at::Tensor l = q.scalar_type() == at::kDouble ? with_sinks(at::logsumexp(s, -1, true), in)
                                                       : lse.to(s.scalar_type()).unsqueeze(-1);
   s.sub_(l).exp_();
   // A row that saw no key (lse -inf) has only -inf scores: -inf - -inf is NaN, its P is 0.

@@ -22,6 +22,15 @@ void refuse_slopes_grad(const char* op, const TensorOpt& alibi_slopes) {
                               "pass alibi_slopes.detach()");
 }
 
+// The probabilities ops form no gradient for the sinks (attention and attention_varlen do):
+// their callers pass the sinks of the attention call detached, its output carrying their
+// gradient.
+void refuse_sinks_grad(const char* op, const TensorOpt& sinks) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!sinks.has_value() || !sinks->requires_grad(), op,
+                              ": the gradient with respect to sinks is not supported; pass "
+                              "sinks.detach() (attention's output carries their gradient)");
+}
+
 void refuse_mask_grad(const char* op, const TensorOpt& attn_mask, const char* advice) {
   TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask.has_value() || !attn_mask->requires_grad(), op,
                               ": the gradient with respect to attn_mask is not supported", advice);
@@ -191,13 +200,15 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(
 
 // ------------------------------------------------- attention_weights, attention_probabilities
 
-using WeightsSig = Tensor(const Tensor&, const Tensor&, const TensorOpt&, optional<double>, bool,
-                          int64_t, int64_t, optional<c10::SymInt>);
+using WeightsSig = Tensor(const Tensor&, const Tensor&, const TensorOpt&, const TensorOpt&,
+                          const TensorOpt&, optional<double>, bool, int64_t, int64_t,
+                          optional<c10::SymInt>, double);
 using WeightsBackwardSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                      const Tensor&, optional<double>);
+                                                      const Tensor&, optional<double>, double);
 using ProbabilitiesSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const TensorOpt&,
-                                const TensorOpt&, optional<double>, bool, int64_t, int64_t,
-                                optional<c10::SymInt>, double, bool);
+                                const TensorOpt&, const TensorOpt&, const TensorOpt&,
+                                optional<double>, bool, int64_t, int64_t, optional<c10::SymInt>,
+                                double, bool, double);
 using DropoutMaskSig = Tensor(const Tensor&, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
                               double);
 
@@ -210,35 +221,41 @@ const c10::TypedOperatorHandle<ProbabilitiesSig>& probabilities_op() {
   return op;
 }
 
-// dq, dk of the softmax probabilities `weights` = softmax(scale q k^T + mask) per head.
+// dq, dk of the softmax probabilities `weights` = softmax(scores) per head (softcap's tanh is
+// the one modifier with a derivative here; slopes, sinks and masks are refused with a gradient).
 std::tuple<Tensor, Tensor> weights_backward(const Tensor& grad_weights, const Tensor& weights,
                                             const Tensor& q, const Tensor& k,
-                                            optional<double> scale) {
+                                            optional<double> scale, double softcap) {
   static const auto op = registered_op<WeightsBackwardSig>("attn_ext::attention_weights_backward");
-  return op.call(grad_weights, weights, q, k, scale);
+  return op.call(grad_weights, weights, q, k, scale, softcap);
 }
 
 struct WeightsFunction : torch::autograd::Function<WeightsFunction> {
-  static constexpr size_t kFlagArgs = 5;  // scale ... key_offset
+  static constexpr size_t kFlagArgs = 6;  // scale ... softcap
 
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                        const TensorOpt& attn_mask, optional<double> scale, bool causal,
-                        int64_t window_left, int64_t window_right,
-                        optional<c10::SymInt> key_offset) {
-    Tensor weights = call_below_autograd(weights_op(), q, k, attn_mask, scale, causal, window_left,
-                                         window_right, std::move(key_offset));
+                        const TensorOpt& attn_mask, const TensorOpt& alibi_slopes,
+                        const TensorOpt& sinks, optional<double> scale, bool causal,
+                        int64_t window_left, int64_t window_right, optional<c10::SymInt> key_offset,
+                        double softcap) {
+    Tensor weights =
+        call_below_autograd(weights_op(), q, k, attn_mask, alibi_slopes, sinks, scale, causal,
+                            window_left, window_right, std::move(key_offset), softcap);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, weights});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["softcap"] = softcap;
     return weights;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(3);
+    variable_list result(5);
     if (grads[0].defined()) {
       const variable_list s = ctx->get_saved_variables();
-      std::tie(result[0], result[1]) = weights_backward(
-          grads[0], s[2], s[0], s[1], ctx->saved_data.at("scale").toOptional<double>());
+      const auto& d = ctx->saved_data;
+      std::tie(result[0], result[1]) =
+          weights_backward(grads[0], s[2], s[0], s[1], d.at("scale").toOptional<double>(),
+                           d.at("softcap").toDouble());
     }
     append_no_grads(result, kFlagArgs);
     return result;
@@ -246,36 +263,43 @@ struct WeightsFunction : torch::autograd::Function<WeightsFunction> {
 };
 
 Tensor attention_weights_autograd(const Tensor& q, const Tensor& k, const TensorOpt& attn_mask,
+                                  const TensorOpt& alibi_slopes, const TensorOpt& sinks,
                                   optional<double> scale, bool causal, int64_t window_left,
-                                  int64_t window_right, optional<c10::SymInt> key_offset) {
-  if (!records_graph(q, k, attn_mask)) {
-    return call_below_autograd(weights_op(), q, k, attn_mask, scale, causal, window_left,
-                               window_right, std::move(key_offset));
+                                  int64_t window_right, optional<c10::SymInt> key_offset,
+                                  double softcap) {
+  if (!records_graph(q, k, attn_mask, alibi_slopes, sinks)) {
+    return call_below_autograd(weights_op(), q, k, attn_mask, alibi_slopes, sinks, scale, causal,
+                               window_left, window_right, std::move(key_offset), softcap);
   }
-  refuse_mask_grad("attn_ext.attention_weights", attn_mask, "");
-  return WeightsFunction::apply(q, k, attn_mask, scale, causal, window_left, window_right,
-                                std::move(key_offset));
+  constexpr const char* kOp = "attn_ext.attention_weights";
+  refuse_mask_grad(kOp, attn_mask, "");
+  refuse_slopes_grad(kOp, alibi_slopes);
+  refuse_sinks_grad(kOp, sinks);
+  return WeightsFunction::apply(q, k, attn_mask, alibi_slopes, sinks, scale, causal, window_left,
+                                window_right, std::move(key_offset), softcap);
 }
 
 // Differentiated as the softmax of the scores: lse is the scores' own log-sum-exp, so it takes
 // no gradient (a float32 lse gradient would also cap float64 at ~1e-7).
 struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> {
-  static constexpr size_t kFlagArgs = 7;  // scale ... mean_heads
+  static constexpr size_t kFlagArgs = 8;  // scale ... softcap
 
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& lse,
                         const TensorOpt& attn_mask, const TensorOpt& rng_state,
+                        const TensorOpt& alibi_slopes, const TensorOpt& sinks,
                         optional<double> scale, bool causal, int64_t window_left,
                         int64_t window_right, optional<c10::SymInt> key_offset, double dropout_p,
-                        bool mean_heads) {
-    Tensor weights =
-        call_below_autograd(probabilities_op(), q, k, lse, attn_mask, rng_state, scale, causal,
-                            window_left, window_right, key_offset, dropout_p, mean_heads);
+                        bool mean_heads, double softcap) {
+    Tensor weights = call_below_autograd(probabilities_op(), q, k, lse, attn_mask, rng_state,
+                                         alibi_slopes, sinks, scale, causal, window_left,
+                                         window_right, key_offset, dropout_p, mean_heads, softcap);
     ctx->set_materialize_grads(false);
     // The backward takes the per-head probabilities before dropout: the output itself, or (for
     // a mean over heads, or dropped weights) what recomputes them.
     const bool recomputes = mean_heads || dropout_p > 0.0;
     if (recomputes) {
-      ctx->save_for_backward({q, k, lse, saved(attn_mask), saved(rng_state)});
+      ctx->save_for_backward(
+          {q, k, lse, saved(attn_mask), saved(rng_state), saved(alibi_slopes), saved(sinks)});
     } else {
       ctx->save_for_backward({q, k, weights});
     }
@@ -287,24 +311,26 @@ struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> 
     d["key_offset"] = std::move(key_offset);
     d["dropout_p"] = dropout_p;
     d["mean_heads"] = mean_heads;
+    d["softcap"] = softcap;
     return weights;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(5);
+    variable_list result(7);
     if (grads[0].defined()) {
       const variable_list s = ctx->get_saved_variables();
       const auto& d = ctx->saved_data;
       const optional<double> scale = d.at("scale").toOptional<double>();
+      const double softcap = d.at("softcap").toDouble();
       const bool mean_heads = d.at("mean_heads").toBool();
       const double p = d.at("dropout_p").toDouble();
       Tensor grad = grads[0];
       Tensor weights;
       if (mean_heads || p > 0.0) {
-        weights = probabilities_op().call(s[0], s[1], s[2], unsaved(s[3]), std::nullopt, scale,
-                                          d.at("causal").toBool(), d.at("window_left").toInt(),
-                                          d.at("window_right").toInt(),
-                                          d.at("key_offset").toOptional<c10::SymInt>(), 0.0, false);
+        weights = probabilities_op().call(
+            s[0], s[1], s[2], unsaved(s[3]), std::nullopt, unsaved(s[5]), unsaved(s[6]), scale,
+            d.at("causal").toBool(), d.at("window_left").toInt(), d.at("window_right").toInt(),
+            d.at("key_offset").toOptional<c10::SymInt>(), 0.0, false, softcap);
         if (mean_heads) {  // d mean_h P_h / d P_h = 1 / H for every head
           grad = grad.div(c10::Scalar(s[0].sym_size(1)))
                      .unsqueeze(1)
@@ -320,7 +346,7 @@ struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> 
       } else {
         weights = s[2];
       }
-      std::tie(result[0], result[1]) = weights_backward(grad, weights, s[0], s[1], scale);
+      std::tie(result[0], result[1]) = weights_backward(grad, weights, s[0], s[1], scale, softcap);
     }
     append_no_grads(result, kFlagArgs);
     return result;
@@ -329,17 +355,22 @@ struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> 
 
 Tensor attention_probabilities_autograd(const Tensor& q, const Tensor& k, const Tensor& lse,
                                         const TensorOpt& attn_mask, const TensorOpt& rng_state,
+                                        const TensorOpt& alibi_slopes, const TensorOpt& sinks,
                                         optional<double> scale, bool causal, int64_t window_left,
                                         int64_t window_right, optional<c10::SymInt> key_offset,
-                                        double dropout_p, bool mean_heads) {
-  if (!records_graph(q, k, lse, attn_mask)) {
-    return call_below_autograd(probabilities_op(), q, k, lse, attn_mask, rng_state, scale, causal,
-                               window_left, window_right, std::move(key_offset), dropout_p,
-                               mean_heads);
+                                        double dropout_p, bool mean_heads, double softcap) {
+  if (!records_graph(q, k, lse, attn_mask, alibi_slopes, sinks)) {
+    return call_below_autograd(probabilities_op(), q, k, lse, attn_mask, rng_state, alibi_slopes,
+                               sinks, scale, causal, window_left, window_right,
+                               std::move(key_offset), dropout_p, mean_heads, softcap);
   }
-  refuse_mask_grad("attn_ext.attention_probabilities", attn_mask, "");
-  return ProbabilitiesFunction::apply(q, k, lse, attn_mask, rng_state, scale, causal, window_left,
-                                      window_right, std::move(key_offset), dropout_p, mean_heads);
+  constexpr const char* kOp = "attn_ext.attention_probabilities";
+  refuse_mask_grad(kOp, attn_mask, "");
+  refuse_slopes_grad(kOp, alibi_slopes);
+  refuse_sinks_grad(kOp, sinks);
+  return ProbabilitiesFunction::apply(q, k, lse, attn_mask, rng_state, alibi_slopes, sinks, scale,
+                                      causal, window_left, window_right, std::move(key_offset),
+                                      dropout_p, mean_heads, softcap);
 }
 
 // --------------------------------------------------------------------- merge_attention_states

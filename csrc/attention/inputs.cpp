@@ -293,8 +293,10 @@ PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const 
 
 PreparedInputs prepare_probabilities_backward(const char* op, const at::Tensor& grad_weights,
                                               const at::Tensor& weights, const at::Tensor& q,
-                                              const at::Tensor& k) {
-  PreparedInputs r = prepare_attention(op, q, k, k, {});
+                                              const at::Tensor& k, double softcap) {
+  AttentionOptions opts;
+  opts.softcap = softcap;
+  PreparedInputs r = prepare_attention(op, q, k, k, opts);
   const AttentionParams& p = r.params;
   const std::vector<int64_t> w_shape{p.batch, p.heads, p.seqlen_q, p.seqlen_k};
   check_companion(op, "grad_weights", grad_weights, q, w_shape, q.scalar_type());

@@ -66,10 +66,10 @@ PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const 
 PreparedInputs prepare_probabilities(const char* op, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& lse, const AttentionOptions& opts);
 // Their backward (attention_weights_backward): q and k as above, grad_weights and weights
-// (B, H, Sq, Sk) in q's dtype.
+// (B, H, Sq, Sk) in q's dtype, softcap checked as attention checks it.
 PreparedInputs prepare_probabilities_backward(const char* op, const at::Tensor& grad_weights,
                                               const at::Tensor& weights, const at::Tensor& q,
-                                              const at::Tensor& k);
+                                              const at::Tensor& k, double softcap);
 
 // Allocates the forward's outputs, out (B, H, Sq, Dv) in q's dtype and lse (B, H, Sq)
 // float32 (varlen: out (total_q, H, Dv), lse (H, total_q)), and points the params at them.

@@ -501,6 +501,7 @@ struct ProbWorker {
     const acc_t log2e = static_cast<acc_t>(kLog2e);
     const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
     const LocalBand band{sb.key_offset, p.window_left, p.window_right};
+    const ScoreMod<acc_t> mod = ScoreMod<acc_t>::make(p, b, h, sb.key_offset, log2e);
     const int64_t hk = h / p.group(), n_begin = kr.tiles_begin, n_end = kr.hi;
     const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
                             p.q_row_stride, b, h, sb.q_begin + i0);
@@ -517,10 +518,12 @@ struct ProbWorker {
                             p.k_row_stride, b, hk, sb.k_begin);
     prod.load_head(b * p.kv_heads + hk, k, p.k_row_stride, k, p.k_row_stride, n_begin, n_end,
                    sb.seqlen_k);
-    // Scaled (log2 domain), masked scores of key tile [j0, j0 + n) into s.
+    // Scaled (log2 domain), modified and masked scores of key tile [j0, j0 + n) into s, as the
+    // forward forms them.
     auto tile_scores = [&](int64_t j0, int64_t n, acc_t* s) {
       prod.load_tile(j0, n);
       prod.scores(qt, ldq, m, n, s_scale, s, kN);
+      if (mod.active()) modify_tile(mod, i0, m, j0, n, s, kN);
       const bool band_partial = !band.tile_unmasked(i0, i0 + m, j0, j0 + n);
       if (band_partial || p.mask_kind != MaskKind::kNone)
         mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
@@ -738,13 +741,15 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
 at::Tensor attention_probabilities_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads) {
+    std::optional<int64_t> key_offset, double dropout_p, bool mean_heads, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_probabilities";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_probabilities(
-      kOp, q, k, lse,
-      {attn_mask, scale, causal, window_left, window_right, key_offset, dropout_p, rng_state});
+  PreparedInputs in =
+      prepare_probabilities(kOp, q, k, lse,
+                            {attn_mask, scale, causal, window_left, window_right, key_offset,
+                             dropout_p, rng_state, softcap, alibi_slopes, sinks});
   AttentionParams& p = in.params;
   // Written whole by the tasks; a memory-bound output, advised as attention_weights' buffers are.
   const std::vector<int64_t> shape =
@@ -765,12 +770,25 @@ at::Tensor attention_probabilities_cpu(
 // The softmax of the scores itself: the probabilities kernel with its own lse (no P V).
 at::Tensor attention_weights_cpu(const at::Tensor& q, const at::Tensor& k,
                                  const std::optional<at::Tensor>& attn_mask,
+                                 const std::optional<at::Tensor>& alibi_slopes,
+                                 const std::optional<at::Tensor>& sinks,
                                  std::optional<double> scale, bool causal, int64_t window_left,
-                                 int64_t window_right, std::optional<int64_t> key_offset) {
+                                 int64_t window_right, std::optional<int64_t> key_offset,
+                                 double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_probabilities(
-      kOp, q, k, {attn_mask, scale, causal, window_left, window_right, key_offset, 0.0, {}});
+  PreparedInputs in = prepare_probabilities(kOp, q, k,
+                                            {attn_mask,
+                                             scale,
+                                             causal,
+                                             window_left,
+                                             window_right,
+                                             key_offset,
+                                             0.0,
+                                             {},
+                                             softcap,
+                                             alibi_slopes,
+                                             sinks});
   AttentionParams& p = in.params;
   at::Tensor w =
       advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.seqlen_k}, q.options()));

@@ -4,13 +4,16 @@
 // inputs to the accumulation type, writes dS whole and reads it twice more for the two matmuls;
 // here dS is formed tile by tile in cache from the inputs as they are, twice: once by query rows
 // (delta and dq, each task owning its rows), once by key columns (dk, each task owning its
-// keys, with the rows' delta from the first pass), so no task sums another's results.
+// keys, with the rows' delta from the first pass), so no task sums another's results. With
+// softcap, dS goes on through c = softcap tanh(s / softcap) (score_mod.h): times 1 - tanh^2 of
+// the tile's scores, recomputed from the Q and K tiles the products read anyway.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "attention/inputs.h"
+#include "attention/score_mod.h"
 #include "common/cpu/blas.h"
 #include "common/cpu/cpu_support.h"
 #include "common/cpu/kernel_traits.h"
@@ -38,6 +41,20 @@ struct RowView {
   }
 };
 
+// ds[r, j] *= d softcap(s) / d s for the tile's scores s = scale q_r . k_j (m rows of qt, n keys
+// of kt, ld ldq / ldk), formed in s_buf (ld ld, as ds).
+template <typename acc_t>
+void softcap_chain(const ScoreMod<acc_t>& mod, acc_t scale, const acc_t* qt, int64_t ldq, int64_t m,
+                   const acc_t* kt, int64_t ldk, int64_t n, int64_t D, acc_t* s_buf, acc_t* ds,
+                   int64_t ld) {
+  gemm(false, true, m, n, D, scale, qt, ldq, kt, ldk, acc_t(0), s_buf, ld);
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* sr = s_buf + r * ld;
+    acc_t* dr = ds + r * ld;
+    for (int64_t j = 0; j < n; ++j) dr[j] *= mod.softcap_grad(mod.softcap(sr[j]));
+  }
+}
+
 template <typename scalar_t>
 void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
                  const at::Tensor& weights, double scale, at::Tensor& dq, at::Tensor& dk) {
@@ -50,6 +67,9 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
   auto* dq_out = dq.mutable_data_ptr<scalar_t>();
   auto* dk_out = dk.mutable_data_ptr<scalar_t>();
   const acc_t sc = static_cast<acc_t>(scale);
+  ScoreMod<acc_t> cap;  // softcap only (ALiBi and masks are constants of the scores)
+  cap.cap = static_cast<acc_t>(p.softcap);
+  const bool capped = cap.softcapped();
   std::vector<acc_t> delta(B * H * Sq);
 
   // dS[r, 0:n) of row i of (b, h), keys [j0, j0 + n), into ds (pbuf: scratch of n).
@@ -64,6 +84,7 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
   const int64_t num_m = (Sq + kRows - 1) / kRows;
   at::parallel_for(0, B * H * num_m, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> ds(kRows * kKeys), pbuf(kKeys), k_buf(kKeys * D), acc(kRows * D);
+    Buffer<acc_t> s_buf(capped ? kRows * kKeys : 0), q_buf(capped ? kRows * D : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % num_m, bh = task / num_m, b = bh / H, h = bh % H;
       const int64_t i0 = mb * kRows, m = std::min(kRows, Sq - i0);
@@ -73,6 +94,12 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
       std::fill(acc.get(), acc.get() + m * D, acc_t(0));
       const scalar_t* kh =
           row_ptr(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, h / G, int64_t(0));
+      int64_t ldq = 0;
+      const acc_t* qt =
+          capped
+              ? load_tile(row_ptr(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i0),
+                          p.q_row_stride, m, D, q_buf.get(), &ldq)
+              : nullptr;
       for (int64_t j0 = 0; j0 < Sk; j0 += kKeys) {
         const int64_t n = std::min(kKeys, Sk - j0);
         for (int64_t r = 0; r < m; ++r)
@@ -80,6 +107,7 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
         int64_t ldk = 0;
         const acc_t* kt =
             load_tile(kh + j0 * p.k_row_stride, p.k_row_stride, n, D, k_buf.get(), &ldk);
+        if (capped) softcap_chain(cap, sc, qt, ldq, m, kt, ldk, n, D, s_buf.get(), ds.get(), kKeys);
         gemm(false, false, m, D, n, acc_t(1), ds.get(), kKeys, kt, ldk, acc_t(1), acc.get(), D);
       }
       scalar_t* out = dq_out + (bh * Sq + i0) * D;
@@ -91,10 +119,17 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
   const int64_t num_n = (Sk + kKeys - 1) / kKeys;
   at::parallel_for(0, B * Hkv * num_n, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> ds(kRows * kKeys), pbuf(kKeys), q_buf(kRows * D), acc(kKeys * D);
+    Buffer<acc_t> s_buf(capped ? kRows * kKeys : 0), k_buf(capped ? kKeys * D : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % num_n, bhk = task / num_n, b = bhk / Hkv, hk = bhk % Hkv;
       const int64_t j0 = nb * kKeys, n = std::min(kKeys, Sk - j0);
       std::fill(acc.get(), acc.get() + n * D, acc_t(0));
+      int64_t ldk = 0;
+      const acc_t* kt =
+          capped
+              ? load_tile(row_ptr(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, hk, j0),
+                          p.k_row_stride, n, D, k_buf.get(), &ldk)
+              : nullptr;
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const acc_t* d = delta.data() + (b * H + h) * Sq;
         for (int64_t i0 = 0; i0 < Sq; i0 += kRows) {
@@ -105,6 +140,8 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
           const acc_t* qt =
               load_tile(row_ptr(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i0),
                         p.q_row_stride, m, D, q_buf.get(), &ldq);
+          if (capped)
+            softcap_chain(cap, sc, qt, ldq, m, kt, ldk, n, D, s_buf.get(), ds.get(), kKeys);
           gemm(true, false, n, D, m, acc_t(1), ds.get(), kKeys, qt, ldq, acc_t(1), acc.get(), D);
         }
       }
@@ -118,14 +155,12 @@ at::Tensor readable_rows(const at::Tensor& t) {
   return t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_weights_backward_cpu(const at::Tensor& grad_weights,
-                                                                  const at::Tensor& weights,
-                                                                  const at::Tensor& q,
-                                                                  const at::Tensor& k,
-                                                                  std::optional<double> scale) {
+std::tuple<at::Tensor, at::Tensor> attention_weights_backward_cpu(
+    const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& q,
+    const at::Tensor& k, std::optional<double> scale, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights_backward";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k);
+  PreparedInputs in = prepare_probabilities_backward(kOp, grad_weights, weights, q, k, softcap);
   const AttentionParams& p = in.params;
   const std::vector<int64_t> dq_shape{p.batch, p.heads, p.seqlen_q, p.head_dim},
       dk_shape{p.batch, p.kv_heads, p.seqlen_k, p.head_dim};
