@@ -45,8 +45,8 @@ Differences from FlashAttention, by design:
   effect (attn_ext's backward is always deterministic).
 - ``S_dmask`` holds the normalized probabilities; FlashAttention stores ``exp(s - running max)``
   per tile ("possibly with different scaling", its docstring says; its tests renormalize), and
-  leaves the padding uninitialized. It is not available together with ``softcap`` (an error in
-  FlashAttention too) or ``alibi_slopes`` (``attention_weights`` takes no score modifiers).
+  leaves the padding uninitialized. It is available with ``softcap`` too (an error in
+  FlashAttention) and with ``alibi_slopes``.
 - ``softmax_lse`` of a row that sees no key is ``-inf`` in every function; FlashAttention gives
   ``+inf`` from its non-split kernels and ``-inf`` from its split-KV ones.
 - ``softmax_lse`` with ALiBi and ``causal=True`` is the log-sum-exp of the documented scores
@@ -155,14 +155,6 @@ def _s_dmask_buffer(like, batch, heads, rows, cols):
     return like.new_zeros(batch, heads, up(rows), up(cols))
 
 
-def _check_s_dmask_mods(fn, softcap, alibi_slopes):
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError(
-            f"attn_ext.flash_attn.{fn}: return_attn_probs with dropout_p > 0 is not available "
-            "with softcap / alibi_slopes (attention_weights takes no score modifiers)"
-        )
-
-
 def _marked(weights, keep):
     """FlashAttention's encoding: a dropped probability carries a minus sign."""
     return torch.where(keep, weights, -weights)
@@ -194,10 +186,16 @@ def _attn(fn, q, k, v, dropout_p, scale, causal, window_size, softcap, alibi_slo
         return out
     if dropout_p == 0.0:  # FlashAttention >= 2.6 returns probabilities only with dropout
         return out, lse, q.new_empty(0)
-    _check_s_dmask_mods(fn, softcap, alibi_slopes)
     B, H, Sq, Sk = q4.size(0), q4.size(1), q4.size(2), k4.size(2)
     w = _ops.attention_weights(
-        q4.detach(), k4.detach(), scale=scale, causal=causal, window_left=left, window_right=right
+        q4.detach(),
+        k4.detach(),
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        softcap=softcap,
     )
     keep = _ops.dropout_mask(rng_state, B, H, Sq, Sk, dropout_p).to(w.device)
     s_dmask = _s_dmask_buffer(q, B, H, Sq, Sk)
@@ -325,7 +323,6 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         return out
     if dropout_p == 0.0:  # FlashAttention >= 2.6 returns probabilities only with dropout
         return out, lse, q.new_empty(0)
-    _check_s_dmask_mods(fn, softcap, alibi)
     heads = q.size(1)
     # A varlen batch's dropout rows are (head, token) of one batch; keys count from each
     # sequence's first.
@@ -339,10 +336,12 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         w = _ops.attention_weights(
             q[q0:q1].detach().transpose(0, 1).unsqueeze(0),
             k[k0:k1].detach().transpose(0, 1).unsqueeze(0),
+            alibi_slopes=alibi if alibi is None or alibi.dim() == 1 else alibi[b],
             scale=scale,
             causal=causal,
             window_left=left,
             window_right=right,
+            softcap=softcap,
         )[0]
         s_dmask[b, :, : q1 - q0, : k1 - k0] = _marked(w, keep[:, q0:q1, : k1 - k0])
     return out, lse, s_dmask

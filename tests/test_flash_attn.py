@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attn_ext.flash_attn as fa
+from attn_ext.testing.attention import attention_weights_reference
 from attn_ext.testing.flash_attn import (
     flash_attn_func_reference,
     flash_attn_varlen_func_reference,
@@ -192,16 +193,31 @@ def _from_s_dmask_reference(q, k, v, keep, p, **mask):
     return (probs @ vh).transpose(1, 2)
 
 
-def test_s_dmask_not_available_with_score_modifiers():
-    q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="softcap / alibi_slopes"):
-        fa.flash_attn_func(q, q, q, dropout_p=0.1, softcap=2.0, return_attn_probs=True)
-    with pytest.raises(NotImplementedError, match="softcap / alibi_slopes"):
-        fa.flash_attn_func(
-            q, q, q, dropout_p=0.1, alibi_slopes=torch.ones(2), return_attn_probs=True
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_s_dmask_with_score_modifiers(device, varlen):
+    """S_dmask with softcap and ALiBi (FlashAttention refuses softcap here): the probabilities
+    of the modified scores, the dropped ones negated, implying the output."""
+    B, S, H, Hkv, D, p = 2, 11, 4, 2, 8, 0.3
+    q = 3 * torch.randn(B, S, H, D, dtype=torch.float64, device=device)  # softcap 2 bends them
+    k, v = (torch.randn(B, S, Hkv, D, dtype=torch.float64, device=device) for _ in range(2))
+    slopes = torch.rand(B, H, dtype=torch.float64, device=device)
+    mods = dict(softcap=2.0, alibi_slopes=slopes, causal=True, dropout_p=p, return_attn_probs=True)
+    if varlen:
+        cu = _cu([S] * B, device)
+        out, lse, s = fa.flash_attn_varlen_func(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, S, S, **mods
         )
-    # without return_attn_probs both run (FlashAttention refuses softcap with dropout)
-    assert fa.flash_attn_func(q, q, q, dropout_p=0.1, softcap=2.0).shape == q.shape
+        out = out.unflatten(0, (B, S))
+    else:
+        out, lse, s = fa.flash_attn_func(q, k, v, **mods)
+    s = s[..., :S, :S]
+    assert torch.signbit(s).any() and (~torch.signbit(s)).any()
+    torch.testing.assert_close(out, _from_s_dmask(s, v, p), rtol=1e-10, atol=1e-10)
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    probs = attention_weights_reference(qh, kh, softcap=2.0, alibi_slopes=slopes, causal=True)
+    torch.testing.assert_close(s.abs(), probs, rtol=1e-10, atol=1e-12)
+    plain = attention_weights_reference(qh, kh, causal=True)
+    assert (probs - plain).abs().max() > 0.1  # the modifiers changed the probabilities
 
 
 def test_rows_without_keys_give_zeros_and_minus_inf_lse(device):
