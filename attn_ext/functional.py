@@ -238,8 +238,8 @@ def attention_weights(
     (B, Sq, Sk) for 3-D inputs), with :func:`attention`'s masking semantics and score
     modifiers (``softcap``, ``alibi_slopes``; a sink joins each row's denominator, so the row
     sums to one less its share). The one op that materializes the score matrix; fully masked
-    rows are all zero. Differentiable in q and k (through softcap's tanh); ``alibi_slopes``
-    and ``sinks`` take no gradient here (requires_grad raises: pass them detached)."""
+    rows are all zero. Differentiable in q, k (through softcap's tanh) and ``sinks``;
+    ``alibi_slopes`` takes no gradient (requires_grad raises)."""
     three_d = q.dim() == 3
     q4, k4 = _as_4d("q", q), _as_4d("k", k)
     left, right = _window(window_size)
@@ -276,12 +276,11 @@ def attention_probabilities(
     masks and score modifiers): ``exp(scores - lse)``, (B, H, Sq, Sk) (or (B, Sq, Sk) for 3-D
     inputs) in q's dtype, zero where masked and in rows that saw no key. With ``sinks`` in
     that call the rows sum to one less the sink's share (lse counts it; float64 recomputes lse
-    in float64, as attention's backward does, and reads ``sinks`` for it). ``alibi_slopes``
-    and ``sinks`` take no gradient here (requires_grad raises: pass them detached).
+    in float64, as attention's backward does, and reads ``sinks`` for it). Differentiated as
+    the softmax of the scores and the sink, in q, k and ``sinks``; lse is taken as theirs and
+    takes no gradient; ``alibi_slopes`` takes none (requires_grad raises).
     ``mean_heads=True`` returns their mean over heads, (B, Sq, Sk), without forming the
-    per-head matrices (``average_attn_weights`` of torch's ``MultiheadAttention``).
-    Differentiated as the softmax of the scores, in q and k; lse is taken as theirs and takes
-    no gradient."""
+    per-head matrices (``average_attn_weights`` of torch's ``MultiheadAttention``)."""
     three_d = q.dim() == 3
     q4, k4 = _as_4d("q", q), _as_4d("k", k)
     lse3 = lse.unsqueeze(1) if three_d and lse.dim() == 2 else lse
@@ -328,8 +327,7 @@ def attention_with_weights(
     forming the per-head matrices), so when only ``out`` takes a gradient the backward is
     :func:`attention`'s; a gradient of the weights adds the softmax backward of
     :func:`attention_weights`. The score modifiers are :func:`attention`'s; with ``sinks`` the
-    weights' rows sum to one less the sink's share, and the sinks' gradient comes from ``out``
-    (and lse) only, not through the weights."""
+    weights' rows sum to one less the sink's share."""
     three_d = q.dim() == 3
     q4, k4, v4 = _as_4d("q", q), _as_4d("k", k), _as_4d("v", v)
     mask = _mask_as_4d(attn_mask, three_d)
@@ -355,7 +353,7 @@ def attention_with_weights(
         mask,
         state,
         alibi_slopes,
-        None if sinks is None else sinks.detach(),  # their gradient comes from out
+        sinks,
         dropout_p=dropout_p,
         mean_heads=mean_heads,
         softcap=softcap,

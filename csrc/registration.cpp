@@ -24,8 +24,8 @@
 //   softmax those of attention (scale, softcap, ALiBi, band, mask; a sink joins the
 //   denominator, so rows sum to 1 less its share), 0 in rows that saw no key.
 //   attention_weights_backward: dq, dk of P from grad_weights (dS = P (dP - rowsum(P dP)),
-//   through softcap's tanh, whose scores it recomputes); ALiBi slopes, sinks and masks take
-//   no gradient here.
+//   through softcap's tanh, whose scores it recomputes); autograd adds the sinks' gradient
+//   (-sum over rows of the sink's share times rowsum(P dP)); ALiBi slopes and masks take none.
 // attention_probabilities: the probabilities of the attention call that returned lse,
 //   P = exp(scores - lse) (B, H, Sq, Sk) in q's dtype, the scores as attention_weights forms
 //   them, 0 where masked or where lse is -inf (a row that saw no key); rows sum to 1 less

@@ -525,6 +525,92 @@ def test_gpt_oss_sinks_match_eager():
     assert any(n.endswith("sinks") for n in step)
 
 
+# ---- output_attentions: the weights eager attention returns --------------------------------
+
+
+def _gpt_oss():
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    return _pair(transformers.GptOssForCausalLM, cfg, torch.float32)
+
+
+def _eager_pair(kind):
+    if kind == "gemma2":
+        return _gemma2()
+    if kind == "gpt_oss":
+        return _gpt_oss()
+    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.MistralForCausalLM
+    return _pair(cls, _config(kind), torch.float32)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+def test_output_attentions_match_eager(kind, side):
+    """model(..., output_attentions=True) returns each layer's (B, H, S, S) weights, as eager
+    attention does (sdpa and FlashAttention return none): the causal / sliding-window /
+    padding masks, Gemma 2's softcap, gpt-oss's sinks (rows summing to one less the sink's
+    share). A differentiated function of the weights gives eager's parameter gradients."""
+    ref, ours = _eager_pair(kind)
+    ids, mask = _batch(seq=14, pads=(0, 5), seed=11, side=side)
+    # eager gives a row that sees no key (left padding) uniform weights, not zeros, and a
+    # gradient through them: only the real query rows are compared and differentiated
+    real = mask.bool()[:, None, :, None]
+    probe = torch.randn(LAYERS, 2, 4, 14, 14, generator=torch.Generator().manual_seed(3)) * real
+    results = []
+    for model in (ref, ours):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        weights = out.attentions
+        assert len(weights) == model.config.num_hidden_layers
+        n = min(LAYERS, len(weights))
+        (sum((w * probe[i]).sum() for i, w in enumerate(weights[:n]))).backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append(([w.detach() * real for w in weights], out.logits.detach(), grads))
+    (want_w, want_logits, want_g), (got_w, got_logits, got_g) = results
+    for want, got in zip(want_w, got_w):
+        assert got.shape == want.shape == (2, 4, 14, 14)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    if kind == "gpt_oss":  # the sinks took a share of the rows
+        assert (got_w[0].sum(-1)[real[..., 0].expand(-1, 4, -1)] < 1 - 1e-4).any()
+    keep = mask.bool()
+    torch.testing.assert_close(got_logits[keep], want_logits[keep], **TOL[torch.float32])
+    assert want_g.keys() == got_g.keys() and len(got_g) > 1, set(want_g) ^ set(got_g)
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("signal", ["packed_mask", "position_ids", "flash_kwargs"])
+def test_output_attentions_of_packed_documents(signal):
+    """Packed documents return (1, H, S, S) weights that are block diagonal: document d's block
+    is its weights run alone, and no weight crosses documents, whichever way the packing
+    reached the backend."""
+    _, ours = _models("mistral", torch.float32)
+    g = torch.Generator().manual_seed(8)
+    docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in PACKED_LENGTHS]
+    collate = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=signal == "flash_kwargs"
+    )
+    packed = collate([{"input_ids": d.tolist()} for d in docs])
+    packed.pop("labels")
+    if signal == "packed_mask":
+        packed["use_cache"] = False
+    with torch.no_grad():
+        weights = ours(**packed, output_attentions=True).attentions
+        alone = [ours(d[None], output_attentions=True).attentions for d in docs]
+    bounds = torch.tensor([0, *PACKED_LENGTHS]).cumsum(0).tolist()
+    for layer, w in enumerate(weights):
+        assert w.shape == (1, 4, sum(PACKED_LENGTHS), sum(PACKED_LENGTHS))
+        inside = torch.zeros_like(w, dtype=torch.bool)
+        for d, (b0, b1) in enumerate(zip(bounds, bounds[1:])):
+            inside[..., b0:b1, b0:b1] = True
+            torch.testing.assert_close(w[..., b0:b1, b0:b1], alone[d][layer], **TOL[torch.float32])
+        assert (w[~inside] == 0).all()
+
+
 # ---- ALiBi: no model hands it to the attention interface -----------------------------------
 
 

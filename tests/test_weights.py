@@ -433,24 +433,45 @@ def test_with_weights_dropout_gradcheck(device, mean_heads):
     torch.testing.assert_close(fn(q, k, v)[1], want, rtol=1e-10, atol=1e-12)
 
 
-def test_weights_refuse_modifier_grads(device):
-    """Slopes and sinks are constants of the probabilities ops: a gradient for them raises
-    rather than coming back as zero (attention's output carries the sinks' gradient)."""
+def test_weights_refuse_slopes_grad(device):
+    """ALiBi slopes are constants of the probabilities ops: a gradient for them raises rather
+    than coming back as zero."""
     q, k, v = make_qkv(1, 2, 2, 5, 6, 8, device=device)
-    q.requires_grad_(True)
     slopes = torch.tensor([0.5, 0.25], device=device, requires_grad=True)
-    sinks = torch.tensor([0.5, -1.0], device=device, requires_grad=True)
     with pytest.raises(NotImplementedError, match="alibi_slopes.detach()"):
         attn_ext.attention_weights(q, k, alibi_slopes=slopes)
-    with pytest.raises(NotImplementedError, match="sinks.detach()"):
-        attn_ext.attention_weights(q, k, sinks=sinks)
-    _, lse = attn_ext.attention(q, k, v, sinks=sinks, return_lse=True)
-    with pytest.raises(NotImplementedError, match="sinks.detach()"):
-        attn_ext.attention_probabilities(q, k, lse, sinks=sinks)
-    # attention_with_weights passes the sinks on detached: their gradient comes from out
-    out, w = attn_ext.attention_with_weights(q, k, v, sinks=sinks)
-    (out.sum() + w.sum()).backward()
-    assert sinks.grad is not None and (sinks.grad != 0).all()
+    _, lse = attn_ext.attention(q, k, v, alibi_slopes=slopes.detach(), return_lse=True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes.detach()"):
+        attn_ext.attention_probabilities(q, k, lse, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("op", ["weights", "with_weights", "with_weights_mean_dropout"])
+def test_sinks_gradcheck(device, op):
+    """The sinks' gradient through the probabilities (each row's sink share, -P_sink delta),
+    alone and beside attention's own through out, with q and k (softcap on)."""
+    f64 = dict(dtype=torch.float64, device=device, requires_grad=True)
+    q, k, v = rand((2, 4, 5, 4), **f64), rand((2, 2, 6, 4), **f64), rand((2, 2, 6, 3), **f64)
+    sinks = torch.tensor([0.3, -0.5, 1.0, 0.0], **f64)
+    kw = dict(causal=True, softcap=1.5)
+
+    if op == "weights":
+        fn = lambda q, k, s: attn_ext.attention_weights(q, k, sinks=s, **kw)  # noqa: E731
+    else:
+        state, p = torch.tensor([5, 0]), (0.3 if op.endswith("dropout") else 0.0)
+        ops = torch.ops.attn_ext
+
+        def fn(q, k, s):
+            out, lse = ops.attention(q, k, v, None, state, None, s, dropout_p=p, **kw)
+            w = ops.attention_probabilities(
+                q, k, lse, None, state, None, s, dropout_p=p, mean_heads=p > 0, **kw
+            )
+            return out, w
+
+    assert torch.autograd.gradcheck(fn, (q, k, sinks), eps=1e-6, atol=1e-7, rtol=1e-5)
+    # the weights alone give the sinks a gradient (not the attention call's backward on zeros)
+    w = fn(q, k, sinks) if op == "weights" else fn(q, k, sinks)[1]
+    (g,) = torch.autograd.grad((w * torch.randn_like(w)).sum(), sinks)
+    assert (g != 0).all()
 
 
 # ------------------------------------------------------------------------ the CUDA composite

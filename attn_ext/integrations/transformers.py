@@ -68,12 +68,20 @@ Tested with transformers 4.57.1 and 5.23.0 (the mask function accepts both the
 ``q_length``/``q_offset`` arguments of recent versions and the older ``cache_position``), in
 eager mode and under ``torch.compile(fullgraph=True)``.
 
+Attention weights: ``model(..., output_attentions=True)`` returns each layer's ``(B, H, Sq, Sk)``
+probabilities, as eager attention does (``"sdpa"`` and the FlashAttention backends return
+none): the output from the flash kernel and the weights from its lse
+(:func:`attn_ext.attention_with_weights`), with the same masks, softcap and sinks (rows sum to
+one less the sink's share), dropped as the output's in training, and differentiable (q, k and
+the sinks, as eager's). Such a call runs the dense kernel: packed documents become their
+block-diagonal mask and a padded batch its padding mask (the weights matrix is that size
+anyway). transformers refuses ``config.output_attentions`` for backends other than eager; the
+forward argument is the way.
+
 Differences from ``"sdpa"``: a query row that sees no key (e.g. a left-padding position) gets
-zeros instead of whatever the torch backend returns there; attention weights are never returned
-(``None``).
+zeros instead of whatever the torch backend returns there (eager's weights there are uniform).
 """
 
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -294,13 +302,9 @@ def attn_ext_attention_forward(
 ):
     """The attention function registered under ``"attn_ext"`` (same contract as
     ``sdpa_attention_forward``): query ``(B, H, Sq, D)``, key/value ``(B, Hkv, Sk, D|Dv)``;
-    returns ``(out (B, Sq, H, Dv) contiguous, None)``."""
-    if kwargs.get("output_attentions", False):
-        warnings.warn(
-            "attn_ext attention does not return attention weights (output_attentions=True); "
-            "use attn_implementation='eager' for them",
-            stacklevel=2,
-        )
+    returns ``(out (B, Sq, H, Dv) contiguous, None)``, or with ``output_attentions=True``
+    ``(out, weights (B, H, Sq, Sk))`` as eager attention returns them."""
+    weights = bool(kwargs.get("output_attentions", False))
     if _paged(cache):
         key, value = cache.update(
             key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
@@ -316,27 +320,42 @@ def attn_ext_attention_forward(
     flash_varlen = all(kwargs.get(k) is not None for k in _FLASH_VARLEN_KWARGS)
     aligned_prefill = position_bias is None and query.size(-2) == key.size(-2)
     mask_allows_kwargs = mask is None or packed_ids or mask.dim() == 4
-    if flash_varlen and aligned_prefill and not _paged(cache) and mask_allows_kwargs:
+    documents = None
+    if weights:
+        # The weights are (B, H, Sq, Sk) whatever the batch's form: packed documents become
+        # the block-diagonal mask they stand for, and the dense kernel runs (as eager does).
+        if flash_varlen and aligned_prefill and not _paged(cache) and mask_allows_kwargs:
+            documents = _sequence_ids_from_cu_seqlens(kwargs["cu_seq_lens_q"], query)
+        elif packed_ids and aligned_prefill:
+            documents = mask
+        elif mask is None and aligned_prefill:
+            documents = _sequence_ids_from_positions(kwargs.get("position_ids"), query)
+    elif flash_varlen and aligned_prefill and not _paged(cache) and mask_allows_kwargs:
         # FlashAttention 2's varlen kwargs: every token is real and the kwargs say where each
         # document starts. A 4-D mask beside them is the causal mask transformers < 5.2 builds
         # under torch.compile (the queries' offset unread, attn_ext_mask cannot call it
         # aligned): it would mix the documents, so the kwargs win, as in FlashAttention 2's
         # own path, which never gets a 4-D mask.
         return _flash_kwargs_varlen(query, key, value, kwargs, **varlen)
-    if (mask is None or packed_ids) and aligned_prefill:
+    if (mask is None or packed_ids) and aligned_prefill and not weights:
         # Padding-free batches without those kwargs: the sequence ids of attn_ext_mask, then
         # restarting position_ids.
         if mask is None:
             mask = _sequence_ids_from_positions(kwargs.get("position_ids"), query)
         if mask is not None:
             return _packed(query, key, value, mask, **varlen)
-    if mask is not None and mask.dim() == 2 and position_bias is None:
+    if mask is not None and mask.dim() == 2 and position_bias is None and not weights:
         if query.size(-2) == key.size(-2) and not _compiling():
             out = _unpadded(query, key, value, mask, **varlen)
             if out is not None:
                 return out
     causal = False
-    if mask is None or mask.dim() == 2:
+    if documents is not None:
+        # The documents' block-diagonal mask, with the module's causal / sliding window.
+        causal = bool(is_causal)
+        ids = documents.to(query.device)
+        mask = (ids[:, None, :, None] == ids[:, None, None, :]) & (ids >= 0)[:, None, None, :]
+    elif mask is None or mask.dim() == 2:
         # Structure from the module (see attn_ext_mask): causal / sliding window, bottom-right
         # aligned, and at most a (B, Sk) padding keep-mask.
         causal = bool(is_causal)
@@ -363,10 +382,7 @@ def attn_ext_attention_forward(
     if mask is not None and mask.requires_grad:
         mask = mask.detach()
 
-    out = _F.attention(
-        query,
-        key,
-        value,
+    dense = dict(
         scale=scaling,
         causal=causal,
         window_size=window if causal else (-1, -1),
@@ -374,6 +390,10 @@ def attn_ext_attention_forward(
         dropout_p=float(dropout),
         **mods,
     )
+    if weights:
+        out, w = _F.attention_with_weights(query, key, value, **dense)
+        return out.transpose(1, 2).contiguous(), w
+    out = _F.attention(query, key, value, **dense)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -395,6 +415,16 @@ def _is_sequence_ids(mask: torch.Tensor) -> bool:
 
 def _paged(cache) -> bool:
     return cache is not None and type(cache).__name__ == "PagedAttentionCache"
+
+
+def _sequence_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The (B, S) sequence ids of FlashAttention's padding-free kwargs: token t of the B * S
+    belongs to document b where cu[b] <= t < cu[b + 1] (tokens past the last: -1, masked)."""
+    B, _, S, _ = query.shape
+    cu = cu_seqlens.to(device=query.device, dtype=torch.long)
+    tokens = torch.arange(B * S, device=query.device)
+    ids = torch.searchsorted(cu[1:], tokens, right=True)
+    return ids.masked_fill(tokens >= cu[-1], -1).view(B, S)
 
 
 def _sequence_ids_from_positions(position_ids, query: torch.Tensor):

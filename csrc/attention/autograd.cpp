@@ -4,6 +4,7 @@
 // backward op. Saved: the inputs the backward op reads and the forward's outputs; nothing is
 // recomputed here but the per-head probabilities of a head mean or dropped weights.
 #include <tuple>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 #include "common/autograd.h"
 
@@ -20,15 +21,6 @@ void refuse_slopes_grad(const char* op, const TensorOpt& alibi_slopes) {
   TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value() || !alibi_slopes->requires_grad(), op,
                               ": the gradient with respect to alibi_slopes is not supported; "
                               "pass alibi_slopes.detach()");
-}
-
-// The probabilities ops form no gradient for the sinks (attention and attention_varlen do):
-// their callers pass the sinks of the attention call detached, its output carrying their
-// gradient.
-void refuse_sinks_grad(const char* op, const TensorOpt& sinks) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!sinks.has_value() || !sinks->requires_grad(), op,
-                              ": the gradient with respect to sinks is not supported; pass "
-                              "sinks.detach() (attention's output carries their gradient)");
 }
 
 void refuse_mask_grad(const char* op, const TensorOpt& attn_mask, const char* advice) {
@@ -54,7 +46,8 @@ const c10::TypedOperatorHandle<AttentionSig>& attention_op() {
 }
 
 struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
-  static constexpr size_t kFlagArgs = 7;  // scale ... softcap
+  static constexpr size_t kTensorArgs = 7;  // q ... sinks
+  static constexpr size_t kFlagArgs = 7;    // scale ... softcap
 
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const TensorOpt& attn_mask,
@@ -82,6 +75,9 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto backward_op =
         registered_op<AttentionBackwardSig>("attn_ext::attention_backward");
+    // Nothing flows back (a loss of the probabilities alone reaches here through lse): no
+    // backward on zeros.
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(kTensorArgs + kFlagArgs);
     const variable_list s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4], &sinks = s[8];
@@ -136,7 +132,8 @@ const c10::TypedOperatorHandle<VarlenSig>& varlen_op() {
 }
 
 struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
-  static constexpr size_t kFlagArgs = 8;  // max_seqlen_q ... softcap
+  static constexpr size_t kTensorArgs = 8;  // q ... sinks
+  static constexpr size_t kFlagArgs = 8;    // max_seqlen_q ... softcap
 
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
@@ -165,6 +162,9 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto backward_op =
         registered_op<VarlenBackwardSig>("attn_ext::attention_varlen_backward");
+    // Nothing flows back (a loss of the probabilities alone reaches here through lse): no
+    // backward on zeros.
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(kTensorArgs + kFlagArgs);
     const variable_list s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     const Tensor &out = s[3], &sinks = s[9];
@@ -222,12 +222,24 @@ const c10::TypedOperatorHandle<ProbabilitiesSig>& probabilities_op() {
 }
 
 // dq, dk of the softmax probabilities `weights` = softmax(scores) per head (softcap's tanh is
-// the one modifier with a derivative here; slopes, sinks and masks are refused with a gradient).
+// the one modifier of q and k with a derivative; slopes and masks are refused with a gradient).
 std::tuple<Tensor, Tensor> weights_backward(const Tensor& grad_weights, const Tensor& weights,
                                             const Tensor& q, const Tensor& k,
                                             optional<double> scale, double softcap) {
   static const auto op = registered_op<WeightsBackwardSig>("attn_ext::attention_weights_backward");
   return op.call(grad_weights, weights, q, k, scale, softcap);
+}
+
+// d loss / d sinks (H,) of per-head probabilities P (B, H, Sq, Sk) whose softmax counted a sink
+// logit: dP_ij / d sink = -P_ij P_sink,i with the sink's share P_sink,i = 1 - sum_j P_ij, so
+// the gradient is -sum over (b, i) of P_sink,i * delta_i, delta_i = sum_j P_ij dP_ij (the
+// softmax backward's row term), in the accumulation type. Undefined without sinks to train.
+Tensor sinks_grad(const Tensor& grad_weights, const Tensor& weights, const Tensor& sinks) {
+  if (!sinks.defined() || !sinks.requires_grad()) return Tensor();
+  const Tensor p = weights.to(at::toOpMathType(weights.scalar_type()));
+  const Tensor delta = p.mul(grad_weights.to(p.scalar_type())).sum(-1);
+  const Tensor share = p.sum(-1).neg_().add_(1.0);
+  return share.mul_(delta).sum(at::IntArrayRef{0, 2}).neg_().to(sinks.scalar_type());
 }
 
 struct WeightsFunction : torch::autograd::Function<WeightsFunction> {
@@ -242,7 +254,7 @@ struct WeightsFunction : torch::autograd::Function<WeightsFunction> {
         call_below_autograd(weights_op(), q, k, attn_mask, alibi_slopes, sinks, scale, causal,
                             window_left, window_right, std::move(key_offset), softcap);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({q, k, weights});
+    ctx->save_for_backward({q, k, weights, saved(sinks)});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["softcap"] = softcap;
     return weights;
@@ -256,6 +268,7 @@ struct WeightsFunction : torch::autograd::Function<WeightsFunction> {
       std::tie(result[0], result[1]) =
           weights_backward(grads[0], s[2], s[0], s[1], d.at("scale").toOptional<double>(),
                            d.at("softcap").toDouble());
+      result[4] = sinks_grad(grads[0], s[2], s[3]);
     }
     append_no_grads(result, kFlagArgs);
     return result;
@@ -274,7 +287,6 @@ Tensor attention_weights_autograd(const Tensor& q, const Tensor& k, const Tensor
   constexpr const char* kOp = "attn_ext.attention_weights";
   refuse_mask_grad(kOp, attn_mask, "");
   refuse_slopes_grad(kOp, alibi_slopes);
-  refuse_sinks_grad(kOp, sinks);
   return WeightsFunction::apply(q, k, attn_mask, alibi_slopes, sinks, scale, causal, window_left,
                                 window_right, std::move(key_offset), softcap);
 }
@@ -301,7 +313,7 @@ struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> 
       ctx->save_for_backward(
           {q, k, lse, saved(attn_mask), saved(rng_state), saved(alibi_slopes), saved(sinks)});
     } else {
-      ctx->save_for_backward({q, k, weights});
+      ctx->save_for_backward({q, k, weights, saved(sinks)});
     }
     auto& d = ctx->saved_data;
     d["scale"] = scale;
@@ -347,6 +359,7 @@ struct ProbabilitiesFunction : torch::autograd::Function<ProbabilitiesFunction> 
         weights = s[2];
       }
       std::tie(result[0], result[1]) = weights_backward(grad, weights, s[0], s[1], scale, softcap);
+      result[6] = sinks_grad(grad, weights, s.back());  // the sinks are saved last
     }
     append_no_grads(result, kFlagArgs);
     return result;
@@ -359,7 +372,7 @@ Tensor attention_probabilities_autograd(const Tensor& q, const Tensor& k, const 
                                         optional<double> scale, bool causal, int64_t window_left,
                                         int64_t window_right, optional<c10::SymInt> key_offset,
                                         double dropout_p, bool mean_heads, double softcap) {
-  if (!records_graph(q, k, lse, attn_mask, alibi_slopes, sinks)) {
+  if (!records_graph(q, k, attn_mask, alibi_slopes, sinks)) {
     return call_below_autograd(probabilities_op(), q, k, lse, attn_mask, rng_state, alibi_slopes,
                                sinks, scale, causal, window_left, window_right,
                                std::move(key_offset), dropout_p, mean_heads, softcap);
@@ -367,10 +380,11 @@ Tensor attention_probabilities_autograd(const Tensor& q, const Tensor& k, const 
   constexpr const char* kOp = "attn_ext.attention_probabilities";
   refuse_mask_grad(kOp, attn_mask, "");
   refuse_slopes_grad(kOp, alibi_slopes);
-  refuse_sinks_grad(kOp, sinks);
-  return ProbabilitiesFunction::apply(q, k, lse, attn_mask, rng_state, alibi_slopes, sinks, scale,
-                                      causal, window_left, window_right, std::move(key_offset),
-                                      dropout_p, mean_heads, softcap);
+  // lse takes no gradient: detached, so that a loss of the probabilities alone does not run
+  // the backward of the attention call that returned it (on zeros).
+  return ProbabilitiesFunction::apply(q, k, lse.detach(), attn_mask, rng_state, alibi_slopes, sinks,
+                                      scale, causal, window_left, window_right,
+                                      std::move(key_offset), dropout_p, mean_heads, softcap);
 }
 
 // --------------------------------------------------------------------- merge_attention_states
