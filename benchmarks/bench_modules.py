@@ -14,7 +14,9 @@ each:
   against ``attn_ext.nn.MultiheadAttention`` and the canonical ``attn_ext.nn.MultiHeadAttention``
   (same math, separate q/k/v projections, its own initialization);
 * the same torch layer called with its defaults (``need_weights=True``, averaged weights
-  returned) against ``attn_ext.nn.MultiheadAttention`` called the same way.
+  returned) against ``attn_ext.nn.MultiheadAttention`` called the same way;
+* a one-layer transformers Llama called with ``output_attentions=True``: eager attention
+  against ``attn_implementation="attn_ext"`` (row ``transformers.output_attentions``).
 
 Default shape: embed E = 768, H = 12 heads, batch 8, S = 1024 tokens; the document rows in
 float32 (``--doc-dtypes``), the torch rows in float32 and bfloat16 (``--dtypes``).
@@ -222,6 +224,40 @@ def row_nn_multihead_weights(shape, device, dtype, seq):
     )
 
 
+def row_transformers_weights(shape, device, dtype, seq):
+    """A one-layer transformers Llama (E, H heads, causal; MLP width E) called with
+    ``output_attentions=True``: eager attention, the backend transformers offers for weights,
+    and ``attn_implementation="attn_ext"`` (the same weights). The (B, H, S, S) weights are
+    formed and returned; the last hidden state takes the gradient."""
+    import transformers
+
+    import attn_ext.integrations.transformers as attn_ext_hf
+
+    attn_ext_hf.register()
+    n = seq or shape.seq
+    cfg = dict(
+        hidden_size=shape.embed, intermediate_size=shape.embed, num_hidden_layers=1,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=16,
+        max_position_embeddings=max(n, 2048),
+    )  # fmt: skip
+    models = []
+    for impl in ("eager", "attn_ext"):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**cfg)
+        models.append(
+            transformers.LlamaModel._from_config(config, attn_implementation=impl).to(
+                device=device, dtype=dtype
+            )
+        )
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
+    inputs = _x(shape, device, dtype, seq)
+
+    def call(m):
+        return lambda x: m(inputs_embeds=x, output_attentions=True).last_hidden_state
+
+    return tuple(Candidate(call(m), inputs, list(m.parameters()), m) for m in models)
+
+
 @dataclass
 class Row:
     """A reference and one or more of ours; ``build(shape, device, dtype, seq)`` returns their
@@ -284,6 +320,13 @@ ROWS = {
             row_nn_multihead_weights,
             lambda s: "torch nn.MultiheadAttention, need_weights=True",
             ("nn.MultiheadAttention",),
+            False,
+        ),
+        Row(
+            "transformers.output_attentions",
+            row_transformers_weights,
+            lambda s: "transformers Llama layer, eager, output_attentions=True",
+            ("attn_implementation='attn_ext'",),
             False,
         ),
     ]

@@ -49,9 +49,10 @@ void softcap_chain(const ScoreMod<acc_t>& mod, acc_t scale, const acc_t* qt, int
                    int64_t ld) {
   gemm(false, true, m, n, D, scale, qt, ldq, kt, ldk, acc_t(0), s_buf, ld);
   for (int64_t r = 0; r < m; ++r) {
-    const acc_t* sr = s_buf + r * ld;
+    acc_t* sr = s_buf + r * ld;
     acc_t* dr = ds + r * ld;
-    for (int64_t j = 0; j < n; ++j) dr[j] *= mod.softcap_grad(mod.softcap(sr[j]));
+    softcap_row(sr, n, mod.cap);  // the forward's (vectorized) tanh
+    for (int64_t j = 0; j < n; ++j) dr[j] *= mod.softcap_grad(sr[j]);
   }
 }
 
