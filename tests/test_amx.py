@@ -179,6 +179,23 @@ def _err(x, truth):
     return (x.double() - truth).abs()
 
 
+# One bf16 rounding unit at a tensor's scale: 2^-8 of its largest magnitude.
+BF16_UNIT = 2.0**-8
+
+
+def max_error_bound(yard_err, truth, *, factor, units):
+    """The worst error allowed a bf16-operand path: `factor` times torch's worst on the same
+    draw, or `units` bf16 rounding units at the result's scale (BF16_UNIT * max |truth|),
+    whichever is larger. The ratio of two maxima over a few thousand elements is noisy where
+    torch's worst happens to be small: over 60 draws per case (avx512bf16, Zen 5 VM,
+    2026-11-29) torch's own worst ranged 0.6-2.6 units in the backward (ours 1.6 at most) and
+    up to 1.1 in the forward (ours 1.1), and the bare ratio exceeded 1.5x on 2-15% of the
+    draws of five backward cases (1.25x on 2% of a forward case's), so a draw, not the
+    kernel, decided those tests. A wrong tile or mask is off by the result's own magnitude,
+    hundreds of units."""
+    return max(factor * yard_err.max().item(), units * BF16_UNIT * truth.abs().max().item())
+
+
 def assert_forward_error(cases, results, kernels, name):
     """The forward error rule of the bf16-operand paths (P rounded to bf16 once): `kernels`'s
     output against torch's bf16 SDPA, its lse against the avx512 set's (both in `results`)."""
@@ -195,7 +212,8 @@ def assert_forward_error(cases, results, kernels, name):
         # rounded to nearest fails 10 of these 12 cases (planted once, 2026-11-26).
         yard_err = _err(yard, truth)
         assert err.mean() <= 1.1 * yard_err.mean(), (err.mean().item(), yard_err.mean().item())
-        assert err.max() <= 1.25 * yard_err.max(), (err.max().item(), yard_err.max().item())
+        worst = max_error_bound(yard_err, truth, factor=1.25, units=1.0)
+        assert err.max() <= worst, (err.max().item(), yard_err.max().item(), worst)
     else:
         # Score modifiers, which SDPA cannot express: design.md's bar, the plain reference at
         # bf16 (bf16 scores and matmuls; measured 2.9x this path's mean error), at 1x.
@@ -260,7 +278,8 @@ def assert_backward_error(cases, results, kernels, name):
             e_got.mean(),
             e_yard.mean(),
         )
-        assert e_got.max() <= max_factor * e_yard.max() + 1e-5, (what, e_got.max(), e_yard.max())
+        worst = max_error_bound(e_yard, truth[i], factor=max_factor, units=2.0) + 1e-5
+        assert e_got.max() <= worst, (what, e_got.max(), e_yard.max(), worst)
 
 
 def test_short_query_blocks_keep_the_blas_path(runs):
