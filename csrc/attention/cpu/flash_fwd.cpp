@@ -631,10 +631,20 @@ void run_query_blocks(const AttentionParams& p, int64_t kM, MakeWorker make_work
   });
 }
 
+// Query blocks shorter than FlashTraits' choice are whole 16-row tiles (the AMX products' score
+// rows, kScoreRowAlign).
+constexpr int64_t kShortBlockRows = 16;
+
+// The query-row block: FlashTraits' choice, or the query length rounded up to whole tiles when
+// that is shorter (the same one block per head, so the same tasks and results). The workers'
+// scratch is sized by it and value-initialized once per call: zeroing a 128-row score tile was
+// ~6% of an 8-row fp32 call (docs/performance.md, "Per-call overhead").
 template <typename scalar_t>
 int64_t fwd_block_m(const AttentionParams& p) {
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
-  return FlashTraits<scalar_t>::fwd_block_m(band.has_right(), p.seqlen_k);
+  const int64_t rows = (std::max<int64_t>(p.seqlen_q, 1) + kShortBlockRows - 1) /
+                       kShortBlockRows * kShortBlockRows;
+  return std::min(FlashTraits<scalar_t>::fwd_block_m(band.has_right(), p.seqlen_k), rows);
 }
 
 // The forward: out and lse.
