@@ -7,7 +7,8 @@ causal / windows (left and right), bool / additive masks broadcast every way, so
 (per head and per batch), sinks, dropout (against the reference given the same keep mask, and
 bit-identical for the same generator state, forward and backward), varlen batches with empty
 and one-token sequences, decode against caches with cache_batch_idx / cache_leftpad / split-KV,
-attention_weights, kv_cache_append / latent_cache_append (the memory outside the appended rows
+attention_weights / attention_with_weights (the score modifiers too), kv_cache_append /
+latent_cache_append (the memory outside the appended rows
 keeps its bits; an overflow writes nothing), linear attention (feature maps, initial / returned
 state), tpa_expand, tpa_decode_attention, MLA (prefill and decode, attn_ext.nn), channel_pool /
 spatial_gate (NCHW, channels-last, strided) and the attn_ext.compat drop-ins against the
@@ -435,6 +436,10 @@ def _probabilities_case(data, with_v=False):
         kw["attn_mask"] = mask
     if data.draw(st.booleans(), label="explicit scale"):
         kw["scale"] = data.draw(st.sampled_from([0.05, 0.3, 1.0, 2.5]), label="scale")
+    mods, sinks = _mods(data, B, H, dtype)  # attention's score modifiers, constants here
+    kw.update(mods)
+    if sinks is not None:
+        kw["sinks"] = sinks
     return dtype, q, k, v, kw
 
 
