@@ -8,10 +8,10 @@ causal / windows (left and right), bool / additive masks broadcast every way, so
 bit-identical for the same generator state, forward and backward), varlen batches with empty
 and one-token sequences, decode against caches with cache_batch_idx / cache_leftpad / split-KV,
 attention_weights / attention_with_weights (the score modifiers too), kv_cache_append /
-latent_cache_append (the memory outside the appended rows
-keeps its bits; an overflow writes nothing), linear attention (feature maps, initial / returned
-state), tpa_expand, tpa_decode_attention, MLA (prefill and decode, attn_ext.nn), channel_pool /
-spatial_gate (NCHW, channels-last, strided) and the attn_ext.compat drop-ins against the
+latent_cache_append (the memory outside the appended rows keeps its bits; an overflow writes
+nothing), linear attention (feature maps, initial / returned state), tpa_expand,
+tpa_decode_attention, MLA (prefill and decode, attn_ext.nn), channel_pool / spatial_gate (NCHW,
+channels-last, strided) and the attn_ext.compat drop-ins against the
 documents' code with drawn constructor arguments.
 
 CI runs the "ci" profile (150 derandomized examples per family, 100 for the slowest,
