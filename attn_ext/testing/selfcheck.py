@@ -146,6 +146,34 @@ def modifiers_case():
     return Case("attention softcap + ALiBi + sinks", make, ext, ref, grads=("q", "k", "v", "sinks"))
 
 
+def weights_modifiers_case():
+    """attention_with_weights' per-head weights and output with softcap, ALiBi (B, H) and sinks
+    (rows summing to one less the sink's share), GQA, causal; gradients of q, k and the sinks
+    through both."""
+
+    def make(dev):
+        inputs = qkv(h=8, hkv=2, device=dev)
+        inputs["sinks"] = randn(8, device=dev)
+        return inputs
+
+    def slopes(q):
+        return torch.linspace(0.05, 0.4, 2 * 8, device=q.device).view(2, 8)
+
+    def ref(q, k, v, sinks):
+        kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q), sinks=sinks)
+        return attention_weights_reference(q, k, **kw), attention_reference(q, k, v, **kw)
+
+    def ext(q, k, v, sinks):
+        with _unverified_cuda():
+            kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q).float(), sinks=sinks)
+            out, w = attn_ext.attention_with_weights(q, k, v, **kw)
+            return w, out
+
+    return Case(
+        "attention_with_weights softcap + ALiBi + sinks", make, ext, ref, grads=("q", "k", "sinks")
+    )
+
+
 VARLEN_LENGTHS = (37, 0, 1, 90, 12)
 
 
@@ -519,6 +547,7 @@ def all_cases() -> List[Case]:
             lambda d: qkv(h=8, hkv=2, device=d),
             causal=True,
         ),
+        weights_modifiers_case(),
         rope_case(interleaved=True),
         rope_case(interleaved=False),
         decode_case("decode_attention GQA 8/2, ragged lengths"),
