@@ -583,6 +583,29 @@ def test_output_attentions_match_eager(kind, side):
         torch.testing.assert_close(got_g[k], want_g[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_generate_output_attentions_match_eager(kind):
+    """generate(..., output_attentions=True): the same tokens and, at every step (prefill, then
+    one query against the cache and its padding mask; Gemma 2's sliding layers too), the same
+    weights as eager on the real query rows."""
+    ref, ours = _eager_pair(kind)
+    ids, mask = _batch(seq=12, pads=(0, 4), seed=5)
+    args = dict(
+        attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+        output_attentions=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        want, got = ref.generate(ids, **args), ours.generate(ids, **args)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.attentions) == len(want.attentions) == 5
+    real = mask.bool()[:, None, :, None]  # the prefill's left-padding rows see no key
+    for step, (want_step, got_step) in enumerate(zip(want.attentions, got.attentions)):
+        for w, g in zip(want_step, got_step):
+            assert g.shape == w.shape and g.shape[2] == (12 if step == 0 else 1)
+            rows = real if step == 0 else torch.ones_like(real[..., :1, :])
+            torch.testing.assert_close(g * rows, w * rows, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("signal", ["packed_mask", "position_ids", "flash_kwargs"])
 def test_output_attentions_of_packed_documents(signal):
     """Packed documents return (1, H, S, S) weights that are block diagonal: document d's block
