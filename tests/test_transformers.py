@@ -346,6 +346,34 @@ def test_compiled_model_matches_sdpa(batch):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("batch", ["padded", "packed_flash_kwargs"])
+def test_compiled_output_attentions(batch):
+    """torch.compile(fullgraph=True) with output_attentions=True: the weights of the uncompiled
+    call (the padding mask; packed documents as their block mask from FlashAttention's
+    kwargs)."""
+    _, ours = _models("llama", torch.float32)
+    if batch == "padded":
+        ids, mask = _batch(seq=20, pads=(0, 6), seed=5)
+        inputs = dict(input_ids=ids, attention_mask=mask)
+    else:
+        g = torch.Generator().manual_seed(5)
+        docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in PACKED_LENGTHS]
+        collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        inputs = collate([{"input_ids": d.tolist()} for d in docs])
+        inputs.pop("labels")
+    with torch.no_grad():
+        want = ours(**inputs, output_attentions=True).attentions
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(**inputs, output_attentions=True).attentions
+    torch._dynamo.reset()
+    assert len(got) == len(want) == LAYERS
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, **TOL[torch.float32])
+
+
 # ---- the mask function alone ---------------------------------------------------------------
 
 new_mask_api = pytest.mark.skipif(
