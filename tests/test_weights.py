@@ -387,6 +387,29 @@ def test_with_weights_empty(device, B, H, Sq, Sk, mean_heads):
     assert (q.grad == 0).all() and (k.grad == 0).all() and (v.grad == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(causal=True), dict(window_size=(300, 40)), dict(causal=True, softcap=2.0)],
+    ids=["full", "causal", "window", "causal_softcap"],
+)
+def test_with_weights_mean_over_key_chunks(device, dtype, kw):
+    """One (batch, query block) with 1100 keys: the CPU kernel splits the head mean into key
+    chunks of whole tiles (each task owning its columns; float64 recomputes each row's lse over
+    all its keys, not the chunk's). The mean is the reference's, and the per-head weights' mean
+    to rounding."""
+    q, k, _ = make_qkv(1, 4, 2, 50, 1100, 32, dtype=dtype, device=device)
+    v = _value(k, dtype, device, dv=16)
+    _, w = attn_ext.attention_with_weights(q, k, v, mean_heads=True, **kw)
+    ref_fn = _with_weights_reference(True, **kw)
+    ref, tru = ref_fn(q, k, v)[1], ground_truth(lambda *a: ref_fn(*a)[1], q, k, v)
+    assert_error_rule(w, ref, tru, name="weights")
+    _, per_head = attn_ext.attention_with_weights(q, k, v, **kw)
+    # the mean of the stored per-head weights: their rounding to the dtype apart
+    tol = {torch.float64: 1e-15, torch.float32: 1e-7}.get(dtype, 2.0**-8)
+    torch.testing.assert_close(w.double(), per_head.double().mean(1), rtol=0, atol=tol)
+
+
 def test_probabilities_count_a_sink(device):
     """From the lse of a call with sinks, each row's probabilities sum to one less the sink's
     share exp(sink - lse)."""

@@ -421,7 +421,7 @@ struct FwdWorker {
 // that is given, or its own (head_rows); with dropout, P * keep / (1 - p) on the forward's mask.
 // run() writes a (batch, head, query block)'s rows whole: zeros outside its band and for rows
 // that saw no key (lse -inf); run_mean() writes a (batch, query block)'s rows of the mean over
-// heads, summed in acc_t in a buffer of the block's rows.
+// heads, or the columns of one key chunk of them, summed in acc_t in a buffer of the block's rows.
 template <typename scalar_t, typename Products>
 struct ProbWorker {
   using Traits = FlashTraits<scalar_t>;
@@ -470,39 +470,52 @@ struct ProbWorker {
       std::fill(w + r * Sk, w + r * Sk + kr.lo, scalar_t(0));
       std::fill(w + r * Sk + kr.hi, w + (r + 1) * Sk, scalar_t(0));
     }
-    head_rows(b, h, sb, i0, m, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
+    head_rows(b, h, sb, i0, m, kr, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
       store_row(pr, w + r * Sk + j0, n, acc_t(1));
     });
   }
 
-  void run_mean(int64_t b, int64_t mb) {
+  // The mean over heads of the rows of query block mb, keys [c0, c1) (c0 a multiple of kN, so
+  // that the chunk's tiles start aligned).
+  void run_mean(int64_t b, int64_t mb, int64_t c0, int64_t c1) {
     const SeqBounds sb = seq_bounds(p, b);
     const int64_t Sk = sb.seqlen_k, i0 = mb * kM, m = std::min(kM, sb.seqlen_q - i0);
-    const KeyRange kr = key_range(sb, i0, m);
-    grow(sum_rows, m * Sk);
-    std::fill(sum_rows.begin(), sum_rows.begin() + m * Sk, acc_t(0));
+    const int64_t end = std::min(c1, Sk), width = end - c0;
+    const KeyRange all = key_range(sb, i0, m);
+    const int64_t lo = std::max(all.lo, c0), hi = std::min(all.hi, end);
+    const KeyRange kr{std::max(all.tiles_begin, c0), lo, std::max(lo, hi)};
+    grow(sum_rows, m * width);
+    std::fill(sum_rows.begin(), sum_rows.begin() + m * width, acc_t(0));
     for (int64_t h = 0; h < p.heads; ++h) {
-      head_rows(b, h, sb, i0, m, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
-        acc_t* sum = sum_rows.data() + r * Sk + j0;
+      head_rows(b, h, sb, i0, m, all, kr, [&](int64_t r, int64_t j0, const acc_t* pr, int64_t n) {
+        acc_t* sum = sum_rows.data() + r * width + (j0 - c0);
         for (int64_t j = 0; j < n; ++j) sum[j] += pr[j];
       });
     }
-    scalar_t* w = weights + (b * sb.seqlen_q + i0) * Sk;
+    scalar_t* w = weights + (b * sb.seqlen_q + i0) * Sk + c0;
     const acc_t inv_heads = acc_t(1) / static_cast<acc_t>(p.heads);
-    for (int64_t r = 0; r < m; ++r) store_row(sum_rows.data() + r * Sk, w + r * Sk, Sk, inv_heads);
+    for (int64_t r = 0; r < m; ++r)
+      store_row(sum_rows.data() + r * width, w + r * Sk, width, inv_heads);
   }
 
   // emit(r, j0, P, n): row r's probabilities of keys [j0, j0 + n), key tile by key tile over
-  // kr (masked keys and rows that saw no key give 0).
+  // kr (masked keys and rows that saw no key give 0); a recomputed lse sums the keys of
+  // lse_keys, the block's whole range (kr may be one chunk of it).
   template <typename Emit>
   void head_rows(int64_t b, int64_t h, const SeqBounds& sb, int64_t i0, int64_t m,
-                 const KeyRange& kr, Emit&& emit) {
+                 const KeyRange& lse_keys, const KeyRange& kr, Emit&& emit) {
     if (kr.lo >= kr.hi) return;
     const acc_t log2e = static_cast<acc_t>(kLog2e);
     const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
     const LocalBand band{sb.key_offset, p.window_left, p.window_right};
     const ScoreMod<acc_t> mod = ScoreMod<acc_t>::make(p, b, h, sb.key_offset, log2e);
     const int64_t hk = h / p.group(), n_begin = kr.tiles_begin, n_end = kr.hi;
+    // lse in the log2 domain as a float pair hi + lo (exp2_scale_shift2), as the backward has it.
+    // Recomputed here, in one more pass over the scores, without a given lse (attention_weights:
+    // p.lse null) and for fp64, as the backward does (recompute_lse2): the float32 lse would cap
+    // fp64's probabilities at ~1e-7 relative error.
+    const bool recompute_lse = std::is_same_v<acc_t, double> || p.lse == nullptr;
+    const KeyRange& packed = recompute_lse ? lse_keys : kr;  // kr lies within lse_keys
     const auto* q = row_ptr(static_cast<const scalar_t*>(p.q), p.q_batch_stride, p.q_head_stride,
                             p.q_row_stride, b, h, sb.q_begin + i0);
     int64_t ldq = p.q_row_stride;
@@ -516,8 +529,8 @@ struct ProbWorker {
     // the head's keys next to the Sq x Sk products.
     const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
                             p.k_row_stride, b, hk, sb.k_begin);
-    prod.load_head(b * p.kv_heads + hk, k, p.k_row_stride, k, p.k_row_stride, n_begin, n_end,
-                   sb.seqlen_k);
+    prod.load_head(b * p.kv_heads + hk, k, p.k_row_stride, k, p.k_row_stride, packed.tiles_begin,
+                   packed.hi, sb.seqlen_k);
     // Scaled (log2 domain), modified and masked scores of key tile [j0, j0 + n) into s, as the
     // forward forms them.
     auto tile_scores = [&](int64_t j0, int64_t n, acc_t* s) {
@@ -529,14 +542,10 @@ struct ProbWorker {
         mask_tile<scalar_t>(p, band, b, h, i0, m, j0, n, band_partial, s, kN);
     };
 
-    // lse in the log2 domain as a float pair hi + lo (exp2_scale_shift2), as the backward has it.
-    // Recomputed here, in one more pass over the scores, without a given lse (attention_weights:
-    // p.lse null) and for fp64, as the backward does (recompute_lse2): the float32 lse would cap
-    // fp64's probabilities at ~1e-7 relative error.
-    if (std::is_same_v<acc_t, double> || p.lse == nullptr) {
+    if (recompute_lse) {
       std::vector<SoftmaxState<acc_t>> st(m, initial_state<acc_t>(p, h, log2e));
-      for (int64_t j0 = n_begin; j0 < n_end; j0 += kN) {
-        const int64_t n = std::min(kN, n_end - j0);
+      for (int64_t j0 = lse_keys.tiles_begin; j0 < lse_keys.hi; j0 += kN) {
+        const int64_t n = std::min(kN, lse_keys.hi - j0);
         acc_t* s = s_buf.get();
         tile_scores(j0, n, s);
         for (int64_t r = 0; r < m; ++r) {
@@ -642,8 +651,8 @@ constexpr int64_t kShortBlockRows = 16;
 template <typename scalar_t>
 int64_t fwd_block_m(const AttentionParams& p) {
   const LocalBand band{p.key_offset, p.window_left, p.window_right};
-  const int64_t rows = (std::max<int64_t>(p.seqlen_q, 1) + kShortBlockRows - 1) /
-                       kShortBlockRows * kShortBlockRows;
+  const int64_t rows =
+      (std::max<int64_t>(p.seqlen_q, 1) + kShortBlockRows - 1) / kShortBlockRows * kShortBlockRows;
   return std::min(FlashTraits<scalar_t>::fwd_block_m(band.has_right(), p.seqlen_k), rows);
 }
 
@@ -655,8 +664,11 @@ struct FlashFwd {
     run_query_blocks(p, kM, [&] { return FwdWorker<scalar_t, Products>(p, kM); });
   }
 };
+// A head mean's tasks per thread to aim for (so that uneven blocks balance).
+constexpr int64_t kMeanTasksPerThread = 2;
+
 // The probabilities of a forward's lse into weights, the op's (B, H, Sq, Sk) output, or with
-// mean_heads their mean over heads, (B, Sq, Sk): one task per (batch, query block).
+// mean_heads their mean over heads, (B, Sq, Sk): one task per (batch, query block, key chunk).
 template <typename scalar_t, typename Products>
 struct Probabilities {
   static void run(const AttentionParams& p, scalar_t* weights, bool mean_heads) {
@@ -666,10 +678,22 @@ struct Probabilities {
       run_query_blocks(p, kM, [&] { return Worker(p, weights, kM); });
       return;
     }
-    const int64_t num_m = (p.seqlen_q + kM - 1) / kM;
-    at::parallel_for(0, p.batch * num_m, 1, [&](int64_t begin, int64_t end) {
+    // Tasks: (batch, query block, key chunk). A task sums every head of its rows, so with fewer
+    // (batch, query block)s than kMeanTasksPerThread per thread (B 1 at a few hundred rows on a
+    // server) the keys are split into chunks of whole kN tiles, each task owning its columns.
+    const int64_t num_m = (p.seqlen_q + kM - 1) / kM, blocks = p.batch * num_m;
+    const int64_t key_tiles = (p.seqlen_k + Worker::kN - 1) / Worker::kN;
+    const int64_t wanted = static_cast<int64_t>(at::get_num_threads()) * kMeanTasksPerThread;
+    const int64_t split = std::clamp<int64_t>((wanted + blocks - 1) / std::max<int64_t>(blocks, 1),
+                                              1, std::max<int64_t>(key_tiles, 1));
+    const int64_t chunk_keys = (key_tiles + split - 1) / split * Worker::kN;
+    const int64_t chunks = std::max<int64_t>((p.seqlen_k + chunk_keys - 1) / chunk_keys, 1);
+    at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
       Worker w(p, weights, kM);
-      for (int64_t task = begin; task < end; ++task) w.run_mean(task / num_m, task % num_m);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c = task % chunks, block = task / chunks;
+        w.run_mean(block / num_m, block % num_m, c * chunk_keys, (c + 1) * chunk_keys);
+      }
     });
   }
 };
