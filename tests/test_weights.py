@@ -234,6 +234,27 @@ def test_weights_large_logits_fuzz_regression():
     assert_error_rule(w, ref, truth, name="weights", slack_ulps=4.0, floor=floor)
 
 
+def test_with_weights_alibi_one_key_fuzz_regression():
+    """tests/test_fuzz.py --fuzz under ATTN_EXT_CPU_KERNELS=avx2 (2026-11-29): float32, one key,
+    25 query rows with ALiBi, so each row's only logit carries slope * distance up to ~24. The
+    probability is exactly 1; the kernel's was 7 float32 ulps off, the rounding of the float32
+    lse of a logit that large. logit_rounding_floor now counts ALiBi's term as it counts an
+    additive mask's value; the kernel stays within it, and it stays far below what a wrong
+    slope or distance would give (a factor e^(slope) per position)."""
+    torch.manual_seed(0)
+    q, k, v = (
+        rand(shape, torch.float32, "cpu") for shape in ((1, 1, 25, 2), (1, 1, 1, 2), (1, 1, 1, 1))
+    )
+    kw = dict(alibi_slopes=torch.rand(1))
+    _, w = attn_ext.attention_with_weights(q, k, v, **kw)
+    floor = logit_rounding_floor(q, k, torch.float32, **kw)
+    assert floor > logit_rounding_floor(q, k, torch.float32)  # the ALiBi term counted
+    assert floor < 1e-4
+    ref = attention_weights_reference(q, k, **kw)
+    truth = ground_truth(lambda a, b: attention_weights_reference(a, b, **kw), q, k)
+    assert_error_rule(w, ref, truth, name="weights", slack_ulps=4.0, floor=floor)
+
+
 # ---------------------------------------------------------------- attention_with_weights
 # attention's output and the probabilities it was formed with: the flash kernel, then
 # attention_probabilities from its lse (mean_heads: their mean over heads, never per head).

@@ -271,7 +271,10 @@ def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float
     |dP_ij| <= ln 2 * P_ij * (e_ij + sum_k P_ik e_ik) for logit errors e. Large logits (an explicit
     scale of 2.5, D 61: 7 float32 ulps of P, found by tests/test_fuzz.py's --fuzz) are where it
     exceeds a few ulps of P. q (B, H, Sq, D) or (B, Sq, D), k with Hkv heads; the options of
-    attention_weights_reference."""
+    attention_weights_reference. The other additive terms of a logit count as the mask's value
+    does: ALiBi's ``slope * distance`` (one key 24 positions away with slope ~1, float32 under
+    the avx2 kernel set: 7 ulps of P = 1, found by --fuzz) and a sink's logit, which the row's
+    float32 lse carries."""
     q64, k64, mask = to_f64(q), to_f64(k), to_f64(attn_mask)
     if q64.dim() == 3:
         q64, k64 = q64.unsqueeze(1), k64.unsqueeze(1)
@@ -283,6 +286,17 @@ def logit_rounding_floor(q, k, dtype, *, scale=None, attn_mask=None, ulps: float
     mag = sc * terms
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
         mag = mag + mask.abs().nan_to_num(0.0, posinf=0.0)
+    B, H, Sq, Sk = mag.shape
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None:
+        offset = Sk - Sq if kw.get("key_offset") is None else kw["key_offset"]
+        i = torch.arange(Sq, dtype=torch.float64, device=mag.device)[:, None]
+        j = torch.arange(Sk, dtype=torch.float64, device=mag.device)[None, :]
+        per_head = to_f64(slopes).abs().reshape(-1, H)[:, :, None, None]
+        mag = mag + per_head * (i + offset - j).abs()
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        mag = mag + to_f64(sinks).abs().view(1, H, 1, 1)
     err = torch.finfo(dtype).eps * math.log2(math.e) * mag.masked_fill(probs == 0, 0.0)
     bound = math.log(2) * probs * (err + (probs * err).sum(-1, keepdim=True))
     return ulps * bound.max().item() if bound.numel() else 0.0
