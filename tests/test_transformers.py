@@ -540,14 +540,7 @@ def test_gemma2_softcap_and_alternating_windows_match_eager(monkeypatch):
 def test_gpt_oss_sinks_match_eager():
     """gpt-oss (a learned sink logit per head, s_aux): same logits and gradients, the sinks'
     included, as transformers' eager attention."""
-    cfg = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None,
-    )  # fmt: skip
-    # float32: the experts' grouped matmul has no float64 kernel
-    ref, ours = _pair(transformers.GptOssForCausalLM, cfg, torch.float32)
+    ref, ours = _gpt_oss()
     ids, mask = _batch(seq=16, pads=(0, 4), seed=10)
     step = _assert_same_padded_step(ref, ours, ids, mask, **TOL[torch.float32])
     assert any(n.endswith("sinks") for n in step)
@@ -557,6 +550,8 @@ def test_gpt_oss_sinks_match_eager():
 
 
 def _gpt_oss():
+    """A two-layer gpt-oss pair (eager, attn_ext), float32: the experts' grouped matmul has no
+    float64 kernel."""
     cfg = transformers.GptOssConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,

@@ -123,27 +123,37 @@ def _unverified_cuda():
             os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = old
 
 
+def _modifier_inputs(dev):
+    """The modifier cases' inputs: GQA 8/2 and a sink logit per head."""
+    inputs = qkv(h=8, hkv=2, device=dev)
+    inputs["sinks"] = randn(8, device=dev)
+    return inputs
+
+
+def _modifiers(q, sinks, slopes_dtype=None):
+    """The modifier cases' keywords: causal, softcap 4, ALiBi slopes (B = 2, H = 8), sinks."""
+    slopes = torch.linspace(0.05, 0.4, 2 * 8, device=q.device).view(2, 8)
+    slopes = slopes if slopes_dtype is None else slopes.to(slopes_dtype)
+    return dict(causal=True, softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+
+
 def modifiers_case():
     """softcap, ALiBi (B, H) and attention sinks (with their gradient), GQA, causal."""
 
-    def make(dev):
-        inputs = qkv(h=8, hkv=2, device=dev)
-        inputs["sinks"] = randn(8, device=dev)
-        return inputs
-
-    def slopes(q):
-        return torch.linspace(0.05, 0.4, 2 * 8, device=q.device).view(2, 8)
-
     def ref(q, k, v, sinks):
-        kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q), sinks=sinks)
-        return (attention_reference(q, k, v, **kw),)
+        return (attention_reference(q, k, v, **_modifiers(q, sinks)),)
 
     def ext(q, k, v, sinks):
         with _unverified_cuda():
-            kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q).float(), sinks=sinks)
-            return (attn_ext.attention(q, k, v, **kw),)
+            return (attn_ext.attention(q, k, v, **_modifiers(q, sinks, torch.float32)),)
 
-    return Case("attention softcap + ALiBi + sinks", make, ext, ref, grads=("q", "k", "v", "sinks"))
+    return Case(
+        "attention softcap + ALiBi + sinks",
+        _modifier_inputs,
+        ext,
+        ref,
+        grads=("q", "k", "v", "sinks"),
+    )
 
 
 def weights_modifiers_case():
@@ -151,26 +161,21 @@ def weights_modifiers_case():
     (rows summing to one less the sink's share), GQA, causal; gradients of q, k and the sinks
     through both."""
 
-    def make(dev):
-        inputs = qkv(h=8, hkv=2, device=dev)
-        inputs["sinks"] = randn(8, device=dev)
-        return inputs
-
-    def slopes(q):
-        return torch.linspace(0.05, 0.4, 2 * 8, device=q.device).view(2, 8)
-
     def ref(q, k, v, sinks):
-        kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q), sinks=sinks)
+        kw = _modifiers(q, sinks)
         return attention_weights_reference(q, k, **kw), attention_reference(q, k, v, **kw)
 
     def ext(q, k, v, sinks):
         with _unverified_cuda():
-            kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes(q).float(), sinks=sinks)
-            out, w = attn_ext.attention_with_weights(q, k, v, **kw)
+            out, w = attn_ext.attention_with_weights(q, k, v, **_modifiers(q, sinks, torch.float32))
             return w, out
 
     return Case(
-        "attention_with_weights softcap + ALiBi + sinks", make, ext, ref, grads=("q", "k", "sinks")
+        "attention_with_weights softcap + ALiBi + sinks",
+        _modifier_inputs,
+        ext,
+        ref,
+        grads=("q", "k", "sinks"),
     )
 
 

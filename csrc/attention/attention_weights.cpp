@@ -104,18 +104,10 @@ at::Tensor attention_weights_impl(const at::Tensor& q, const at::Tensor& k,
                                   int64_t window_right, std::optional<int64_t> key_offset,
                                   double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights";
-  PreparedInputs in = prepare_probabilities(kOp, q, k,
-                                            {attn_mask,
-                                             scale,
-                                             causal,
-                                             window_left,
-                                             window_right,
-                                             key_offset,
-                                             0.0,
-                                             {},
-                                             softcap,
-                                             alibi_slopes,
-                                             sinks});
+  PreparedInputs in =
+      prepare_probabilities(kOp, q, k,
+                            weights_options(attn_mask, scale, causal, window_left, window_right,
+                                            key_offset, softcap, alibi_slopes, sinks));
   const AttentionParams& p = in.params;
   const int64_t B = p.batch, H = p.heads, Sq = p.seqlen_q, Sk = p.seqlen_k;
   if (B * H * Sq * Sk == 0 || p.kv_heads == 0) return at::zeros({B, H, Sq, Sk}, q.options());

@@ -347,6 +347,15 @@ AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_
           dropout_p,    rng_state, softcap, alibi_slopes, sinks};
 }
 
+AttentionOptions weights_options(const std::optional<at::Tensor>& attn_mask,
+                                 std::optional<double> scale, bool causal, int64_t window_left,
+                                 int64_t window_right, std::optional<int64_t> key_offset,
+                                 double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                 const std::optional<at::Tensor>& sinks) {
+  return {attn_mask,         scale,        causal,  window_left,  window_right, key_offset,
+          /*dropout_p=*/0.0, std::nullopt, softcap, alibi_slopes, sinks};
+}
+
 PreparedBackward prepare_attention_varlen_backward(
     const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,

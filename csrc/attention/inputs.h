@@ -58,6 +58,13 @@ AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_
                                 const std::optional<at::Tensor>& alibi_slopes,
                                 const std::optional<at::Tensor>& sinks);
 
+// attention_weights' options: attention's masking and score modifiers, no dropout.
+AttentionOptions weights_options(const std::optional<at::Tensor>& attn_mask,
+                                 std::optional<double> scale, bool causal, int64_t window_left,
+                                 int64_t window_right, std::optional<int64_t> key_offset,
+                                 double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                 const std::optional<at::Tensor>& sinks);
+
 // The probabilities ops (attention_weights, attention_probabilities): q and k checked and
 // prepared as attention's, k doubling as v (the same band, mask and dropout); for
 // attention_probabilities also lse, (B, H, Sq) float32.

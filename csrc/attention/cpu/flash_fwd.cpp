@@ -811,18 +811,10 @@ at::Tensor attention_weights_cpu(const at::Tensor& q, const at::Tensor& k,
                                  double softcap) {
   constexpr const char* kOp = "attn_ext.attention_weights";
   check_cpu_support(kOp);
-  PreparedInputs in = prepare_probabilities(kOp, q, k,
-                                            {attn_mask,
-                                             scale,
-                                             causal,
-                                             window_left,
-                                             window_right,
-                                             key_offset,
-                                             0.0,
-                                             {},
-                                             softcap,
-                                             alibi_slopes,
-                                             sinks});
+  PreparedInputs in =
+      prepare_probabilities(kOp, q, k,
+                            weights_options(attn_mask, scale, causal, window_left, window_right,
+                                            key_offset, softcap, alibi_slopes, sinks));
   AttentionParams& p = in.params;
   at::Tensor w =
       advise_huge_pages(at::empty({p.batch, p.heads, p.seqlen_q, p.seqlen_k}, q.options()));
