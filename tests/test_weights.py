@@ -44,6 +44,17 @@ CASES = {
     ),
     "sinks": dict(shape=(2, 4, 2, 13, 17, 32), sinks=True, causal=True),
 }
+# The masking cases the backward tests take (each adds its score-modifier cases).
+BACKWARD_CASES = [
+    "plain",
+    "causal_sq_gt_sk",
+    "window",
+    "bool_mask",
+    "float_mask",
+    "gqa",
+    "mqa_scale",
+    "bshd",
+]
 # The slopes are ALiBi's geometric ones for 8 heads (2^-1 ... 2^-8), a head's distance bias
 # spanning ~0.1-10 over these lengths; the sinks span a share from negligible to most of a row.
 ALIBI_SLOPES = [2.0**-i for i in range(1, 9)]
@@ -144,22 +155,7 @@ def test_weights_empty(device, B, H, Sq, Sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "case",
-    [
-        "plain",
-        "causal_sq_gt_sk",
-        "window",
-        "bool_mask",
-        "float_mask",
-        "gqa",
-        "mqa_scale",
-        "bshd",
-        "softcap",
-        "alibi_batch_softcap",
-        "sinks",
-    ],
-)
+@pytest.mark.parametrize("case", BACKWARD_CASES + ["softcap", "alibi_batch_softcap", "sinks"])
 def test_weights_backward(device, dtype, case):
     q, k, kw = _setup(case, dtype, device)
     g = torch.randn(q.shape[0], q.shape[1], q.shape[2], k.shape[2], device=device).to(dtype)
@@ -298,22 +294,7 @@ def test_with_weights_forward(device, dtype, case, mean_heads):
 
 @pytest.mark.parametrize("mean_heads", MEAN)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "case",
-    [
-        "plain",
-        "causal_sq_gt_sk",
-        "window",
-        "bool_mask",
-        "float_mask",
-        "gqa",
-        "mqa_scale",
-        "bshd",
-        "alibi",
-        "alibi_batch_softcap",
-        "sinks",
-    ],
-)
+@pytest.mark.parametrize("case", BACKWARD_CASES + ["alibi", "alibi_batch_softcap", "sinks"])
 def test_with_weights_backward(device, dtype, case, mean_heads):
     """Gradients of a loss on both outputs: the flash backward for out, the softmax backward
     of the weights added."""
@@ -475,6 +456,45 @@ def test_with_weights_dropout_gradcheck(device, mean_heads):
     want = attention_weights_reference(q, k, causal=True) * keep.to(device) / (1 - p)
     want = want.mean(1) if mean_heads else want
     torch.testing.assert_close(fn(q, k, v)[1], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda q, k, lse: attn_ext.attention_weights(q, k, alibi_slopes=torch.ones(3)),
+            r"attention_weights: alibi_slopes must have shape \(H,\) = \(4,\) or \(B, H\) = "
+            r"\(1, 4\), got \[3\]",
+        ),
+        (
+            lambda q, k, lse: attn_ext.attention_weights(q, k, sinks=torch.ones(2)),
+            r"attention_weights: sinks must have shape \(H,\) = \(4,\), got \[2\]",
+        ),
+        (
+            lambda q, k, lse: attn_ext.attention_weights(q, k, softcap=-1.0),
+            r"attention_weights: softcap must be finite and >= 0 \(0 = off\), got -1",
+        ),
+        (
+            lambda q, k, lse: torch.ops.attn_ext.attention_weights_backward(
+                torch.ones(1, 4, 5, 6), torch.ones(1, 4, 5, 6), q, k, softcap=float("nan")
+            ),
+            r"attention_weights_backward: softcap must be finite and >= 0 \(0 = off\), got nan",
+        ),
+        (
+            lambda q, k, lse: attn_ext.attention_probabilities(
+                q, k, lse, alibi_slopes=torch.ones(4, dtype=torch.int32)
+            ),
+            "attention_probabilities: alibi_slopes must be floating, got Int",
+        ),
+    ],
+    ids=["slopes_shape", "sinks_shape", "softcap_negative", "backward_softcap_nan", "slopes_int"],
+)
+def test_weights_refuse_bad_modifiers(call, message):
+    """The score modifiers are checked as attention checks them, the message naming the op, the
+    argument, what it must be and what it was."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(RuntimeError, match=message):
+        call(q, k, torch.zeros(1, 4, 5))
 
 
 def test_weights_refuse_slopes_grad(device):

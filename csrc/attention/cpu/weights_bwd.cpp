@@ -68,6 +68,12 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
   auto* dq_out = dq.mutable_data_ptr<scalar_t>();
   auto* dk_out = dk.mutable_data_ptr<scalar_t>();
   const acc_t sc = static_cast<acc_t>(scale);
+  auto q_rows = [&](int64_t b, int64_t h, int64_t i0) {
+    return row_ptr(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i0);
+  };
+  auto k_rows = [&](int64_t b, int64_t hk, int64_t j0) {
+    return row_ptr(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, hk, j0);
+  };
   ScoreMod<acc_t> cap;  // softcap only (ALiBi and masks are constants of the scores)
   cap.cap = static_cast<acc_t>(p.softcap);
   const bool capped = cap.softcapped();
@@ -93,14 +99,10 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
       for (int64_t r = 0; r < m; ++r)
         d[r] = row_dot<acc_t>(P.row(b, h, i0 + r), dP.row(b, h, i0 + r), Sk);
       std::fill(acc.get(), acc.get() + m * D, acc_t(0));
-      const scalar_t* kh =
-          row_ptr(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, h / G, int64_t(0));
+      const scalar_t* kh = k_rows(b, h / G, 0);
       int64_t ldq = 0;
       const acc_t* qt =
-          capped
-              ? load_tile(row_ptr(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i0),
-                          p.q_row_stride, m, D, q_buf.get(), &ldq)
-              : nullptr;
+          capped ? load_tile(q_rows(b, h, i0), p.q_row_stride, m, D, q_buf.get(), &ldq) : nullptr;
       for (int64_t j0 = 0; j0 < Sk; j0 += kKeys) {
         const int64_t n = std::min(kKeys, Sk - j0);
         for (int64_t r = 0; r < m; ++r)
@@ -127,10 +129,7 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
       std::fill(acc.get(), acc.get() + n * D, acc_t(0));
       int64_t ldk = 0;
       const acc_t* kt =
-          capped
-              ? load_tile(row_ptr(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, hk, j0),
-                          p.k_row_stride, n, D, k_buf.get(), &ldk)
-              : nullptr;
+          capped ? load_tile(k_rows(b, hk, j0), p.k_row_stride, n, D, k_buf.get(), &ldk) : nullptr;
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const acc_t* d = delta.data() + (b * H + h) * Sq;
         for (int64_t i0 = 0; i0 < Sq; i0 += kRows) {
@@ -138,9 +137,7 @@ void weights_bwd(const AttentionParams& p, const at::Tensor& grad_weights,
           for (int64_t r = 0; r < m; ++r)
             ds_row(b, h, i0 + r, j0, n, d[i0 + r], pbuf.get(), ds.get() + r * kKeys);
           int64_t ldq = 0;
-          const acc_t* qt =
-              load_tile(row_ptr(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i0),
-                        p.q_row_stride, m, D, q_buf.get(), &ldq);
+          const acc_t* qt = load_tile(q_rows(b, h, i0), p.q_row_stride, m, D, q_buf.get(), &ldq);
           if (capped)
             softcap_chain(cap, sc, qt, ldq, m, kt, ldk, n, D, s_buf.get(), ds.get(), kKeys);
           gemm(true, false, n, D, m, acc_t(1), ds.get(), kKeys, qt, ldq, acc_t(1), acc.get(), D);
