@@ -145,6 +145,8 @@ def _kv_cache_append_fake(
     rope_interleaved=False,
     rotary_dim=None,
     block_table=None,
+    k_scale=1.0,
+    v_scale=1.0,
 ):
     return None
 

@@ -9,6 +9,7 @@ so that an append on a GPU can refuse an overflow without waiting for the device
 importable from the package top level (``attn_ext.KVCache``, ...).
 """
 
+import math
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -39,6 +40,26 @@ def _check_sizes(owner: str, positive: Tuple[str, ...] = (), **sizes) -> None:
         least = 1 if name in positive else 0
         if int(value) < least:
             raise ValueError(f"attn_ext.{owner}: {name} must be >= {least}, got {value}")
+
+
+_FLOAT8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_scales(owner: str, dtype: torch.dtype, k_scale, v_scale) -> Tuple[float, float]:
+    """A cache's (k_scale, v_scale) as floats: positive and finite, and 1 unless the cache is
+    float8 (the append and decode ops check the same, at the first call)."""
+    scales = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        s = float(s)
+        if not (math.isfinite(s) and s > 0.0):
+            raise ValueError(f"{owner}: {name} must be positive and finite, got {s}")
+        if s != 1.0 and dtype not in _FLOAT8_CACHE_DTYPES:
+            raise ValueError(
+                f"{owner}: {name} applies to float8_e4m3fn / float8_e5m2 caches only, got "
+                f"{name}={s} with dtype {dtype}"
+            )
+        scales.append(s)
+    return scales[0], scales[1]
 
 
 def _room_after(
@@ -79,10 +100,20 @@ class KVCache:
 
     Each (batch, head) block of rows is contiguous, so a step reads each sequence's keys and
     values as one stream; per-sequence lengths let a batch hold prompts of different lengths.
+
+    ``dtype=torch.float8_e4m3fn`` (or ``torch.float8_e5m2``) keeps a quantized cache (CPU): the
+    cache holds ``K / k_scale`` and ``V / v_scale``, rounded and saturated at the format's
+    largest value by :meth:`append` (keys and values of any floating dtype), and :meth:`attend`
+    attends to the scaled values; half the memory and the bytes per step of a bf16 cache.
+    ``k_scale`` / ``v_scale`` should put the largest magnitudes near the format's range (448
+    for e4m3fn); 1 by default, as vLLM's fp8 caches.
     """
 
     # The rows are found by position, not through a page table (PagedKVCache has one).
     block_table: Optional[torch.Tensor] = None
+    # A float8 cache's scales (1: the cache holds the values themselves, as the latent caches').
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(
         self,
@@ -94,6 +125,8 @@ class KVCache:
         *,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ):
         _check_sizes(
             "KVCache",
@@ -107,6 +140,7 @@ class KVCache:
             batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
         )
         self.v = torch.zeros(batch_size, num_kv_heads, max_len, dv, dtype=dtype, device=device)
+        self.k_scale, self.v_scale = _check_scales("KVCache", self.k.dtype, k_scale, v_scale)
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.k.device)
         # A GPU op cannot read the lengths without synchronizing, so on a GPU the cache keeps a
         # host copy to refuse an overflowing append with a clear error (the CPU op checks the
@@ -169,6 +203,8 @@ class KVCache:
             rope_base=rope_base,
             rope_interleaved=rope_interleaved,
             rotary_dim=rotary_dim,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         if refusal is not None:
             raise RuntimeError(refusal)
@@ -198,6 +234,8 @@ class KVCache:
             num_splits=num_splits,
             return_lse=return_lse,
             block_table=self.block_table,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def __repr__(self) -> str:
@@ -232,6 +270,8 @@ class PagedKVCache:
     On CUDA the paged kernels read the pages in place for bf16 / fp16 / fp32 with ``head_dim ==
     head_dim_v`` in {64, 128, 256}; other decode calls gather the pages into contiguous rows
     first (one copy of the cache per call).
+
+    ``dtype``, ``k_scale``, ``v_scale``: a float8 cache (CPU), as for :class:`KVCache`.
     """
 
     def __init__(
@@ -246,6 +286,8 @@ class PagedKVCache:
         max_pages_per_seq: int,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ):
         _check_sizes(
             "PagedKVCache",
@@ -261,6 +303,7 @@ class PagedKVCache:
         kw = dict(dtype=dtype, device=device)
         self.k = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, **kw)
         self.v = torch.zeros(num_pages, num_kv_heads, page_size, dv, **kw)
+        self.k_scale, self.v_scale = _check_scales("PagedKVCache", self.k.dtype, k_scale, v_scale)
         self._init_table(max_batch, max_pages_per_seq, self.k.device)
 
     def _init_table(self, max_batch: int, max_pages_per_seq: int, device) -> None:
@@ -378,6 +421,8 @@ class PagedKVCache:
                 rope_interleaved=rope_interleaved,
                 rotary_dim=rotary_dim,
                 block_table=self.block_table,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
 
         self._append_through(write, k, new_lengths)
@@ -398,6 +443,8 @@ class PagedKVCache:
         self._host_lengths = after
 
     attend = KVCache.attend  # through self.block_table
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def _take(self) -> int:
         page = self._free.pop()

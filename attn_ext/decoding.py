@@ -82,6 +82,8 @@ def decode_attention(
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
     block_table: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """Attention of ``Sq`` new queries against a KV cache with per-sequence lengths.
 
@@ -121,6 +123,12 @@ def decode_attention(
     kernel reads the pages in place; a call it does not serve gathers them into contiguous rows
     for the SIMT kernel (one copy of the cache per call).
 
+    Float8 cache (CPU): k_cache and v_cache of ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``
+    (both the same; q of any floating dtype) hold ``K / k_scale`` and ``V / v_scale``, as
+    ``kv_cache_append`` with the same scales writes them; the call attends to ``k_scale *
+    k_cache`` and ``v_scale * v_cache`` (each row read and widened where it lies: half the
+    bytes of a bf16 cache per step). ``k_scale`` / ``v_scale`` other than 1 need a float8 cache.
+
     Returns ``out`` (B, H, Sq, Dv), or ``(out, lse)`` with lse float32 (B, H, Sq). Inference
     only: not differentiable.
     """
@@ -140,6 +148,8 @@ def decode_attention(
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
         block_table=block_table,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return (out, lse) if return_lse else out
 

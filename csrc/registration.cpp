@@ -77,6 +77,11 @@
 //   sinks as for attention (ALiBi distances from pos). cache_batch_idx (B,) int32: sequence b
 //   reads cache row cache_batch_idx[b]; cache_leftpad (B,) int32: sequence b's keys start at
 //   cache_leftpad[b] (FlashAttention's with_kvcache arguments).
+//   Float8 caches: k_cache / v_cache of float8_e4m3fn or float8_e5m2 (both the same) hold
+//   K / k_scale and V / v_scale; kv_cache_append quantizes k / v (any floating dtype) with
+//   saturation at the type's largest finite value, decode_attention (q of any floating dtype)
+//   attends to k_scale * k_cache and v_scale * v_cache. Scales other than 1 need a float8
+//   cache. CPU only so far.
 //   Paged cache (block_table given to kv_cache_append / decode_attention): k_cache
 //   (num_pages, Hkv, page_size, D), v_cache (num_pages, Hkv, page_size, Dv) (vLLM /
 //   FlashAttention's (num_pages, page_size, Hkv, *) .transpose(1, 2) is read in place);
@@ -180,7 +185,7 @@ TORCH_LIBRARY(attn_ext, m) {
       "kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) cache_seqlens, "
       "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
       "float rope_base=10000.0, bool rope_interleaved=False, SymInt? rotary_dim=None, "
-      "Tensor? block_table=None) -> ()");
+      "Tensor? block_table=None, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def(
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
@@ -189,8 +194,8 @@ TORCH_LIBRARY(attn_ext, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "
       "int num_splits=0, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
-      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None) "
-      "-> (Tensor out, Tensor lse)");
+      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
+      "float k_scale=1.0, float v_scale=1.0) -> (Tensor out, Tensor lse)");
 
   m.def(
       "tpa_expand(Tensor a, Tensor b, Tensor? positions=None, *, float scale=1.0, "

@@ -6,19 +6,26 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
+#include "common/float8.h"
 
 namespace attn_ext {
-void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               bool float8_kv) {
   TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D (B, H, Sq, D), got ", q.dim(), "-D ", q.sizes());
   TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D (B, Hkv, Sk, D), got ", k.dim(), "-D ", k.sizes());
   TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D (B, Hkv, Sk, Dv), got ", v.dim(), "-D ",
               v.sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), op,
               ": q must be float32, float64, bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ", q.scalar_type(),
-              ", got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ", q.scalar_type(),
-              ", got ", v.scalar_type());
+  if (float8_kv && is_float8_cache(k.scalar_type())) {
+    TORCH_CHECK(v.scalar_type() == k.scalar_type(), op, ": v must have k's dtype ", k.scalar_type(),
+                " (a float8 cache), got ", v.scalar_type());
+  } else {
+    TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": k must have q's dtype ", q.scalar_type(),
+                float8_kv ? " or be float8_e4m3fn / float8_e5m2" : "", ", got ", k.scalar_type());
+    TORCH_CHECK(v.scalar_type() == q.scalar_type(), op, ": v must have q's dtype ", q.scalar_type(),
+                ", got ", v.scalar_type());
+  }
   TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(), ", got ",
               k.device());
   TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
@@ -196,7 +203,7 @@ void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, co
 
 PreparedInputs prepare_attention(const char* op, const at::Tensor& q_in, const at::Tensor& k_in,
                                  const at::Tensor& v_in, const AttentionOptions& o) {
-  check_qkv(op, q_in, k_in, v_in);
+  check_qkv(op, q_in, k_in, v_in, o.float8_kv);
   PreparedInputs r;
   r.q = blas_rows(q_in);
   r.k = blas_rows(k_in);

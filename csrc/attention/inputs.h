@@ -23,6 +23,8 @@ struct AttentionOptions {
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;  // (H,) or (B, H)
   std::optional<at::Tensor> sinks;         // (H,)
+  // k and v may be a float8 cache (decode_attention; common/float8.h) instead of q's dtype.
+  bool float8_kv = false;
 };
 
 // Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
@@ -36,7 +38,9 @@ struct PreparedInputs {
 
 // The q/k/v checks every attention-like op shares: 4-D, one floating dtype, one device, one
 // batch size, H % Hkv == 0, v's heads and length equal to k's, k's head dim equal to q's.
-void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+// With float8_kv, k and v may instead both be one float8 dtype (a quantized KV cache).
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               bool float8_kv = false);
 
 PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const AttentionOptions& opts);

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include "attention/inputs.h"
+#include "common/float8.h"
 
 namespace attn_ext {
 
@@ -34,6 +35,19 @@ void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d
 void check_index_dtype(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": ", name,
               " must be int32 or int64, got ", t.scalar_type());
+}
+
+// A cache's dtype against the tensor it meets (q, or the new keys / values): the same, or a
+// float8 cache (common/float8.h).
+void check_cache_dtype(const char* op, const char* name, const at::Tensor& cache,
+                       const char* like_name, const at::Tensor& like) {
+  TORCH_CHECK(cache.device() == like.device(), op, ": ", name, " must be on ", like_name,
+              "'s device ", like.device(), ", got ", cache.device());
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type() || is_float8_cache(cache.scalar_type()), op,
+              ": ", name, " must have ", like_name, "'s dtype ", like.scalar_type(),
+              " or be float8_e4m3fn / float8_e5m2, got ", cache.scalar_type());
+  TORCH_CHECK(!is_float8_cache(like.scalar_type()), op, ": ", like_name,
+              " must be float32, float64, bfloat16 or float16, got ", like.scalar_type());
 }
 
 // A cache must be writable row by row: its last dimension contiguous.
@@ -165,7 +179,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  double rope_base, bool rope_interleaved,
                                  std::optional<int64_t> rotary_dim,
                                  const std::optional<at::Tensor>& block_table, bool check_values,
-                                 const AppendNames& n) {
+                                 CacheScales scales, const AppendNames& n) {
   const bool paged = block_table.has_value() && block_table->defined();
   check_float_4d(op, n.k_cache, k_cache,
                  paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
@@ -174,8 +188,14 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   check_float_4d(op, n.k, k, "(B, Hkv, S_new, D)");
   check_float_4d(op, n.v, v, "(B, Hkv, S_new, Dv)");
   check_same(op, n.v_cache, v_cache, n.k_cache, k_cache);
-  check_same(op, n.k, k, n.k_cache, k_cache);
-  check_same(op, n.v, v, n.k_cache, k_cache);
+  if (is_float8_cache(k_cache.scalar_type())) {  // k / v of any other floating dtype
+    check_cache_dtype(op, n.k_cache, k_cache, n.k, k);
+    check_same(op, n.v, v, n.k, k);
+  } else {
+    check_same(op, n.k, k, n.k_cache, k_cache);
+    check_same(op, n.v, v, n.k_cache, k_cache);
+  }
+  check_cache_scales(op, k_cache.scalar_type(), scales.k, scales.v);
   // A paged cache's first axis holds pages, not sequences: the batch is k's, and each
   // sequence's capacity is its table row's pages.
   const int64_t B = paged ? k.size(0) : k_cache.size(0), Hkv = k_cache.size(1);
@@ -223,6 +243,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   }
   p.lengths = len;
   p.appended = add;
+  p.k_scale = scales.k;
+  p.v_scale = scales.v;
   p.rope = rope;
   if (rope) p.policy = make_rope_policy(op, p.head_dim, rope_base, rope_interleaved, rotary_dim);
 
@@ -253,6 +275,9 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                  paged ? "(num_pages, Hkv, page_size, Dc + Dr)" : "(B, Hkv, L, Dc + Dr)");
   check_float_4d(op, "c_kv", c_kv, "(B, Hkv, S_new, Dc)");
   check_float_4d(op, "k_rope", k_rope, "(B, Hkv, S_new, Dr)");
+  TORCH_CHECK(!is_float8_cache(cache.scalar_type()), op,
+              ": the latent cache must be float32, float64, bfloat16 or float16, got ",
+              cache.scalar_type());
   const int64_t dc = c_kv.size(3), dr = k_rope.size(3);
   TORCH_CHECK(dc + dr == cache.size(3), op,
               ": the cache row width (dim 3) must be c_kv's + "
@@ -263,7 +288,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
   // column views of the one buffer, written row by row without overlap.
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
                            k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
-                           std::nullopt, block_table, check_values,
+                           std::nullopt, block_table, check_values, CacheScales{},
                            {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"});
 }
 
@@ -282,8 +307,9 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
                  paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
   check_float_4d(op, "v_cache", v_cache,
                  paged ? "(num_pages, Hkv, page_size, Dv)" : "(B, Hkv, L, Dv)");
-  check_same(op, "k_cache", k_cache, "q", q);
-  check_same(op, "v_cache", v_cache, "q", q);
+  check_cache_dtype(op, "k_cache", k_cache, "q", q);
+  check_same(op, "v_cache", v_cache, "k_cache", k_cache);
+  check_cache_scales(op, k_cache.scalar_type(), o.k_scale, o.v_scale);
   if (!indexed && !paged) check_size(op, "k_cache", k_cache, 0, "batch size", q.size(0));
   check_size(op, "v_cache", v_cache, 0, paged ? "pages" : "batch size", k_cache.size(0));
   check_size(op, "v_cache", v_cache, 1, "heads", k_cache.size(1));
@@ -315,7 +341,8 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
   r.attention =
       prepare_attention(op, q, per_query_batch(k_cache), per_query_batch(v_cache),
                         {std::nullopt, o.scale, o.causal, o.window_left, o.window_right,
-                         std::nullopt, 0.0, std::nullopt, o.softcap, o.alibi_slopes, o.sinks});
+                         std::nullopt, 0.0, std::nullopt, o.softcap, o.alibi_slopes, o.sinks,
+                         /*float8_kv=*/true});
   r.q = r.attention.q;
   r.k_cache = remapped ? blas_rows(k_cache) : r.attention.k;
   r.v_cache = remapped ? blas_rows(v_cache) : r.attention.v;
@@ -363,6 +390,8 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
     r.params.leftpad = r.leftpad.data_ptr<int64_t>();
   }
   r.params.num_splits = o.num_splits;
+  r.params.k_scale = o.k_scale;
+  r.params.v_scale = o.v_scale;
   return r;
 }
 

@@ -65,6 +65,10 @@ struct AppendNames {
   const char* k = "k";
   const char* v = "v";
 };
+// A float8 cache's scales (common/float8.h): the cache holds K / k and V / v.
+struct CacheScales {
+  double k = 1.0, v = 1.0;
+};
 PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                  const at::Tensor& k, const at::Tensor& v,
@@ -72,7 +76,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  double rope_base, bool rope_interleaved,
                                  std::optional<int64_t> rotary_dim,
                                  const std::optional<at::Tensor>& block_table, bool check_values,
-                                 const AppendNames& names = {});
+                                 CacheScales scales = {}, const AppendNames& names = {});
 
 // The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope]
 // (paged: (num_pages, Hkv, page_size, Dc + Dr) through block_table); the append writes c_kv
@@ -97,6 +101,7 @@ struct DecodeOptions {
   int64_t window_left = -1, window_right = -1, num_splits = 0;
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes, sinks, cache_batch_idx, cache_leftpad, block_table;
+  double k_scale = 1.0, v_scale = 1.0;  // a float8 cache's scales (common/float8.h)
 };
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,

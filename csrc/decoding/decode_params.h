@@ -75,7 +75,8 @@ struct KVAppendParams {
   // of the S_new inputs: batched generation pads on the left); int64, on the op's device.
   const int64_t* lengths = nullptr;
   const int64_t* appended = nullptr;
-  bool rope = false;  // rotate the keys at their cache positions on the way in
+  double k_scale = 1.0, v_scale = 1.0;  // a float8 cache stores k / k_scale, v / v_scale
+  bool rope = false;                    // rotate the keys at their cache positions on the way in
   RopePolicy policy;
   PageTable pages;  // the cache strides' batch stride is then the page stride
 };
@@ -94,6 +95,8 @@ struct DecodeParams : AttentionParams {
   const int64_t* leftpad = nullptr;
   int64_t cache_batch = 0;  // the cache's batch rows (batch_idx's range)
   PageTable pages;          // a paged cache (never together with batch_idx)
+  // A float8 cache holds K / k_scale and V / v_scale (common/float8.h); 1 otherwise.
+  double k_scale = 1.0, v_scale = 1.0;
 
   // The CPU op checks both values; a GPU op cannot read them without a sync, so they are
   // clamped into range here: never a read outside the cache.

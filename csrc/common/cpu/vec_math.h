@@ -7,6 +7,8 @@
 #include <type_traits>
 #include <limits>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include "common/constants.h"
 #if defined(__AVX2__) && defined(__FMA__)
@@ -297,6 +299,28 @@ inline __m256 load8(const c10::BFloat16* src) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+// float8 rows widen through fp16, which F16C widens exactly (subnormals included, whatever
+// MXCSR's denormal flags). An e5m2 byte is the high byte of the fp16 of its value. An e4m3fn
+// byte's exponent and mantissa moved into fp16's fields read as its value times 2^-8 (fp16's
+// exponent bias is 15, e4m3's 7; subnormals too), so one exact multiply by 2^8 restores it;
+// e4m3fn's NaN (every bit but the sign set) becomes an fp16 NaN on the way.
+constexpr float kE4m3HalfBias = 256.0f;
+inline __m128i e4m3_to_half8(__m128i bytes) {
+  const __m128i w = _mm_cvtepu8_epi16(bytes);
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  const __m128i nan =
+      _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
+  return _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(mag, 7)), nan);
+}
+inline __m256 load8(const c10::Float8_e4m3fn* src) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_to_half8(b)), _mm256_set1_ps(kE4m3HalfBias));
+}
+inline __m256 load8(const c10::Float8_e5m2* src) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+}
 inline void store8(float* dst, __m256 v) {
   _mm256_storeu_ps(dst, v);
 }
@@ -324,7 +348,8 @@ inline void store8(c10::BFloat16* dst, __m256 v) {
 // the same rounding for loops the compiler leaves scalar).
 template <typename scalar_t>
 inline constexpr bool kVectorLoad =
-    std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>;
+    std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16> ||
+    std::is_same_v<scalar_t, c10::Float8_e4m3fn> || std::is_same_v<scalar_t, c10::Float8_e5m2>;
 
 template <typename scalar_t, std::enable_if_t<kVectorLoad<scalar_t>, int> = 0>
 inline void load_row(const scalar_t* src, float* dst, int64_t n, float a) {

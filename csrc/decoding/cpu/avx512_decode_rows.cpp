@@ -48,6 +48,21 @@ inline __m512 load16(const c10::Half* src) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
 
+// float8 rows as avx2::load8 widens them (vec_math.h says how), 16 at a time.
+inline __m512 load16(const c10::Float8_e4m3fn* src) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i nan =
+      _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7C00));
+  const __m256i h = _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7)), nan);
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(avx2::kE4m3HalfBias));
+}
+inline __m512 load16(const c10::Float8_e5m2* src) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+
 // Columns [c, c + 16 W) of o_r += sum_j p[r * ldp + j] * values[j] over rows [j0, j1).
 template <int M, int W, typename scalar_t>
 void pv_chunk(const float* p, int64_t ldp, const scalar_t* const* values, int64_t j0, int64_t j1,
@@ -138,6 +153,14 @@ void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::BFloat16* cons
 }
 void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Half* const* values, int64_t n,
                int64_t dv, float* o) {
+  pv(m, p, ldp, values, n, dv, o);
+}
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Float8_e4m3fn* const* values,
+               int64_t n, int64_t dv, float* o) {
+  pv(m, p, ldp, values, n, dv, o);
+}
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Float8_e5m2* const* values,
+               int64_t n, int64_t dv, float* o) {
   pv(m, p, ldp, values, n, dv, o);
 }
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include "attention/cpu/avx512_block_products.h"
@@ -21,6 +23,10 @@ void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::BFloat16* cons
                int64_t n, int64_t dv, float* o);
 void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Half* const* values, int64_t n,
                int64_t dv, float* o);
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Float8_e4m3fn* const* values,
+               int64_t n, int64_t dv, float* o);
+void decode_pv(int64_t m, const float* p, int64_t ldp, const c10::Float8_e5m2* const* values,
+               int64_t n, int64_t dv, float* o);
 
 }  // namespace attn_ext::cpu::avx512
 #endif

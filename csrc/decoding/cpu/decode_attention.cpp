@@ -9,7 +9,9 @@
 // decode_rows.h on the cache rows in place, a key tile being a list of row pointers. Larger blocks
 // multiply with BLAS: pages of at least a key tile are read in place, tiles cut at page ends;
 // smaller pages are gathered into the tile buffer (bf16 / fp16 tiles are converted into it anyway),
-// so the GEMMs keep the contiguous kernel's tiles.
+// so the GEMMs keep the contiguous kernel's tiles. A float8 cache (common/float8.h) is read as it
+// lies: its rows widen in registers on the in-place path and into the tile buffer on the BLAS
+// path, k_scale joins the score scale and v_scale the output's normalization.
 #include <algorithm>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +21,7 @@
 #include "decoding/decode_inputs.h"
 #include "attention/inputs.h"
 #include "common/dispatch.h"
+#include "common/float8.h"
 #include "common/mask.h"
 #include "common/online_softmax.h"
 #include "common/cpu/blas.h"
@@ -184,8 +187,8 @@ void pv_in_place(int64_t m, const acc_t* p, int64_t ldp, const scalar_t* const* 
 }
 
 // The tasks: one row block of one sequence, one key split, and `heads` consecutive KV heads (a
-// divisor of Hkv; heads_per_task).
-template <typename scalar_t>
+// divisor of Hkv; heads_per_task). q and out are scalar_t, the cache cache_t.
+template <typename scalar_t, typename cache_t>
 void decode_fwd(const DecodeParams& p, int64_t heads,
                 Partials<at::opmath_type<scalar_t>> partials) {
   using Traits = FlashTraits<scalar_t>;
@@ -198,10 +201,13 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
   const int64_t num_m = ceil_div(rows, kM), splits = p.num_splits;
   const int64_t head_groups = p.kv_heads / heads;
   const acc_t log2e = static_cast<acc_t>(kLog2e);
-  const acc_t s_scale = static_cast<acc_t>(p.scale) * log2e;
+  // The raw products are q . k_cache: k_scale turns them into q . K.
+  const acc_t s_scale = static_cast<acc_t>(p.scale * p.k_scale) * log2e;
+  const acc_t v_scale = static_cast<acc_t>(p.v_scale);
   const bool modified = p.softcap > 0.0 || p.alibi_slopes != nullptr;
   const bool gather = !in_place && p.pages.paged() && p.pages.page_size < kN;
-  const bool buffered = !in_place && (Traits::kConvert || gather);
+  constexpr bool kConvert = Traits::kConvert || !std::is_same_v<cache_t, scalar_t>;
+  const bool buffered = !in_place && (kConvert || gather);
   TORCH_INTERNAL_ASSERT(in_place || heads == 1, "decode_attention: ", heads,
                         " KV heads per task on the BLAS path");
 
@@ -209,8 +215,8 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
     // Per head of the task: its rows' queries, scores, outputs and softmax states.
     Buffer<acc_t> q_buf(heads * kM * D), s_buf(heads * kM * kN), o_buf(heads * kM * Dv);
     Buffer<acc_t> k_buf(buffered ? kN * D : 0), v_buf(buffered ? kN * Dv : 0);
-    std::vector<const scalar_t*> k_rows(in_place ? heads * kN : 0);
-    std::vector<const scalar_t*> v_rows(in_place ? heads * kN : 0);
+    std::vector<const cache_t*> k_rows(in_place ? heads * kN : 0);
+    std::vector<const cache_t*> v_rows(in_place ? heads * kN : 0);
     std::vector<SoftmaxState<acc_t>> state(heads * kM);
 
     for (int64_t task = begin; task < end; ++task) {
@@ -249,18 +255,18 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
             tile_rows(p, b, hk0 + h, j0, n, k_rows.data() + h * kN, v_rows.data() + h * kN);
           scores_in_place(p, m, heads, j0, n, q_buf.get(), kM * D, k_rows.data(), v_rows.data(), kN,
                           s_buf.get(), kN, kM * kN);
-          prefetch_next_keys<scalar_t>(p, b, hk0, heads, j0 + n, j_end);
+          prefetch_next_keys<cache_t>(p, b, hk0, heads, j0 + n, j_end);
         } else if (gather) {
-          const auto* k = static_cast<const scalar_t*>(p.k) + hk0 * p.k_head_stride;
-          const auto* v = static_cast<const scalar_t*>(p.v) + hk0 * p.v_head_stride;
+          const auto* k = static_cast<const cache_t*>(p.k) + hk0 * p.k_head_stride;
+          const auto* v = static_cast<const cache_t*>(p.v) + hk0 * p.v_head_stride;
           kt = gather_tile(p.pages, k, p.k_batch_stride, p.k_row_stride, b, j0, n, D, k_buf.get());
           vt = gather_tile(p.pages, v, p.v_batch_stride, p.v_row_stride, b, j0, n, Dv, v_buf.get());
         } else {
           const CacheSlot slot = p.key_slot(b, j0);
           if (p.pages.paged()) n = std::min(n, p.pages.page_size - slot.row);
-          const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride,
+          const auto* k = row_ptr(static_cast<const cache_t*>(p.k), p.k_batch_stride,
                                   p.k_head_stride, p.k_row_stride, slot.block, hk0, slot.row);
-          const auto* v = row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride,
+          const auto* v = row_ptr(static_cast<const cache_t*>(p.v), p.v_batch_stride,
                                   p.v_head_stride, p.v_row_stride, slot.block, hk0, slot.row);
           kt = load_tile(k, p.k_row_stride, n, D, k_buf.get(), &ldk);
           vt = load_tile(v, p.v_row_stride, n, Dv, v_buf.get(), &ldv);
@@ -316,7 +322,7 @@ void decode_fwd(const DecodeParams& p, int64_t heads,
           if (splits == 1) {
             auto* out = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
                                 p.o_row_stride, b, hq, i);
-            store_row(o, out, Dv, st.inv_sum());
+            store_row(o, out, Dv, st.inv_sum() * v_scale);
             p.lse[(b * p.heads + hq) * Sq + i] = st.lse();
           } else {
             const int64_t slot = ((b * p.kv_heads + hk) * rows + r) * splits + split;
@@ -334,6 +340,7 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t G = p.group(), Sq = p.seqlen_q, Dv = p.head_dim_v, rows = G * Sq;
   const int64_t splits = p.num_splits;
+  const acc_t v_scale = static_cast<acc_t>(p.v_scale);
   at::parallel_for(0, p.batch * p.kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> acc(Dv);
     for (int64_t row = begin; row < end; ++row) {
@@ -343,7 +350,7 @@ void merge_splits(const DecodeParams& p, Partials<at::opmath_type<scalar_t>> par
       const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads, i = r / G, h = hk * G + r % G;
       auto* o = row_ptr(static_cast<scalar_t*>(p.out), p.o_batch_stride, p.o_head_stride,
                         p.o_row_stride, b, h, i);
-      store_row(acc.get(), o, Dv, total.inv_sum());
+      store_row(acc.get(), o, Dv, total.inv_sum() * v_scale);
       p.lse[(b * p.heads + h) * Sq + i] = total.lse();
     }
   });
@@ -373,7 +380,7 @@ inline int64_t heads_per_task(const DecodeParams& p, int64_t element_bytes, int6
   return 1;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void decode(DecodeParams& p) {
   using Traits = FlashTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
@@ -391,7 +398,7 @@ void decode(DecodeParams& p) {
     p.num_splits = auto_splits(blocks, max_len, Traits::kMinSplitKeys, Traits::kTasksPerThread);
   }
   const int64_t heads = in_place
-                            ? heads_per_task(p, sizeof(scalar_t), p.batch * num_m * p.num_splits,
+                            ? heads_per_task(p, sizeof(cache_t), p.batch * num_m * p.num_splits,
                                              decode_tile<Traits>(in_place))
                             : 1;
   Partials<acc_t> partials;
@@ -403,7 +410,7 @@ void decode(DecodeParams& p) {
     state_ws.resize(slots);
     partials = {o_ws.data(), state_ws.data()};
   }
-  decode_fwd<scalar_t>(p, heads, partials);
+  decode_fwd<scalar_t, cache_t>(p, heads, partials);
   if (p.num_splits > 1) merge_splits<scalar_t>(p, partials);
 }
 
@@ -413,18 +420,21 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(
     int64_t window_right, int64_t num_splits, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table) {
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    double k_scale, double v_scale) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   check_cpu_support(kOp);
   PreparedDecode in =
       prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
                      {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
-                      sinks, cache_batch_idx, cache_leftpad, block_table},
+                      sinks, cache_batch_idx, cache_leftpad, block_table, k_scale, v_scale},
                      /*check_values=*/true);
   DecodeParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] { decode<scalar_t>(p); });
+  ATTN_EXT_DISPATCH_FLOATING(q.scalar_type(), kOp, [&] {
+    ATTN_EXT_DISPATCH_CACHE(k_cache.scalar_type(), kOp, [&] { decode<scalar_t, cache_t>(p); });
+  });
   return {out, lse};
 }
 

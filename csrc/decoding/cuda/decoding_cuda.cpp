@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "decoding/decode_inputs.h"
+#include "common/float8.h"
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
 #include "common/cuda/sm_count.h"
@@ -66,16 +67,27 @@ bool paged_call(const std::optional<at::Tensor>& block_table) {
   return block_table.has_value() && block_table->defined();
 }
 
+// Float8 caches (common/float8.h) have CPU kernels only so far; the CUDA kernels read the
+// cache in q's dtype.
+void refuse_float8_cache(const char* op, const at::Tensor& k_cache) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!is_float8_cache(k_cache.scalar_type()), op, ": ",
+                              k_cache.scalar_type(),
+                              " caches are supported on the CPU only; use a cache of q's dtype "
+                              "on CUDA");
+}
+
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& cache_seqlens,
                           const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
                           bool rope_interleaved, std::optional<int64_t> rotary_dim,
-                          const std::optional<at::Tensor>& block_table) {
+                          const std::optional<at::Tensor>& block_table, double k_scale,
+                          double v_scale) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   c10::cuda::CUDAGuard guard(k_cache.device());
+  refuse_float8_cache(kOp, k_cache);
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim, block_table,
-                                       /*check_values=*/false);
+                                       /*check_values=*/false, {k_scale, v_scale});
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
@@ -170,13 +182,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     int64_t window_right, int64_t num_splits, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table) {
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    double k_scale, double v_scale) {
   constexpr const char* kOp = "attn_ext.decode_attention";
   c10::cuda::CUDAGuard guard(q.device());
+  refuse_float8_cache(kOp, k_cache);
   PreparedDecode in =
       prepare_decode(kOp, q, k_cache, v_cache, cache_seqlens,
                      {scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes,
-                      sinks, cache_batch_idx, cache_leftpad, block_table},
+                      sinks, cache_batch_idx, cache_leftpad, block_table, k_scale, v_scale},
                      /*check_values=*/false);
   const bool paged = paged_call(block_table);
   DecodeParams& p = in.params;
@@ -187,10 +201,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   // pages gathered into contiguous rows: one copy of the cache per call.
   const char* unsupported = split_kv_unsupported(p, kind, in.k_cache, in.v_cache);
   if (paged && unsupported != nullptr) {
-    return decode_attention_cuda(q, gather_pages(k_cache, *block_table),
-                                 gather_pages(v_cache, *block_table), cache_seqlens, scale, causal,
-                                 window_left, window_right, num_splits, softcap, alibi_slopes,
-                                 sinks, cache_batch_idx, cache_leftpad, std::nullopt);
+    return decode_attention_cuda(
+        q, gather_pages(k_cache, *block_table), gather_pages(v_cache, *block_table), cache_seqlens,
+        scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes, sinks,
+        cache_batch_idx, cache_leftpad, std::nullopt, k_scale, v_scale);
   }
   const bool split_kv = unsupported == nullptr;
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
