@@ -10,6 +10,8 @@ same everywhere):
 * ``paged16`` / ``paged256`` -- the same through :class:`attn_ext.PagedKVCache` with pages of
   16 / 256 rows (pages taken from the free list as the sequences grow; the block table read by
   both ops), to compare with the contiguous cache (issue 21's CPU target: within 10%);
+* ``fp8``      -- the ``attn_ext`` candidate with a float8_e4m3fn cache (CPU; keys and values
+  quantized with scale 2^-6 on append, each step reading half the bytes of a bf16 cache);
 * ``sdpa``     -- a preallocated cache written with ``copy_`` and
   ``F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``;
 * ``sdpa_nocudnn`` -- the same with torch's cuDNN backend disabled (CUDA only; flash, efficient
@@ -70,9 +72,13 @@ import attn_ext
 from attn_ext.testing import harness
 from attn_ext.testing.documents import doc000, doc003
 
-CANDIDATES = ("attn_ext", "paged16", "paged256", "sdpa", "sdpa_nocudnn", "doc")
+CANDIDATES = ("attn_ext", "paged16", "paged256", "fp8", "sdpa", "sdpa_nocudnn", "doc")
 # Candidates that differ from another only on CUDA, left out of the CPU default.
 CUDA_ONLY = ("sdpa_nocudnn",)
+CPU_ONLY = ("fp8",)  # float8 caches have CPU kernels only
+# The float8 candidate's k_scale and v_scale: unit-normal keys and values stay well inside
+# e4m3's range (448) and out of its subnormals.
+FP8_SCALE = 2.0**-6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Distinct new tokens cycled through by the steps (enough that no step reuses its predecessor's).
 NEW_TOKEN_POOL = 8
@@ -167,6 +173,25 @@ class PagedCache(AttnExtCache):
         self.cache.append(k, v)
 
 
+class Float8Cache(AttnExtCache):
+    """attn_ext.KVCache holding float8_e4m3fn rows (scales FP8_SCALE)."""
+
+    def __init__(self, k, v, max_len):
+        B, Hkv, P, D = k.shape
+        self.cache = attn_ext.KVCache(
+            B,
+            Hkv,
+            max_len,
+            D,
+            v.size(3),
+            dtype=torch.float8_e4m3fn,
+            device=k.device,
+            k_scale=FP8_SCALE,
+            v_scale=FP8_SCALE,
+        )
+        self.cache.append(k, v)
+
+
 def paged(page_size):
     return lambda k, v, max_len: PagedCache(k, v, max_len, page_size)
 
@@ -190,6 +215,7 @@ MAKERS = {
     "attn_ext": AttnExtCache,
     "paged16": paged(16),
     "paged256": paged(256),
+    "fp8": Float8Cache,
     "sdpa": SdpaCache,
     "sdpa_nocudnn": SdpaNoCudnnCache,
     "doc": DocCache,
@@ -329,7 +355,11 @@ def main(argv=None):
         nargs="+",
         default=None,
         choices=CANDIDATES,
-        help="default: all (on CPU, all but " + ", ".join(CUDA_ONLY) + ")",
+        help="default: all (on CPU, all but "
+        + ", ".join(CUDA_ONLY)
+        + "; on CUDA, all but "
+        + ", ".join(CPU_ONLY)
+        + ")",
     )
     args = ap.parse_args(argv)
     if args.layers < 1:
@@ -346,7 +376,8 @@ def main(argv=None):
     elt = torch.finfo(dtype).bits // 8
     bw = harness.copy_bandwidth_gbs(device) if device.type == "cuda" else None
     names = list(
-        args.candidates or [c for c in CANDIDATES if device.type == "cuda" or c not in CUDA_ONLY]
+        args.candidates
+        or [c for c in CANDIDATES if c not in (CPU_ONLY if device.type == "cuda" else CUDA_ONLY)]
     )
     others = [n for n in names if n != "attn_ext"]
     graphed = [n for n in names if n in GRAPHED] if bw and args.graph_reps > 0 else []

@@ -291,6 +291,13 @@ inline __m256d extractf64x4_pd(Zmm a, int hi) {
   std::memcpy(&r, a.q + 4 * (hi & 1), sizeof(r));
   return r;
 }
+// VBROADCASTF64X4: a in both 256-bit halves.
+inline Zmm broadcast_f64x4(__m256d a) {
+  Zmm r;
+  std::memcpy(r.q, &a, sizeof(a));
+  std::memcpy(r.q + 4, &a, sizeof(a));
+  return r;
+}
 inline Zmm zextsi256_si512(__m256i a) {
   Zmm r = zero();
   std::memcpy(&r, &a, sizeof(a));
@@ -474,6 +481,8 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _mm512_castps_pd attn_ext_emu::cast
 #define _mm512_castps512_ps256 attn_ext_emu::castps512_ps256
 #define _mm512_extractf64x4_pd attn_ext_emu::extractf64x4_pd
+#define _mm512_broadcast_f64x4 attn_ext_emu::broadcast_f64x4
+#define _mm512_castpd_ps attn_ext_emu::cast
 #define _mm512_zextsi256_si512 attn_ext_emu::zextsi256_si512
 #define _mm512_inserti64x4 attn_ext_emu::inserti64x4
 #define _mm512_permutexvar_epi16 attn_ext_emu::permutexvar_epi16

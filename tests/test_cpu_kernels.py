@@ -43,16 +43,20 @@ for sq, sk, d, dv, causal, dtype in cases:
     out.backward(torch.randn_like(out))
     results += [out.detach(), q.grad, k.grad, v.grad]
 # The decode step's few-row blocks (G * Sq = 1, 4, 6, 8 rows; P V on 16 lanes in the AVX-512
-# sets): value widths 41 and 128, lengths across 32-row runs, and 16-row pages.
+# sets; Q K^T too for float8 caches): value widths 41 and 128, lengths across 32-row runs, and
+# 16-row pages.
 lens = torch.tensor([70, 1, 300], dtype=torch.int32)
-for group, sq, dv, dtype in [(1, 1, 128, torch.float32), (4, 1, 41, torch.bfloat16),
-                             (3, 2, 128, torch.float16), (8, 1, 64, torch.float32)]:
+for group, sq, dv, dtype, cache in [
+        (1, 1, 128, torch.float32, None), (4, 1, 41, torch.bfloat16, None),
+        (3, 2, 128, torch.float16, None), (8, 1, 64, torch.float32, None),
+        (4, 1, 128, torch.bfloat16, torch.float8_e4m3fn), (3, 1, 41, torch.float32, torch.float8_e5m2)]:
     q = torch.randn(3, 2 * group, sq, 64).to(dtype)
-    k, v = torch.randn(3, 2, 304, 64).to(dtype), torch.randn(3, 2, 304, dv).to(dtype)
+    k, v = torch.randn(3, 2, 304, 64).to(cache or dtype), torch.randn(3, 2, 304, dv).to(cache or dtype)
+    kw = dict(k_scale=0.5, v_scale=0.25) if cache else {}
     table = torch.arange(3 * 19, dtype=torch.int32).flip(0).view(3, 19)
     pages = lambda x: x.view(3, 2, 19, 16, -1).transpose(1, 2).reshape(57, 2, 16, -1).flip(0)
-    results += [attn_ext.decode_attention(q, k, v, lens),
-                attn_ext.decode_attention(q, pages(k), pages(v), lens, block_table=table)]
+    results += [attn_ext.decode_attention(q, k, v, lens, **kw),
+                attn_ext.decode_attention(q, pages(k), pages(v), lens, block_table=table, **kw)]
 torch.save(results, sys.argv[1])
 """
 
@@ -73,7 +77,7 @@ def test_avx512_products_match_avx2_bitwise(tmp_path):
         assert proc.returncode == 0, proc.stderr
         outputs[kernels] = torch.load(path)
     grads = [f"case {c} {name}" for c in range(5) for name in ("out", "dq", "dk", "dv")]
-    steps = [f"decode {c} {cache}" for c in range(4) for cache in ("contiguous", "paged")]
+    steps = [f"decode {c} {cache}" for c in range(6) for cache in ("contiguous", "paged")]
     assert len(outputs["avx2"]) == len(grads) + len(steps)
     for name, a, b in zip(grads + steps, outputs["avx2"], outputs["avx512"]):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
@@ -124,13 +128,32 @@ void decode_pv_typed(int wide, int64_t m, const float* p, int64_t ldp, const voi
   };
   detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
 }
+template <typename T>
+void decode_scores_typed(int wide, int64_t m, const float* q, int64_t ldq, const void* const* rows,
+                         int64_t n, int64_t d, float* s, int64_t lds) {
+  const T* const* keys = reinterpret_cast<const T* const*>(rows);
+  if (wide) return avx512::decode_scores(m, q, ldq, keys, n, d, s, lds, keys, d);
+  auto kernel = [&](auto rows_, int64_t) {
+    avx2::decode_scores<decltype(rows_)::value>(q, ldq, keys, n, d, s, lds, keys, d, false);
+  };
+  detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
+}
 extern "C" {
-// dtype 0: fp32 rows, 1: bf16, 2: fp16.
+// dtype 0: fp32 rows, 1: bf16, 2: fp16, 3: float8_e4m3fn, 4: float8_e5m2.
 void decode_pv_(int wide, int dtype, int64_t m, const float* p, int64_t ldp,
                 const void* const* rows, int64_t n, int64_t dv, float* o) {
   if (dtype == 0) return decode_pv_typed<float>(wide, m, p, ldp, rows, n, dv, o);
   if (dtype == 1) return decode_pv_typed<c10::BFloat16>(wide, m, p, ldp, rows, n, dv, o);
+  if (dtype == 3) return decode_pv_typed<c10::Float8_e4m3fn>(wide, m, p, ldp, rows, n, dv, o);
+  if (dtype == 4) return decode_pv_typed<c10::Float8_e5m2>(wide, m, p, ldp, rows, n, dv, o);
   decode_pv_typed<c10::Half>(wide, m, p, ldp, rows, n, dv, o);
+}
+// Float8 key rows only (dtype 3 / 4): the wide scores exist for those.
+void decode_scores_(int wide, int dtype, int64_t m, const float* q, int64_t ldq,
+                    const void* const* rows, int64_t n, int64_t d, float* s, int64_t lds) {
+  if (dtype == 3)
+    return decode_scores_typed<c10::Float8_e4m3fn>(wide, m, q, ldq, rows, n, d, s, lds);
+  decode_scores_typed<c10::Float8_e5m2>(wide, m, q, ldq, rows, n, d, s, lds);
 }
 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, float* dst) {
   avx2::pack_key_panels(k, ld, n, d, dst);
@@ -471,19 +494,39 @@ _DECODE_DV = (1, 7, 8, 15, 16, 24, 33, 41, 48, 64, 80, 96, 112, 128, 129, 200, 2
 _DECODE_N = (0, 1, 31, 32, 33, 70)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+_DECODE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
+
+
+def _decode_rows(n, width, dtype, g):
+    """n rows of `width` features in dtype, each its own tensor (a paged cache's row pointers);
+    float8 rows hold every byte value but NaN and the infinities."""
+    if dtype.itemsize == 1:
+        rows = [torch.randint(0, 256, (width,), generator=g).to(torch.uint8) for _ in range(n)]
+        return [torch.where(r.view(dtype).float().isfinite(), r, 0).view(dtype) for r in rows]
+    return [torch.randn(width, generator=g).to(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_emulated_avx512_decode_pv_matches_avx2(emulated, dtype):
     """The decode step's P V on 16 lanes returns AVX2's bits (avx512_decode_rows.h) for every
     row block height (1-8), value width and row count above, each value row at its own address
     (a paged cache's row pointers), o accumulated onto a nonzero start."""
     import ctypes
 
-    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    code = _DECODE_CODES[dtype]
     g = torch.Generator().manual_seed(11)
     for m in range(1, 9):
         for dv in _DECODE_DV:
             for n in _DECODE_N:
-                values = [torch.randn(dv, generator=g).to(dtype) for _ in range(n)]
+                values = _decode_rows(n, dv, dtype, g)
                 rows = (ctypes.c_void_p * max(n, 1))(*[v.data_ptr() for v in values])
                 ldp = n + 3
                 p = torch.rand(m, ldp, generator=g)
@@ -497,8 +540,52 @@ def test_emulated_avx512_decode_pv_matches_avx2(emulated, dtype):
                     outs.append(o)
                 assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"m={m} dv={dv} n={n}"
                 if n:
-                    want = o0.double() + p[:, :n].double() @ torch.stack(values).double()
-                    torch.testing.assert_close(outs[1].double(), want, rtol=1e-5, atol=1e-5)
+                    v = torch.stack(values).double()
+                    want = o0.double() + p[:, :n].double() @ v
+                    # float32 sums: within 1e-5 of the terms' magnitude (float8 rows reach
+                    # 448 / 57344, so the sum itself may cancel far below it)
+                    size = o0.double().abs() + p[:, :n].double().abs() @ v.abs()
+                    assert ((outs[1].double() - want).abs() <= 1e-5 * size + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_emulated_avx512_decode_scores_match_avx2(emulated, dtype):
+    """Q K^T of float8 key rows, two rows per 16-lane register, returns AVX2's bits
+    (avx512_decode_rows.h) for every row block height, head dim (8-lane chunks and a tail) and
+    row count (odd counts end on AVX2's loop), each key row at its own address."""
+    import ctypes
+
+    g = torch.Generator().manual_seed(12)
+    for m in range(1, 9):
+        for d in (1, 7, 8, 16, 33, 64, 100, 128, 256):
+            for n in _DECODE_N:
+                keys = _decode_rows(n, d, dtype, g)
+                rows = (ctypes.c_void_p * max(n, 1))(*[k.data_ptr() for k in keys])
+                ldq, lds = d + 5, n + 3
+                q = torch.randn(m, ldq, generator=g)
+                outs = []
+                for wide in (0, 1):
+                    s = torch.full((m, lds), -7.0)
+                    emulated.decode_scores_(
+                        wide,
+                        _DECODE_CODES[dtype],
+                        _i(m),
+                        _ptr(q),
+                        _i(ldq),
+                        rows,
+                        _i(n),
+                        _i(d),
+                        _ptr(s),
+                        _i(lds),
+                    )
+                    outs.append(s)
+                assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"m={m} d={d} n={n}"
+                if n:
+                    k = torch.stack(keys).double()
+                    want = q[:, :d].double() @ k.T
+                    size = q[:, :d].double().abs() @ k.abs().T  # as for P V above
+                    assert ((outs[1][:, :n].double() - want).abs() <= 1e-5 * size + 1e-6).all()
+                    assert (outs[1][:, n:] == -7.0).all()
 
 
 def _bf16_round(x):

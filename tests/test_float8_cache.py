@@ -329,3 +329,21 @@ def test_compile_a_decode_step():
         k, v, q = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), torch.randn(2, 4, 1, 16)
         assert torch.equal(compiled(c, k, v, q), step(twin, k, v, q))
     assert torch.equal(_bits(c.k), _bits(twin.k))
+
+
+def test_decoder_layer_generates_through_a_float8_cache():
+    """DecoderAttention's prefill + decode steps through a float8 cache stay within e4m3's
+    precision of the same steps through an fp32 cache."""
+    torch.manual_seed(0)
+    layer = attn_ext.nn.DecoderAttention(256, 8, num_kv_heads=2).eval()
+    x = torch.randn(2, 12, 256)
+    fp8 = layer.new_cache(2, 32, dtype=torch.float8_e4m3fn, k_scale=2.0**-5, v_scale=2.0**-6)
+    full = layer.new_cache(2, 32)
+    with torch.no_grad():
+        outs = [layer(x, c) for c in (fp8, full)]
+        for t in range(4):
+            step = torch.randn(2, 1, 256)
+            outs += [layer(step, c) for c in (fp8, full)]
+    assert fp8.k.dtype == torch.float8_e4m3fn and fp8.lengths.tolist() == [16, 16]
+    for got, want in zip(outs[0::2], outs[1::2]):
+        assert (got - want).abs().max() < 0.08 * want.abs().max()

@@ -106,9 +106,19 @@ class DecoderAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **kw)
 
-    def new_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype=None,
+        device=None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> KVCache:
         """An empty :class:`attn_ext.KVCache` sized for this layer (default: its weights' dtype
-        and device)."""
+        and device; ``dtype=torch.float8_e4m3fn`` with ``k_scale`` / ``v_scale`` for a float8
+        cache on the CPU)."""
         w = self.k_proj.weight
         return KVCache(
             batch_size,
@@ -117,6 +127,8 @@ class DecoderAttention(nn.Module):
             self.head_dim,
             dtype=dtype or w.dtype,
             device=device or w.device,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def _rope_kw(self):

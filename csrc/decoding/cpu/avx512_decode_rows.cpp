@@ -11,9 +11,9 @@
 // value chunk, and 16-bit rows add a widening per chunk. On a Zen 5 VM (2026-11-29, H 32,
 // Hkv 8, D 128, B 1 and 4, 1k-16k keys) the bf16 step ran 5-26% faster on 16 lanes, fp16
 // mostly 7-26%, fp32 at parity within the noise (docs/performance.md, "Decode's P V on
-// AVX-512"). The scores product stays on AVX2: two key rows per 16-lane register (the same
-// bits) measured no faster for bf16 and 1.6x slower for fp32 from DRAM (rows read chunk by
-// chunk, as pv_rows below no longer reads them).
+// AVX-512"). The scores product stays on AVX2 but for float8 rows (scores_pairs below): two
+// key rows per 16-lane register (the same bits) measured no faster for bf16 and 1.6x slower
+// for fp32 from DRAM (rows read chunk by chunk, as pv_rows below no longer reads them).
 //
 // This file is compiled with the build's flags (AVX2) and switches to AVX-512 with a target
 // pragma after its includes (wide_target_begin.h), as avx512_softmax_rows.cpp does; the AVX2
@@ -48,9 +48,9 @@ inline __m512 load16(const c10::Half* src) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
 
-// float8 rows as avx2::load8 widens them (vec_math.h says how), 16 at a time.
-inline __m512 load16(const c10::Float8_e4m3fn* src) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+// 16 float8 bytes widened as avx2::load8 widens 8 (vec_math.h says how).
+inline __m512 widen16(__m128i bytes, c10::Float8_e4m3fn /*format*/) {
+  const __m256i w = _mm256_cvtepu8_epi16(bytes);
   const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
   const __m256i nan =
@@ -58,9 +58,14 @@ inline __m512 load16(const c10::Float8_e4m3fn* src) {
   const __m256i h = _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7)), nan);
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(avx2::kE4m3HalfBias));
 }
+inline __m512 widen16(__m128i bytes, c10::Float8_e5m2 /*format*/) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* src) {
+  return widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), c10::Float8_e4m3fn{});
+}
 inline __m512 load16(const c10::Float8_e5m2* src) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  return widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), c10::Float8_e5m2{});
 }
 
 // Columns [c, c + 16 W) of o_r += sum_j p[r * ldp + j] * values[j] over rows [j0, j1).
@@ -88,6 +93,14 @@ constexpr int kMaxAccumulators = 16;
 // Value columns per block: 128 columns make a bf16 row of D 128 (256 bytes) or half an fp32 one,
 // read whole by each pass.
 constexpr int kBlockChunks = 8;
+// float8 rows: 64 columns per block, so that a block's accumulators hold all of a GQA 4 block's
+// rows (4 x 4) and each value chunk is widened once, not once per pass (its widening is most of
+// the work: the e4m3 step at B 1, 16k keys, Zen 5 VM, 2026-11-29, went 2.67 -> 2.2 ms, with
+// the bf16 step at 1.7-1.8 ms in the same process).
+template <typename scalar_t>
+constexpr int block_chunks() {
+  return sizeof(scalar_t) == 1 ? kBlockChunks / 2 : kBlockChunks;
+}
 
 // Columns [c, c + 16 W) of the M rows, over value rows [j0, j1): passes of as many rows as
 // kMaxAccumulators allows (R x W), each reading the rows' W chunks in order. The first pass
@@ -122,11 +135,12 @@ void pv_rows(const float* p, int64_t ldp, const scalar_t* const* values, int64_t
   for (int64_t j0 = 0; j0 < n; j0 += avx2::kPvRowRun) {
     const int64_t j1 = std::min(n, j0 + avx2::kPvRowRun);
     int64_t c = 0;
-    for (; c + kBlockChunks * kLanes <= d16; c += kBlockChunks * kLanes)
-      row_passes<M, kBlockChunks>(p, ldp, values, j0, j1, c, o, dv);
+    constexpr int kChunks = block_chunks<scalar_t>();
+    for (; c + kChunks * kLanes <= d16; c += kChunks * kLanes)
+      row_passes<M, kChunks>(p, ldp, values, j0, j1, c, o, dv);
     if (c < d16)
       last_block<M>(static_cast<int>((d16 - c) / kLanes), p, ldp, values, j0, j1, c, o, dv,
-                    std::make_integer_sequence<int, kBlockChunks>{});
+                    std::make_integer_sequence<int, kChunks>{});
     avx2::decode_pv_columns<M>(p, ldp, values, j0, j1, d16, dv, o, dv);
   }
 }
@@ -141,7 +155,78 @@ void pv(int64_t m, const float* p, int64_t ldp, const scalar_t* const* values, i
   detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
 }
 
+// ------------------------------------------------------------------ Q K^T of float8 key rows
+
+// Features [c, c + 8) of key rows a and b, widened: a's in the low 8 lanes, b's in the high 8.
+template <typename fp8_t>
+inline __m512 load_pair8(const fp8_t* a, const fp8_t* b) {
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  return widen16(_mm_unpacklo_epi64(lo, hi), fp8_t{});
+}
+
+// q's features [c, c + 8) in both 8-lane halves.
+inline __m512 dup8(const float* q) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q))));
+}
+
+// avx2::decode_scores for float8 rows, two key rows per register: the low 8 lanes run row j's
+// 8-lane chain and the high 8 row j + 1's, each as avx2::decode_scores runs it (lane = feature
+// mod 8, the features in order, summed by avx2::hsum, then the tail): the same bits. Each query
+// load and FMA serves two rows, and one widening two rows' 8 features. Why float8 only: its
+// widening makes the 8-lane loop instruction-bound (the e4m3 step read 11 GB/s on a Zen 5 VM,
+// 2026-11-29, where bf16 reads 35-38), while 16-bit and fp32 rows are bound by DRAM and read
+// two rows by chunk slower (the note at the top of this file).
+template <int M, typename fp8_t>
+void scores_pairs(const float* q, int64_t ldq, const fp8_t* const* keys, int64_t n, int64_t d,
+                  float* s, int64_t lds, const fp8_t* const* values, int64_t dv) {
+  const int64_t d8 = d / avx2::kWidth * avx2::kWidth;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const fp8_t *k0 = keys[j], *k1 = keys[j + 1];
+    avx2::prefetch_row_l2(values[j], dv);
+    avx2::prefetch_row_l2(values[j + 1], dv);
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d8; c += avx2::kWidth) {
+      const __m512 kv = load_pair8(k0 + c, k1 + c);
+      for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(dup8(q + r * ldq + c), kv, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      float t0 = avx2::hsum(_mm512_castps512_ps256(acc[r]));
+      float t1 = avx2::hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+      for (int64_t c = d8; c < d; ++c) {
+        t0 = std::fma(q[r * ldq + c], static_cast<float>(k0[c]), t0);
+        t1 = std::fma(q[r * ldq + c], static_cast<float>(k1[c]), t1);
+      }
+      s[r * lds + j] = t0;
+      s[r * lds + j + 1] = t1;
+    }
+  }
+  if (j < n) avx2::decode_scores<M>(q, ldq, keys + j, n - j, d, s + j, lds, values + j, dv, false);
+}
+
+template <typename fp8_t>
+void scores(int64_t m, const float* q, int64_t ldq, const fp8_t* const* keys, int64_t n, int64_t d,
+            float* s, int64_t lds, const fp8_t* const* values, int64_t dv) {
+  auto kernel = [&](auto rows, int64_t /*r0*/) {
+    scores_pairs<decltype(rows)::value>(q, ldq, keys, n, d, s, lds, values, dv);
+  };
+  detail::call_rows(m, kernel, 0, std::make_integer_sequence<int, avx2::kMaxDecodeRows>{});
+}
+
 }  // namespace
+
+void decode_scores(int64_t m, const float* q, int64_t ldq, const c10::Float8_e4m3fn* const* keys,
+                   int64_t n, int64_t d, float* s, int64_t lds,
+                   const c10::Float8_e4m3fn* const* values, int64_t dv) {
+  scores(m, q, ldq, keys, n, d, s, lds, values, dv);
+}
+void decode_scores(int64_t m, const float* q, int64_t ldq, const c10::Float8_e5m2* const* keys,
+                   int64_t n, int64_t d, float* s, int64_t lds,
+                   const c10::Float8_e5m2* const* values, int64_t dv) {
+  scores(m, q, ldq, keys, n, d, s, lds, values, dv);
+}
 
 void decode_pv(int64_t m, const float* p, int64_t ldp, const float* const* values, int64_t n,
                int64_t dv, float* o) {

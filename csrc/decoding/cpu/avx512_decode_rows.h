@@ -16,6 +16,15 @@
 #ifdef ATTN_EXT_AVX512_PRODUCTS
 namespace attn_ext::cpu::avx512 {
 
+// s[r * lds + j] = q_r . keys[j] for r < m, j < n (1 <= m <= 8), float8 key rows: the bits of
+// avx2::decode_scores, two key rows per register; value rows asked into L2 as there.
+void decode_scores(int64_t m, const float* q, int64_t ldq, const c10::Float8_e4m3fn* const* keys,
+                   int64_t n, int64_t d, float* s, int64_t lds,
+                   const c10::Float8_e4m3fn* const* values, int64_t dv);
+void decode_scores(int64_t m, const float* q, int64_t ldq, const c10::Float8_e5m2* const* keys,
+                   int64_t n, int64_t d, float* s, int64_t lds,
+                   const c10::Float8_e5m2* const* values, int64_t dv);
+
 // o[r * dv + c] += sum_j p[r * ldp + j] * values[j][c] for r < m, j < n, c < dv (1 <= m <= 8).
 void decode_pv(int64_t m, const float* p, int64_t ldp, const float* const* values, int64_t n,
                int64_t dv, float* o);

@@ -146,20 +146,28 @@ void scores_in_place(const DecodeParams& p, int64_t m, int64_t heads, int64_t j0
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     return avx2::dispatch_decode_rows(m, [&](auto rows) {
       constexpr int M = decltype(rows)::value;
-      if (heads == 1)
-        return avx2::decode_scores<M>(q, D, keys, n, D, s, lds, values, Dv, /*keys_ahead=*/true);
+      auto score = [&](const acc_t* qh, const scalar_t* const* k, int64_t count, acc_t* sh,
+                       const scalar_t* const* v, bool keys_ahead) {
+#ifdef ATTN_EXT_AVX512_PRODUCTS
+        if constexpr (sizeof(scalar_t) == 1)  // float8 rows
+          if (block_kernels().avx512)
+            return avx512::decode_scores(M, qh, D, k, count, D, sh, lds, v, Dv);
+#endif
+        avx2::decode_scores<M>(qh, D, k, count, D, sh, lds, v, Dv, keys_ahead);
+      };
+      if (heads == 1) return score(q, keys, n, s, values, /*keys_ahead=*/true);
       const bool interleaved = rows_interleave_heads(p);
       for (int64_t r = 0, run = 0; r < n; r += run) {
         run = std::min(n - r, p.pages.page_size - (j0 + r) % p.pages.page_size);
         if (interleaved) {
           for (int64_t j = r; j < r + run; ++j)
             for (int64_t h = 0; h < heads; ++h)
-              avx2::decode_scores<M>(q + h * ldq_head, D, keys + h * tile + j, 1, D,
-                                     s + h * lds_head + j, lds, values + h * tile + j, Dv, false);
+              score(q + h * ldq_head, keys + h * tile + j, 1, s + h * lds_head + j,
+                    values + h * tile + j, false);
         } else {
           for (int64_t h = 0; h < heads; ++h)
-            avx2::decode_scores<M>(q + h * ldq_head, D, keys + h * tile + r, run, D,
-                                   s + h * lds_head + r, lds, values + h * tile + r, Dv, false);
+            score(q + h * ldq_head, keys + h * tile + r, run, s + h * lds_head + r,
+                  values + h * tile + r, false);
         }
       }
     });
