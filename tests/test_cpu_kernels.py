@@ -49,9 +49,11 @@ lens = torch.tensor([70, 1, 300], dtype=torch.int32)
 for group, sq, dv, dtype, cache in [
         (1, 1, 128, torch.float32, None), (4, 1, 41, torch.bfloat16, None),
         (3, 2, 128, torch.float16, None), (8, 1, 64, torch.float32, None),
-        (4, 1, 128, torch.bfloat16, torch.float8_e4m3fn), (3, 1, 41, torch.float32, torch.float8_e5m2)]:
+        (4, 1, 128, torch.bfloat16, torch.float8_e4m3fn),
+        (3, 1, 41, torch.float32, torch.float8_e5m2)]:
     q = torch.randn(3, 2 * group, sq, 64).to(dtype)
-    k, v = torch.randn(3, 2, 304, 64).to(cache or dtype), torch.randn(3, 2, 304, dv).to(cache or dtype)
+    k = torch.randn(3, 2, 304, 64).to(cache or dtype)
+    v = torch.randn(3, 2, 304, dv).to(cache or dtype)
     kw = dict(k_scale=0.5, v_scale=0.25) if cache else {}
     table = torch.arange(3 * 19, dtype=torch.int32).flip(0).view(3, 19)
     pages = lambda x: x.view(3, 2, 19, 16, -1).transpose(1, 2).reshape(57, 2, 16, -1).flip(0)
