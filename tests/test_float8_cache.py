@@ -341,7 +341,7 @@ def test_decoder_layer_generates_through_a_float8_cache():
     full = layer.new_cache(2, 32)
     with torch.no_grad():
         outs = [layer(x, c) for c in (fp8, full)]
-        for t in range(4):
+        for _ in range(4):
             step = torch.randn(2, 1, 256)
             outs += [layer(step, c) for c in (fp8, full)]
     assert fp8.k.dtype == torch.float8_e4m3fn and fp8.lengths.tolist() == [16, 16]
