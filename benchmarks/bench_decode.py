@@ -10,8 +10,9 @@ same everywhere):
 * ``paged16`` / ``paged256`` -- the same through :class:`attn_ext.PagedKVCache` with pages of
   16 / 256 rows (pages taken from the free list as the sequences grow; the block table read by
   both ops), to compare with the contiguous cache (issue 21's CPU target: within 10%);
-* ``fp8``      -- the ``attn_ext`` candidate with a float8_e4m3fn cache (CPU; keys and values
-  quantized with scale 2^-6 on append, each step reading half the bytes of a bf16 cache);
+* ``fp8`` / ``fp8_e5m2`` -- the ``attn_ext`` candidate with a float8_e4m3fn / float8_e5m2
+  cache (CPU; keys and values quantized with scale 2^-6 on append, each step reading half the
+  bytes of a bf16 cache);
 * ``sdpa``     -- a preallocated cache written with ``copy_`` and
   ``F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``;
 * ``sdpa_nocudnn`` -- the same with torch's cuDNN backend disabled (CUDA only; flash, efficient
@@ -72,10 +73,19 @@ import attn_ext
 from attn_ext.testing import harness
 from attn_ext.testing.documents import doc000, doc003
 
-CANDIDATES = ("attn_ext", "paged16", "paged256", "fp8", "sdpa", "sdpa_nocudnn", "doc")
+CANDIDATES = (
+    "attn_ext",
+    "paged16",
+    "paged256",
+    "fp8",
+    "fp8_e5m2",
+    "sdpa",
+    "sdpa_nocudnn",
+    "doc",
+)
 # Candidates that differ from another only on CUDA, left out of the CPU default.
 CUDA_ONLY = ("sdpa_nocudnn",)
-CPU_ONLY = ("fp8",)  # float8 caches have CPU kernels only
+CPU_ONLY = ("fp8", "fp8_e5m2")  # float8 caches have CPU kernels only
 # The float8 candidate's k_scale and v_scale: unit-normal keys and values stay well inside
 # e4m3's range (448) and out of its subnormals.
 FP8_SCALE = 2.0**-6
@@ -174,9 +184,9 @@ class PagedCache(AttnExtCache):
 
 
 class Float8Cache(AttnExtCache):
-    """attn_ext.KVCache holding float8_e4m3fn rows (scales FP8_SCALE)."""
+    """attn_ext.KVCache holding float8 rows (scales FP8_SCALE)."""
 
-    def __init__(self, k, v, max_len):
+    def __init__(self, k, v, max_len, dtype=torch.float8_e4m3fn):
         B, Hkv, P, D = k.shape
         self.cache = attn_ext.KVCache(
             B,
@@ -184,7 +194,7 @@ class Float8Cache(AttnExtCache):
             max_len,
             D,
             v.size(3),
-            dtype=torch.float8_e4m3fn,
+            dtype=dtype,
             device=k.device,
             k_scale=FP8_SCALE,
             v_scale=FP8_SCALE,
@@ -216,6 +226,7 @@ MAKERS = {
     "paged16": paged(16),
     "paged256": paged(256),
     "fp8": Float8Cache,
+    "fp8_e5m2": lambda k, v, max_len: Float8Cache(k, v, max_len, torch.float8_e5m2),
     "sdpa": SdpaCache,
     "sdpa_nocudnn": SdpaNoCudnnCache,
     "doc": DocCache,

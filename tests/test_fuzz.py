@@ -332,13 +332,30 @@ def test_fuzz_decode_attention(data):
     cache_seqlens = torch.tensor(lens, dtype=torch.int32)
     splits = data.draw(st.sampled_from([0, 1, 2, 5]), label="num_splits")
     k_in, v_in, paged_kw = k_cache, v_cache, {}
-    if page_size is not None:
-        k_in, v_in, table = page_out(
-            k_cache, v_cache, page_size, seed=data.draw(st.integers(0, 99))
+    # A float8 cache: the kernel reads the bytes, the reference the dequantized values (exact in
+    # every q dtype: float8 values times powers of two).
+    fp8 = data.draw(st.sampled_from([None, torch.float8_e4m3fn, torch.float8_e5m2]), label="fp8")
+    if fp8 is not None:
+        scales = [2.0 ** -data.draw(st.integers(0, 6), label=f"{n} scale exp") for n in "kv"]
+        big = torch.finfo(fp8).max
+        k_in, v_in = (
+            (t.double() * 4 / s).clamp(-big, big).to(fp8)
+            for t, s in zip((k_cache, v_cache), scales)
         )
+        k_cache, v_cache = ((t.double() * s).to(dtype) for t, s in zip((k_in, v_in), scales))
+        kw_fp8 = dict(k_scale=scales[0], v_scale=scales[1])
+    if page_size is not None:
+        bytes_k, bytes_v = (t.view(torch.uint8) if fp8 else t for t in (k_in, v_in))
+        k_in, v_in, table = page_out(
+            bytes_k, bytes_v, page_size, seed=data.draw(st.integers(0, 99))
+        )
+        if fp8 is not None:
+            k_in, v_in = k_in.view(fp8), v_in.view(fp8)
         if layout == "bshd":  # FlashAttention's (num_pages, page_size, Hkv, D), transposed
             k_in, v_in = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_in, v_in))
         paged_kw["block_table"] = table
+    if fp8 is not None:
+        paged_kw.update(kw_fp8)
     out, lse = attn_ext.decode_attention(
         q,
         k_in,

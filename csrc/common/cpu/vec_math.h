@@ -302,16 +302,19 @@ inline __m256 load8(const c10::BFloat16* src) {
 // float8 rows widen through fp16, which F16C widens exactly (subnormals included, whatever
 // MXCSR's denormal flags). An e5m2 byte is the high byte of the fp16 of its value. An e4m3fn
 // byte's exponent and mantissa moved into fp16's fields read as its value times 2^-8 (fp16's
-// exponent bias is 15, e4m3's 7; subnormals too), so one exact multiply by 2^8 restores it;
-// e4m3fn's NaN (every bit but the sign set) becomes an fp16 NaN on the way.
+// exponent bias is 15, e4m3's 7; subnormals too), so one exact multiply by 2^8 restores it:
+// the byte sign-extended to 16 bits and shifted left by 7 puts them there, with the sign in
+// bit 15 and a copy of it in bit 14, which the mask clears. e4m3fn's NaN (every bit but the
+// sign set: the low 7 bits, shifted to the top, read 0xFE00) becomes an fp16 NaN.
 constexpr float kE4m3HalfBias = 256.0f;
+constexpr int16_t kE4m3HalfMask = ~int16_t(1 << 14);
+constexpr int16_t kE4m3NanLow7 = int16_t(0xFE00);
+constexpr int16_t kHalfExponent = 0x7C00;
 inline __m128i e4m3_to_half8(__m128i bytes) {
-  const __m128i w = _mm_cvtepu8_epi16(bytes);
-  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-  const __m128i nan =
-      _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
-  return _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(mag, 7)), nan);
+  const __m128i w = _mm_cvtepi8_epi16(bytes);
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(kE4m3HalfMask));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_slli_epi16(w, 9), _mm_set1_epi16(kE4m3NanLow7));
+  return _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(kHalfExponent)));
 }
 inline __m256 load8(const c10::Float8_e4m3fn* src) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));

@@ -50,13 +50,14 @@ inline __m512 load16(const c10::Half* src) {
 
 // 16 float8 bytes widened as avx2::load8 widens 8 (vec_math.h says how).
 inline __m512 widen16(__m128i bytes, c10::Float8_e4m3fn /*format*/) {
-  const __m256i w = _mm256_cvtepu8_epi16(bytes);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i w = _mm256_cvtepi8_epi16(bytes);
+  const __m256i h =
+      _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(avx2::kE4m3HalfMask));
   const __m256i nan =
-      _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7C00));
-  const __m256i h = _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7)), nan);
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(avx2::kE4m3HalfBias));
+      _mm256_cmpeq_epi16(_mm256_slli_epi16(w, 9), _mm256_set1_epi16(avx2::kE4m3NanLow7));
+  const __m256i half =
+      _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(avx2::kHalfExponent)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(avx2::kE4m3HalfBias));
 }
 inline __m512 widen16(__m128i bytes, c10::Float8_e5m2 /*format*/) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
