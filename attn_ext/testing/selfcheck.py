@@ -57,6 +57,7 @@ class Case:
     ref: Callable[..., Tuple[torch.Tensor, ...]]
     grads: Tuple[str, ...] = ("q", "k", "v")
     truth: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+    devices: Tuple[str, ...] = ("cpu", "cuda")  # device types the op supports
 
 
 def randn(*shape, device):
@@ -330,6 +331,40 @@ def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):
     return Case(name, make, ext, ref, grads=())
 
 
+def float8_decode_case(fmt: torch.dtype):
+    """decode_attention over a float8 cache: the inputs hold float8 values times power-of-two
+    scales (exact in every checked dtype), quantized without loss inside ``ext``; the reference
+    attends to those values."""
+    k_scale, v_scale = 2.0**-4, 2.0**-6
+    lengths = (300, 57, 0)
+
+    def as_float8_values(t, scale):
+        big = torch.finfo(fmt).max
+        return (t * 4 / scale).clamp(-big, big).to(fmt).double() * scale
+
+    def make(dev):
+        b, cap = len(lengths), max(lengths) + 5
+        return {
+            "q": randn(b, 8, 1, 64, device=dev),
+            "k_cache": as_float8_values(randn(b, 2, cap, 64, device=dev), k_scale),
+            "v_cache": as_float8_values(randn(b, 2, cap, 64, device=dev), v_scale),
+            "lengths": torch.tensor(lengths, dtype=torch.int32, device=dev),
+        }
+
+    def ext(q, k_cache, v_cache, lengths):
+        kc, vc = ((t.double() / s).to(fmt) for t, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        out = attn_ext.decode_attention(
+            q, kc, vc, lengths, k_scale=k_scale, v_scale=v_scale, return_lse=True
+        )
+        return tuple(out)
+
+    def ref(q, k_cache, v_cache, lengths):
+        return decode_reference(q, k_cache, v_cache, lengths)
+
+    name = f"decode_attention {str(fmt).replace('torch.', '')} cache, GQA 8/2"
+    return Case(name, make, ext, ref, grads=(), devices=("cpu",))
+
+
 def mla_decode_case():
     """The absorbed MLA step: 16 query heads on one 576-wide latent head whose values are the
     first 512 columns of the same cache (a strided view), scale 1/sqrt(128 + 64)."""
@@ -559,6 +594,8 @@ def all_cases() -> List[Case]:
         decode_case(
             "decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4
         ),
+        float8_decode_case(torch.float8_e4m3fn),
+        float8_decode_case(torch.float8_e5m2),
         mla_decode_case(),
         tpa_expand_case(rope=False),
         tpa_expand_case(rope=True),
@@ -662,6 +699,8 @@ def run_checks(devices: Sequence[torch.device], verbose: bool) -> bool:
     for device in devices:
         for dtype in CHECK_DTYPES:
             for case in all_cases():
+                if device.type not in case.devices:
+                    continue
                 r = run_case(case, device, dtype)
                 results.append(r)
                 if verbose or not r.ok:
