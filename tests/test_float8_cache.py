@@ -256,7 +256,12 @@ def test_bad_arguments():
         ((q, kc, kc, lens), dict(v_scale=float("nan")), "v_scale must be positive and finite"),
         ((q, kc.float(), kc.float(), lens), dict(k_scale=2.0), "k_scale applies to float8"),
         ((q.to(fp8), kc, kc, lens), {}, "q must be float32, float64, bfloat16 or float16"),
-        ((q, kc.to(torch.int8), kc.to(torch.int8), lens), {}, "k_cache must be float32"),
+        (
+            (q, kc.to(torch.int8), kc.to(torch.int8), lens),
+            {},
+            "k_cache must be float32, float64, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+            "got Char",
+        ),
     ]
     for args, kw, msg in bad:
         with pytest.raises(RuntimeError, match=msg):
@@ -273,7 +278,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="PagedKVCache: v_scale must be positive and finite"):
         attn_ext.PagedKVCache(4, 2, 2, 8, max_batch=1, max_pages_per_seq=2, dtype=fp8, v_scale=0)
     latent = torch.zeros(1, 1, 4, 12, dtype=fp8)
-    with pytest.raises(RuntimeError, match="the latent cache must be float32"):
+    with pytest.raises(RuntimeError, match="cache must be float32, float64, bfloat16 or float16"):
         ops.latent_cache_append(latent, lens.clone(), torch.randn(1, 1, 1, 8), k[:, :1, :, :4])
 
 

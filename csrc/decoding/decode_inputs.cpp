@@ -12,11 +12,20 @@ namespace attn_ext {
 void check_float_4d(const char* op, const char* name, const at::Tensor& t, const char* dims) {
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", dims, ", got ", t.dim(), "-D ",
               t.sizes());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
-              " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()) && !is_float8_cache(t.scalar_type()), op, ": ",
+              name, " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
 }
 
 namespace {
+
+// A KV cache: 4-D, of a floating dtype (float8 ones included: common/float8.h).
+void check_cache_4d(const char* op, const char* name, const at::Tensor& t, const char* dims) {
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D ", dims, ", got ", t.dim(), "-D ",
+              t.sizes());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
+              " must be float32, float64, bfloat16, float16, float8_e4m3fn or float8_e5m2, got ",
+              t.scalar_type());
+}
 
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* like_name,
                 const at::Tensor& like) {
@@ -46,8 +55,6 @@ void check_cache_dtype(const char* op, const char* name, const at::Tensor& cache
   TORCH_CHECK(cache.scalar_type() == like.scalar_type() || is_float8_cache(cache.scalar_type()), op,
               ": ", name, " must have ", like_name, "'s dtype ", like.scalar_type(),
               " or be float8_e4m3fn / float8_e5m2, got ", cache.scalar_type());
-  TORCH_CHECK(!is_float8_cache(like.scalar_type()), op, ": ", like_name,
-              " must be float32, float64, bfloat16 or float16, got ", like.scalar_type());
 }
 
 // A cache must be writable row by row: its last dimension contiguous.
@@ -181,9 +188,9 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const std::optional<at::Tensor>& block_table, bool check_values,
                                  CacheScales scales, const AppendNames& n) {
   const bool paged = block_table.has_value() && block_table->defined();
-  check_float_4d(op, n.k_cache, k_cache,
+  check_cache_4d(op, n.k_cache, k_cache,
                  paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
-  check_float_4d(op, n.v_cache, v_cache,
+  check_cache_4d(op, n.v_cache, v_cache,
                  paged ? "(num_pages, Hkv, page_size, Dv)" : "(B, Hkv, L, Dv)");
   check_float_4d(op, n.k, k, "(B, Hkv, S_new, D)");
   check_float_4d(op, n.v, v, "(B, Hkv, S_new, Dv)");
@@ -275,9 +282,6 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                  paged ? "(num_pages, Hkv, page_size, Dc + Dr)" : "(B, Hkv, L, Dc + Dr)");
   check_float_4d(op, "c_kv", c_kv, "(B, Hkv, S_new, Dc)");
   check_float_4d(op, "k_rope", k_rope, "(B, Hkv, S_new, Dr)");
-  TORCH_CHECK(!is_float8_cache(cache.scalar_type()), op,
-              ": the latent cache must be float32, float64, bfloat16 or float16, got ",
-              cache.scalar_type());
   const int64_t dc = c_kv.size(3), dr = k_rope.size(3);
   TORCH_CHECK(dc + dr == cache.size(3), op,
               ": the cache row width (dim 3) must be c_kv's + "
@@ -303,9 +307,9 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
               ": give either block_table or cache_batch_idx, not both (a paged cache finds each "
               "sequence's rows through block_table)");
   check_float_4d(op, "q", q, "(B, H, Sq, D)");
-  check_float_4d(op, "k_cache", k_cache,
+  check_cache_4d(op, "k_cache", k_cache,
                  paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
-  check_float_4d(op, "v_cache", v_cache,
+  check_cache_4d(op, "v_cache", v_cache,
                  paged ? "(num_pages, Hkv, page_size, Dv)" : "(B, Hkv, L, Dv)");
   check_cache_dtype(op, "k_cache", k_cache, "q", q);
   check_same(op, "v_cache", v_cache, "k_cache", k_cache);
