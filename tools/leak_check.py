@@ -91,10 +91,19 @@ def cases() -> List[Tuple[str, Callable[[], None]]]:
     ]
 
 
-def generation_loop(steps: int) -> Callable[[], None]:
+def generation_loop(steps: int, dtype=None, scale: float = 1.0) -> Callable[[], None]:
     """One KVCache decoding step per call: append one token, attend; the cache wraps around
-    (reset) when full, so any number of steps runs on one allocation."""
-    cache = attn_ext.KVCache(batch_size=2, num_kv_heads=2, max_len=256, head_dim=32)
+    (reset) when full, so any number of steps runs on one allocation. ``dtype`` / ``scale``: a
+    float8 cache (its quantizing append and widening decode)."""
+    cache = attn_ext.KVCache(
+        batch_size=2,
+        num_kv_heads=2,
+        max_len=256,
+        head_dim=32,
+        dtype=dtype,
+        k_scale=scale,
+        v_scale=scale,
+    )
     q = torch.randn(2, 4, 1, 32)
     k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
 
@@ -105,6 +114,14 @@ def generation_loop(steps: int) -> Callable[[], None]:
         cache.attend(q)
 
     return step
+
+
+def generation_loops(calls: int) -> List[Tuple[str, Callable[[], None]]]:
+    """The KVCache loops: a cache of the inputs' dtype and a float8 one."""
+    return [
+        ("KVCache generation loop", generation_loop(calls)),
+        ("float8 KVCache generation loop", generation_loop(calls, torch.float8_e4m3fn, 2**-6)),
+    ]
 
 
 def measure(fn: Callable[[], None], calls: int) -> Dict[str, float]:
@@ -131,7 +148,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the check is about memory; one thread keeps it quick and steady
     rows, failed = [], False
-    for name, fn in cases() + [("KVCache generation loop", generation_loop(args.calls))]:
+    for name, fn in cases() + generation_loops(args.calls):
         r = measure(fn, args.calls)
         ok = r["end"] - r["start"] <= args.max_growth_mb
         failed |= not ok
