@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attn_ext
-from attn_ext.testing.decoding import decode_reference, page_out
+from attn_ext.testing.decoding import decode_reference, gather_pages, page_out
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
@@ -74,8 +74,8 @@ def test_append_quantizes_as_torch_converts(fp8, dtype, paged):
         got_k, got_v = c.k, c.v
         if paged:
             table = c.block_table[b : b + 1]
-            got_k = attn_ext.testing.decoding.gather_pages(c.k, table, 8)[0]
-            got_v = attn_ext.testing.decoding.gather_pages(c.v, table, 8)[0]
+            got_k = gather_pages(c.k, table, 8)[0]
+            got_v = gather_pages(c.v, table, 8)[0]
         else:
             got_k, got_v = c.k[b], c.v[b]
         assert torch.equal(_bits(got_k[:, :n]), _bits(_quantize(k[b][:, rows], fp8, K_SCALE)))

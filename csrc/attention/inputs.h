@@ -38,7 +38,7 @@ struct PreparedInputs {
 
 // The q/k/v checks every attention-like op shares: 4-D, one floating dtype, one device, one
 // batch size, H % Hkv == 0, v's heads and length equal to k's, k's head dim equal to q's.
-// With float8_kv, k and v may instead both be one float8 dtype (a quantized KV cache).
+// With float8_kv, k and v may instead be a float8 KV cache, whose dtypes the caller checks.
 void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                bool float8_kv = false);
 

@@ -29,12 +29,16 @@ inline void check_cache_scales(const char* op, c10::ScalarType cache_dtype, doub
   }
 }
 
+// The largest finite value of a float8 type, as float (read once, not per element).
+template <typename fp8_t>
+inline const float kFloat8Max = static_cast<float>(std::numeric_limits<fp8_t>::max());
+
 // x / scale rounded to the float8 type (c10's round to nearest even), saturated at the type's
-// largest finite value: c10's conversion turns an overflow into NaN (e4m3fn has no infinity),
-// and one outlier key must not poison every score of its row. NaN stays NaN.
+// largest finite value: c10's conversion saturates e4m3fn but turns an e5m2 overflow into
+// infinity, and one outlier key must not poison every score of its row. NaN stays NaN.
 template <typename fp8_t>
 inline fp8_t quantize_saturated(float x, float inv_scale) {
-  const float kMax = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  const float kMax = kFloat8Max<fp8_t>;
   float y = x * inv_scale;
   if (y > kMax) y = kMax;
   if (y < -kMax) y = -kMax;
