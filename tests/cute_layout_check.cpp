@@ -24,12 +24,21 @@
 // tiles once, with the quad property of 4 (hopper_fwd::rowcol); the score accumulator read as
 // the P V wgmma's register A operand (hopper_fwd::acc_as_a) element for element; the output
 // staging copy and one warpgroup's 16-byte global stores covering their tiles once.
+// The tensor-core decode's traits (DecodeMmaTraits, decoding/cuda/decode_mma.cu), per
+// instantiation (D = Dv 64 / 128 / 256, and MLA's 576-wide keys holding 512 value columns): the
+// budget; the Q, K/V and P layouts bijective, V^T reading V's (or K's first Dv columns') bytes
+// in every stage; the global copies covering the Q and K/V tiles once with each thread's
+// 16-byte vector contiguous in shared memory; gather_rows, run on the host with plain copies,
+// landing every gathered row (and zeros past the rows) where the tile's layout says; the one-
+// warp MMA covering a warp's score and output tiles once; the warps' key and value-column
+// slices reading the tile elements they name.
 // Prints one line per instantiation; exit status 1 on the first failure.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 #include "attention/cuda/flash/cute_traits.cuh"
 #include "attention/cuda/flash/hopper_traits.cuh"
+#include "decoding/cuda/decode_mma_traits.cuh"
 
 namespace {
 
@@ -306,6 +315,132 @@ void check_hopper(const char* name) {
               name, M, N, kThreads, Tr::kSmemBytes);
 }
 
+// gather_rows' copy on the host: a plain 16-byte assignment where the device issues cp.async.
+struct HostVecCopy {
+  static void copy(cute::uint128_t const& src, cute::uint128_t& dst) { dst = src; }
+};
+
+// Each thread's 16-byte vectors of the copy partition `dst_offsets(tid)` (offsets in shared
+// memory, (CPY, CPY_M, CPY_K)) are kVec consecutive elements.
+template <int kVec, class Part>
+bool vectors_contiguous(int threads, Part part) {
+  for (int tid = 0; tid < threads; ++tid) {
+    auto t = part(tid);
+    if (size<0>(t) != kVec) return false;
+    for (int m = 0; m < size<1>(t); ++m)
+      for (int k = 0; k < size<2>(t); ++k)
+        for (int e = 0; e < kVec; ++e)
+          if (t(e, m, k) != t(0, m, k) + e) return false;
+  }
+  return true;
+}
+
+template <typename T, int kD, int kDv, bool kVInK>
+void check_decode_mma(const char* name) {
+  using Tr = attn_ext::cuda::DecodeMmaTraits<T, kD, kDv, kVInK>;
+  using Elem = typename Tr::Elem;
+  constexpr int M = Tr::kBlockM, N = Tr::kBlockN, S = Tr::kStages, kThreads = Tr::kThreads;
+  constexpr int kCols = Tr::kColsPerWarp;
+  CHECK(Tr::kSmemBytes <= 163 * 1024, "%s: %zu bytes of shared memory", name, Tr::kSmemBytes);
+  CHECK(bijective(typename Tr::SmemLayoutQ{}), "%s: Q layout", name);
+  CHECK(bijective(typename Tr::SmemLayoutK{}), "%s: K stages", name);
+  CHECK(bijective(typename Tr::SmemLayoutV{}), "%s: V stages", name);
+  CHECK(bijective(typename Tr::SmemLayoutP{}), "%s: P layout", name);
+  {
+    typename Tr::SmemLayoutVSource src;
+    typename Tr::SmemLayoutVt vt;
+    for (int s = 0; s < S; ++s)
+      for (int n = 0; n < N; ++n)
+        for (int d = 0; d < kDv; ++d)
+          CHECK(vt(d, n, s) == src(n, d, s), "%s: V^T(%d, %d, %d) != V(%d, %d, %d)", name, d, n, s,
+                n, d, s);
+  }
+  typename Tr::GmemCopy gcopy;
+  CHECK(covers_once(kThreads, M, kD,
+                    [&](int tid) {
+                      return gcopy.get_thread_slice(tid).partition_D(
+                          make_identity_tensor(Shape<Int<M>, Int<kD>>{}));
+                    }),
+        "%s: Q tile copy", name);
+  CHECK(covers_once(kThreads, N, kD,
+                    [&](int tid) {
+                      return gcopy.get_thread_slice(tid).partition_D(
+                          make_identity_tensor(Shape<Int<N>, Int<kD>>{}));
+                    }),
+        "%s: K tile copy", name);
+  // offsets through a tensor over a counting "pointer" (an integer iterator)
+  const auto offsets = [](auto layout) { return make_tensor(counting_iterator<int>{0}, layout); };
+  CHECK(vectors_contiguous<Tr::kVec>(kThreads,
+                                     [&](int tid) {
+                                       return gcopy.get_thread_slice(tid).partition_D(
+                                           offsets(typename Tr::SmemLayoutQ{}));
+                                     }),
+        "%s: Q vectors not contiguous", name);
+  for (int s = 0; s < S; ++s) {
+    CHECK(vectors_contiguous<Tr::kVec>(kThreads,
+                                       [&](int tid) {
+                                         return gcopy.get_thread_slice(tid).partition_D(
+                                             offsets(typename Tr::SmemLayoutK{})(_, _, s));
+                                       }),
+          "%s: K stage %d vectors not contiguous", name, s);
+    CHECK(vectors_contiguous<Tr::kVec>(kThreads,
+                                       [&](int tid) {
+                                         return gcopy.get_thread_slice(tid).partition_D(
+                                             offsets(typename Tr::SmemLayoutV{})(_, _, s));
+                                       }),
+          "%s: V stage %d vectors not contiguous", name, s);
+  }
+  // gather_rows into stage 1 of K: row r from source row (r * 7 + 3) % N of a host array,
+  // `rows` rows, zeros past them
+  {
+    constexpr int kRows = N - 5;
+    std::vector<Elem> src(size_t(N) * kD), smem(cosize(typename Tr::SmemLayoutK{}), Elem(-1.f));
+    for (size_t i = 0; i < src.size(); ++i) src[i] = Elem(float(i % 251) + 1.f);
+    Tensor sK = make_tensor(smem.data(), typename Tr::SmemLayoutK{});
+    const auto source_row = [](int r) { return (r * 7 + 3) % N; };
+    for (int tid = 0; tid < kThreads; ++tid) {
+      auto thr = gcopy.get_thread_slice(tid);
+      attn_ext::cuda::decode_mma::gather_rows<HostVecCopy>(
+          thr.partition_D(sK(_, _, 1)),
+          thr.partition_D(make_identity_tensor(Shape<Int<N>, Int<kD>>{})), kRows,
+          [&](int r) { return src.data() + size_t(source_row(r)) * kD; });
+    }
+    for (int n = 0; n < N; ++n)
+      for (int d = 0; d < kD; ++d) {
+        const float want = n < kRows ? float(src[size_t(source_row(n)) * kD + d]) : 0.f;
+        CHECK(float(sK(n, d, 1)) == want, "%s: gathered K(%d, %d) = %g, want %g", name, n, d,
+              float(sK(n, d, 1)), want);
+        CHECK(float(sK(n, d, 0)) == -1.f, "%s: gather wrote stage 0", name);
+      }
+  }
+  // one warp's MMA over its score and output tiles
+  typename Tr::TiledMma mma;
+  CHECK(size(mma) == 32, "%s: %d MMA threads", name, int(size(mma)));
+  CHECK(mma_covers(mma, 32, M, 16, Shape<Int<M>, _16>{}), "%s: a warp's score tile", name);
+  CHECK(mma_covers(mma, 32, M, kCols, Shape<Int<M>, Int<kCols>>{}), "%s: a warp's output tile",
+        name);
+  // the warps' slices: keys [16 w, 16 w + 16) of a K stage, value columns [w kCols, ...) of V^T
+  {
+    auto k_off = offsets(typename Tr::SmemLayoutK{});
+    auto vt_off = offsets(typename Tr::SmemLayoutVt{});
+    for (int s = 0; s < S; ++s)
+      for (int w = 0; w < Tr::kWarps; ++w) {
+        if (w < Tr::kScoreWarps) {
+          auto kw = local_tile(k_off(_, _, s), Shape<_16, Int<kD>>{}, make_coord(w, 0));
+          for (int n = 0; n < 16; ++n)
+            for (int d = 0; d < kD; ++d)
+              CHECK(kw(n, d) == k_off(16 * w + n, d, s), "%s: warp %d's key slice", name, w);
+        }
+        auto vw = local_tile(vt_off(_, _, s), Shape<Int<kCols>, Int<N>>{}, make_coord(w, 0));
+        for (int d = 0; d < kCols; ++d)
+          for (int n = 0; n < N; ++n)
+            CHECK(vw(d, n) == vt_off(w * kCols + d, n, s), "%s: warp %d's value slice", name, w);
+      }
+  }
+  std::printf("ok   %s decode mma: %d rows x %d keys, %d stages, %zu bytes of shared memory\n",
+              name, M, N, S, Tr::kSmemBytes);
+}
+
 }  // namespace
 
 int main() {
@@ -324,6 +459,12 @@ int main() {
   check_hopper<__nv_bfloat16, 128>("bf16 d128");
   check_hopper<__nv_bfloat16, 256>("bf16 d256");
   check_hopper<__half, 128>("f16 d128");
+  check_decode_mma<__nv_bfloat16, 64, 64, false>("bf16 d64");
+  check_decode_mma<__nv_bfloat16, 128, 128, false>("bf16 d128");
+  check_decode_mma<__nv_bfloat16, 256, 256, false>("bf16 d256");
+  check_decode_mma<__half, 128, 128, false>("f16 d128");
+  check_decode_mma<__nv_bfloat16, 576, 512, true>("bf16 MLA 576/512");
+  check_decode_mma<__half, 576, 512, true>("f16 MLA 576/512");
   std::printf("%s\n", failures ? "CUTE LAYOUT CHECK FAIL" : "CUTE LAYOUT CHECK PASS");
   return failures ? 1 : 0;
 }

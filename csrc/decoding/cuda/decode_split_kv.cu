@@ -22,32 +22,13 @@
 #include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "decoding/cuda/decoding_launch.h"
+#include "decoding/cuda/cache_rows.cuh"
 #include "decoding/cuda/split_merge.cuh"
 
 namespace attn_ext::cuda {
 namespace {
 
 constexpr int kWarp = 32;
-
-// Sequence b's key row j: row j of its cache batch row (cache_batch_idx applied).
-struct ContiguousRows {
-  __device__ static CacheSlot slot(const DecodeParams& p, int64_t b, int64_t j) {
-    return {p.cache_row(b), j};
-  }
-};
-
-// Through the block table. int32 arithmetic (capacity < kSplitKvMaxCapacity), the entry
-// clamped into the cache as PageTable::page does: a GPU op cannot check the table without a
-// sync, so a bad entry reads a wrong page, never outside the cache.
-struct PagedRows {
-  __device__ static CacheSlot slot(const DecodeParams& p, int64_t b, int64_t j) {
-    const int32_t ps = static_cast<int32_t>(p.pages.page_size), t = static_cast<int32_t>(j);
-    const int32_t idx = t / ps;
-    const int32_t pg = p.pages.table[b * p.pages.row_stride + idx];
-    const int32_t last = static_cast<int32_t>(p.pages.num_pages - 1);
-    return {pg < 0 ? 0 : (pg > last ? last : pg), t - idx * ps};
-  }
-};
 
 template <typename T, int kHeadDim, int kRowsPerBlock>
 struct SplitKvTraits {
@@ -301,19 +282,6 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   }
 }
 
-// One warp per row: its lanes stride over the output features (merge_split_row).
-constexpr int kMergeThreads = 128;
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kMergeThreads)
-    merge_kernel(DecodeParams p, DecodeWorkspace ws, int64_t splits) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kMergeThreads / kWarp) +
-                      threadIdx.x / kWarp;  // over (b, hk, r)
-  if (row >= p.batch * p.kv_heads * p.group() * p.seqlen_q) return;
-  const int lane = threadIdx.x % kWarp;
-  merge_split_row<T, float, (kHeadDim + kWarp - 1) / kWarp>(p, ws, row, splits, kHeadDim, lane,
-                                                            kWarp, lane == 0);
-}
-
 using Launch = cudaError_t (*)(const DecodeParams&, DecodeWorkspace, cudaStream_t);
 
 template <typename T, int kHeadDim, int kRows, typename Rows, bool kMods>
@@ -325,12 +293,7 @@ cudaError_t run(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) 
   split_kv_kernel<T, kHeadDim, kRows, Rows, kMods><<<grid, Tr::kThreads, 0, stream>>>(p, ws);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  const int64_t all_rows = p.batch * p.kv_heads * rows;
-  constexpr int64_t kRowsPerMergeBlock = kMergeThreads / kWarp;
-  merge_kernel<T, kHeadDim>
-      <<<static_cast<unsigned>(ceil_div(all_rows, kRowsPerMergeBlock)), kMergeThreads, 0, stream>>>(
-          p, ws, p.num_splits);
-  return cudaGetLastError();
+  return launch_split_merge<T, kHeadDim>(p, ws, stream);
 }
 
 // The variants of one dtype and head dim, indexed [8 rows][paged][modifiers]: the rows per

@@ -17,6 +17,7 @@
 #include "attention/inputs.h"
 #include "common/cuda/elem_kind.h"
 #include "common/cuda/sm_count.h"
+#include "common/cuda/unverified.h"
 #include "decoding/cuda/decoding_launch.h"
 
 namespace attn_ext::cuda {
@@ -119,20 +120,33 @@ int64_t auto_splits(int64_t blocks, int64_t capacity) {
   return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, capacity / kMinSplitKeys));
 }
 
-// Split-KV factor of the split-KV kernel, from the blocks B * Hkv * row blocks, the capacity
-// (the lengths live on the device) and the SM count.
-int64_t split_kv_auto_splits(int64_t blocks, int64_t capacity) {
-  // Resident 128-thread blocks per SM the grid should fill: each keeps 2-4 KB of loads in
-  // flight, and an H100 SM needs about 20 KB in flight to stream at its share of bandwidth.
-  constexpr int64_t kBlocksPerSM = 8;
+// Split-KV factor of the split-KV and tensor-core kernels, from the blocks B * Hkv * row
+// blocks, the capacity (the lengths live on the device), the SM count and the resident blocks
+// per SM the grid should fill.
+int64_t split_count(int64_t blocks, int64_t capacity, int64_t blocks_per_sm) {
   // A split reads at least this many keys: shorter ones spend more on the merge than they
   // gain (the partials are Dv floats per row and split).
   constexpr int64_t kMinSplitKeys = 256;
   // Bounds the workspace and the merge kernel's serial loop over a row's splits.
   constexpr int64_t kMaxSplits = 128;
   const int64_t sms = sm_count(c10::cuda::current_device());
-  const int64_t want = (kBlocksPerSM * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
+  const int64_t want = (blocks_per_sm * sms + blocks - 1) / std::max<int64_t>(blocks, 1);
   return std::clamp<int64_t>(want, 1, std::clamp<int64_t>(capacity / kMinSplitKeys, 1, kMaxSplits));
+}
+
+// The split-KV kernel's 128-thread blocks each keep 2-4 KB of loads in flight, and an H100 SM
+// needs about 20 KB in flight to stream at its share of bandwidth: 8 resident blocks.
+int64_t split_kv_auto_splits(int64_t blocks, int64_t capacity) {
+  constexpr int64_t kBlocksPerSM = 8;
+  return split_count(blocks, capacity, kBlocksPerSM);
+}
+
+// The tensor-core kernel's blocks hold 66-160 KB of shared memory (one or two per H100 SM),
+// each with a whole tile of 16-72 KB in flight: two waves of two blocks an SM balance the
+// splits' lengths.
+int64_t decode_mma_auto_splits(int64_t blocks, int64_t capacity) {
+  constexpr int64_t kBlocksPerSM = 4;
+  return split_count(blocks, capacity, kBlocksPerSM);
 }
 
 // Why the split-KV kernel cannot serve p (nullptr when it can): it reads 16-byte vectors of
@@ -158,6 +172,42 @@ const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, const at:
     return "k_cache / v_cache rows that are not 16-byte aligned (pointer and strides)";
   if (p.seqlen_k >= kSplitKvMaxCapacity) return "capacities of 2^30 rows or more";
   return nullptr;
+}
+
+// Whether the tensor-core kernel (decode_mma.cu) serves p: only with ATTN_EXT_UNVERIFIED_CUDA=1
+// until it has run on a GPU (dev/gpu_notes.md). bf16 / fp16 without softcap / ALiBi, 16-byte
+// aligned q and cache rows, and either D = Dv in kSplitKvHeadDims with at least
+// kDecodeMmaMinRows query rows per KV head, or MLA's latent head (D 576, Dv 512) whose values
+// are the keys' first columns (v_cache a view of k_cache: `values_in_keys`).
+bool decode_mma_serves(const DecodeParams& p, ElemKind kind, const PreparedDecode& in,
+                       bool* values_in_keys) {
+  *values_in_keys = false;
+  if (!unverified_cuda_enabled()) return false;
+  if (kind != ElemKind::kBFloat16 && kind != ElemKind::kFloat16) return false;
+  if (p.softcap != 0.0 || p.alibi_slopes != nullptr) return false;
+  if (p.seqlen_k >= kSplitKvMaxCapacity) return false;
+  const at::Tensor &k = in.k_cache, &v = in.v_cache;
+  const bool latent = p.head_dim == kDecodeMmaLatentDim && p.head_dim_v == kDecodeMmaLatentDimV &&
+                      v.data_ptr() == k.data_ptr() && v.stride(0) == k.stride(0) &&
+                      v.stride(1) == k.stride(1) && v.stride(2) == k.stride(2);
+  const bool grouped = p.head_dim == p.head_dim_v &&
+                       std::find(std::begin(kSplitKvHeadDims), std::end(kSplitKvHeadDims),
+                                 p.head_dim) != std::end(kSplitKvHeadDims) &&
+                       p.group() * p.seqlen_q >= kDecodeMmaMinRows;
+  if (!latent && !grouped) return false;
+  // Rows read as 16-byte vectors: the base, a contiguous last dim, and the strides of the dims
+  // the kernel steps through (a dim of size 1 is never stepped through).
+  const auto aligned = [](const at::Tensor& t) {
+    const int64_t vec = 16 / t.element_size();
+    if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+    if (t.size(3) > 1 && t.stride(3) != 1) return false;
+    for (int64_t dim = 0; dim < 3; ++dim)
+      if (t.size(dim) > 1 && t.stride(dim) % vec != 0) return false;
+    return true;
+  };
+  if (!aligned(in.q) || !aligned(k) || !aligned(v)) return false;
+  *values_in_keys = latent;
+  return true;
 }
 
 // A paged cache (num_pages, Hkv, page_size, D) as the contiguous (B, Hkv, max_pages *
@@ -198,33 +248,42 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   // The split-KV kernel serves every call it can, paged or contiguous (the default since it ran
   // green on an H100, 2026-11-27); everything else runs the SIMT kernel, a paged call that the
   // split-KV kernel cannot serve (MLA's absorbed form, D != Dv; fp64; other head dims) on its
-  // pages gathered into contiguous rows: one copy of the cache per call.
+  // pages gathered into contiguous rows: one copy of the cache per call. With
+  // ATTN_EXT_UNVERIFIED_CUDA=1 the tensor-core kernel takes the calls decode_mma_serves names
+  // (many query rows per KV head, MLA's latent head, paged or not) from both.
   const char* unsupported = split_kv_unsupported(p, kind, in.k_cache, in.v_cache);
-  if (paged && unsupported != nullptr) {
+  bool values_in_keys = false;
+  const bool mma = decode_mma_serves(p, kind, in, &values_in_keys);
+  if (paged && unsupported != nullptr && !mma) {
     return decode_attention_cuda(
         q, gather_pages(k_cache, *block_table), gather_pages(v_cache, *block_table), cache_seqlens,
         scale, causal, window_left, window_right, num_splits, softcap, alibi_slopes, sinks,
         cache_batch_idx, cache_leftpad, std::nullopt, k_scale, v_scale);
   }
-  const bool split_kv = unsupported == nullptr;
+  const bool split_kv = !mma && unsupported == nullptr;
   TORCH_CHECK(p.head_dim <= kDecodeMaxHeadDim && p.head_dim_v <= kDecodeMaxHeadDimV, kOp,
               ": head dims up to D = ", kDecodeMaxHeadDim, ", Dv = ", kDecodeMaxHeadDimV,
               " are supported on CUDA, got D = ", p.head_dim, ", Dv = ", p.head_dim_v);
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const int64_t rows = p.group() * p.seqlen_q;
-  const int64_t rows_per_block = split_kv ? split_kv_rows_per_block(p) : kDecodeRowsPerBlock;
+  const int64_t rows_per_block = mma        ? decode_mma_rows_per_block(p.head_dim_v)
+                                 : split_kv ? split_kv_rows_per_block(p)
+                                            : kDecodeRowsPerBlock;
   const int64_t blocks = p.batch * p.kv_heads * ((rows + rows_per_block - 1) / rows_per_block);
   // SIMT kernel: the blocks on the grid's y axis (x holds the splits); split-KV kernel: the
   // splits on y. CUDA caps y at 65535 (x at 2^31 - 1).
   constexpr int64_t kMaxGridY = 65535;
-  if (split_kv) {
+  if (mma || split_kv) {
     TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp,
                 ": B * Hkv * ceil(H / Hkv * Sq / ", rows_per_block, ") = ", blocks,
                 " thread blocks exceed CUDA's grid limit");
     TORCH_CHECK(p.num_splits <= kMaxGridY, kOp, ": num_splits must be <= ", kMaxGridY,
                 " on CUDA, got ", p.num_splits);
-    if (p.num_splits == 0) p.num_splits = split_kv_auto_splits(blocks, p.seqlen_k);
+    if (p.num_splits == 0) {
+      p.num_splits = mma ? decode_mma_auto_splits(blocks, p.seqlen_k)
+                         : split_kv_auto_splits(blocks, p.seqlen_k);
+    }
   } else {
     TORCH_CHECK(blocks <= kMaxGridY, kOp, ": B * Hkv * ceil(H / Hkv * Sq / ", kDecodeRowsPerBlock,
                 ") = ", blocks, " thread blocks exceed CUDA's grid limit of ", kMaxGridY,
@@ -243,8 +302,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     ws = {ws_o.data_ptr(), ws_stats.data_ptr()};
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(split_kv ? launch_decode_split_kv(p, kind, ws, stream)
-                          : launch_decode(p, kind, ws, stream));
+  C10_CUDA_CHECK(mma        ? launch_decode_mma(p, kind, values_in_keys, ws, stream)
+                 : split_kv ? launch_decode_split_kv(p, kind, ws, stream)
+                            : launch_decode(p, kind, ws, stream));
   return {out, lse};
 }
 

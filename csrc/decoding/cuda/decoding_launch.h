@@ -46,4 +46,25 @@ inline int64_t split_kv_rows_per_block(const DecodeParams& p) {
 cudaError_t launch_decode_split_kv(const DecodeParams& p, ElemKind kind, DecodeWorkspace ws,
                                    cudaStream_t stream);
 
+// The tensor-core kernel (decode_mma.cu) for many query rows per KV head: bf16 / fp16,
+// contiguous and paged caches, D = Dv in kSplitKvHeadDims, or MLA's latent head (D
+// kDecodeMmaLatentDim whose first kDecodeMmaLatentDimV columns are the values: v_cache a view
+// of k_cache, `values_in_keys`); 16-byte aligned rows, capacities below kSplitKvMaxCapacity;
+// no softcap / ALiBi. Partials in fp32 (DecodeWorkspace), merged by split_merge.cuh's kernel.
+constexpr int64_t kDecodeMmaLatentDim = 576;
+constexpr int64_t kDecodeMmaLatentDimV = 512;
+// Query rows (G x Sq) per KV head from which the tensor-core kernel serves a call whose shape
+// the split-KV kernel also serves: at 8 rows the split-KV kernel's FMAs per cache byte reach
+// about the H100's fp32 rate at its memory bandwidth. To be measured on the device.
+constexpr int64_t kDecodeMmaMinRows = 8;
+// Query rows per block: as many as keep the output accumulator at 64 fp32 registers a thread
+// (DecodeMmaTraits::kBlockM).
+constexpr int64_t decode_mma_rows_per_block(int64_t head_dim_v) {
+  constexpr int64_t kAccElems = 64 * 128;  // registers a thread x threads a block
+  const int64_t rows = kAccElems / head_dim_v;
+  return rows > 64 ? 64 : rows;
+}
+cudaError_t launch_decode_mma(const DecodeParams& p, ElemKind kind, bool values_in_keys,
+                              DecodeWorkspace ws, cudaStream_t stream);
+
 }  // namespace attn_ext::cuda

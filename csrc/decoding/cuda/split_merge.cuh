@@ -46,4 +46,30 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Dec
   if (leader) p.lse[(b * p.heads + h) * Sq + i] = total.lse();
 }
 
+// The merge pass as its own kernel: one warp per row, its lanes striding over the Dv output
+// features (merge_split_row). Used by the kernels whose blocks cannot merge in place.
+constexpr int kMergeThreads = 128;
+constexpr int kMergeWarp = 32;
+template <typename T, int kHeadDimV>
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_kernel(DecodeParams p, DecodeWorkspace ws, int64_t splits) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kMergeThreads / kMergeWarp) +
+                      threadIdx.x / kMergeWarp;  // over (b, hk, r)
+  if (row >= p.batch * p.kv_heads * p.group() * p.seqlen_q) return;
+  const int lane = threadIdx.x % kMergeWarp;
+  merge_split_row<T, float, (kHeadDimV + kMergeWarp - 1) / kMergeWarp>(
+      p, ws, row, splits, kHeadDimV, lane, kMergeWarp, lane == 0);
+}
+
+// Launches merge_kernel over every row of p (p.num_splits partials each) on the stream.
+template <typename T, int kHeadDimV>
+cudaError_t launch_split_merge(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
+  const int64_t all_rows = p.batch * p.kv_heads * p.group() * p.seqlen_q;
+  constexpr int64_t kRowsPerMergeBlock = kMergeThreads / kMergeWarp;
+  merge_kernel<T, kHeadDimV>
+      <<<static_cast<unsigned>(ceil_div(all_rows, kRowsPerMergeBlock)), kMergeThreads, 0, stream>>>(
+          p, ws, p.num_splits);
+  return cudaGetLastError();
+}
+
 }  // namespace attn_ext::cuda
