@@ -10,6 +10,11 @@ same everywhere):
 * ``paged16`` / ``paged256`` -- the same through :class:`attn_ext.PagedKVCache` with pages of
   16 / 256 rows (pages taken from the free list as the sequences grow; the block table read by
   both ops), to compare with the contiguous cache (issue 21's CPU target: within 10%);
+* ``mma`` / ``mma_paged16`` -- the ``attn_ext`` / ``paged16`` candidates with
+  ``ATTN_EXT_UNVERIFIED_CUDA=1`` set during their calls (CUDA only), so that the tensor-core
+  decode kernel (csrc/decoding/cuda/decode_mma.cu: bf16 / fp16 with at least 8 query rows per
+  KV head, e.g. ``--heads 64 --kv-heads 8``) serves them until it has run green and becomes
+  the default;
 * ``fp8`` / ``fp8_e5m2`` -- the ``attn_ext`` candidate with a float8_e4m3fn / float8_e5m2
   cache (CPU; keys and values quantized with scale 2^-6 on append, each step reading half the
   bytes of a bf16 cache);
@@ -77,6 +82,8 @@ CANDIDATES = (
     "attn_ext",
     "paged16",
     "paged256",
+    "mma",
+    "mma_paged16",
     "fp8",
     "fp8_e5m2",
     "sdpa",
@@ -84,7 +91,7 @@ CANDIDATES = (
     "doc",
 )
 # Candidates that differ from another only on CUDA, left out of the CPU default.
-CUDA_ONLY = ("sdpa_nocudnn",)
+CUDA_ONLY = ("sdpa_nocudnn", "mma", "mma_paged16")
 CPU_ONLY = ("fp8", "fp8_e5m2")  # float8 caches have CPU kernels only
 # The float8 candidate's k_scale and v_scale: unit-normal keys and values stay well inside
 # e4m3's range (448) and out of its subnormals.
@@ -93,7 +100,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Distinct new tokens cycled through by the steps (enough that no step reuses its predecessor's).
 NEW_TOKEN_POOL = 8
 # The candidates timed as CUDA graphs of attention calls (``kernel``): those whose calls capture.
-GRAPHED = ("attn_ext", "paged16", "paged256", "sdpa_nocudnn")
+GRAPHED = ("attn_ext", "paged16", "paged256", "mma", "mma_paged16", "sdpa_nocudnn")
 
 
 class DocCache:
@@ -206,6 +213,19 @@ def paged(page_size):
     return lambda k, v, max_len: PagedCache(k, v, max_len, page_size)
 
 
+class OptedIn:
+    """Another candidate's cache whose steps and reads run with ATTN_EXT_UNVERIFIED_CUDA=1 (the
+    kernel is chosen on the host at each call, and at capture for a CUDA graph)."""
+
+    def __init__(self, cache):
+        self.step = harness.with_unverified_cuda(cache.step)
+        self.read = harness.with_unverified_cuda(cache.read)
+
+
+def opted_in(make):
+    return lambda k, v, max_len: OptedIn(make(k, v, max_len))
+
+
 class Layers:
     """One candidate's caches for ``n`` layers, each holding the prompt: a step appends the new
     token to every layer's cache and reads it, layer by layer, as a model's decode step does
@@ -225,6 +245,8 @@ MAKERS = {
     "attn_ext": AttnExtCache,
     "paged16": paged(16),
     "paged256": paged(256),
+    "mma": opted_in(AttnExtCache),
+    "mma_paged16": opted_in(paged(16)),
     "fp8": Float8Cache,
     "fp8_e5m2": lambda k, v, max_len: Float8Cache(k, v, max_len, torch.float8_e5m2),
     "sdpa": SdpaCache,

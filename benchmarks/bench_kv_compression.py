@@ -14,6 +14,8 @@ attention, output projection, one new token per sequence):
   keys and values at every step (``absorb=False``);
 * ``mla_kernel`` -- the absorbed step's attention alone (``decode_attention`` with 16 query heads
   on the one 576-wide latent head, values a 512-column view); on CUDA also its GB/s;
+* ``mla_kernel_mma`` -- the same call with ``ATTN_EXT_UNVERIFIED_CUDA=1`` (CUDA only): the
+  tensor-core decode kernel (csrc/decoding/cuda/decode_mma.cu), gated until it has run green;
 * ``tpa`` -- :class:`attn_ext.nn.TensorProductAttention` (head dim 128, ranks 6/2/2) decoding
   over its factor cache (A_K, B_K, A_V, B_V);
 * ``tpa_kv`` -- the same layer forming K and V and decoding over a materialized KV cache.
@@ -37,7 +39,11 @@ import torch
 import attn_ext
 from attn_ext.testing import harness
 
-CANDIDATES = ("mha", "gqa", "mla", "mla_naive", "mla_kernel", "tpa", "tpa_kv")
+CANDIDATES = ("mha", "gqa", "mla", "mla_naive", "mla_kernel", "mla_kernel_mma", "tpa", "tpa_kv")
+# Candidates that differ from another only on CUDA, left out of the CPU default.
+CUDA_ONLY = ("mla_kernel_mma",)
+# The candidates that time the latent decode kernel alone (their GB/s is reported on CUDA).
+KERNEL_CANDIDATES = ("mla_kernel", "mla_kernel_mma")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (slower, faster) pairs whose ratio the table shows.
 RATIO_PAIRS = (("mla_naive", "mla"), ("tpa_kv", "tpa"), ("mha", "mla"))
@@ -120,12 +126,16 @@ def make_step(name, layer, cache, xs):
 
     if name == "mla_naive":
         return lambda: layer(x(), cache, absorb=False)
-    if name == "mla_kernel":
+    if name in ("mla_kernel", "mla_kernel_mma"):
         H, D = layer.num_heads, layer.kv_lora_rank + layer.qk_rope_head_dim
         q = torch.randn(cache.kv.size(0), H, 1, D, dtype=cache.kv.dtype, device=cache.kv.device)
-        return lambda: attn_ext.decode_attention(
-            q, cache.k, cache.v, cache.lengths, scale=layer.softmax_scale
-        )
+
+        def attend():
+            return attn_ext.decode_attention(
+                q, cache.k, cache.v, cache.lengths, scale=layer.softmax_scale
+            )
+
+        return harness.with_unverified_cuda(attend) if name == "mla_kernel_mma" else attend
     return lambda: layer(x(), cache)
 
 
@@ -154,7 +164,13 @@ def main(argv=None):
     ap.add_argument(
         "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
     )
-    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
+    ap.add_argument(
+        "--candidates",
+        nargs="+",
+        default=None,
+        choices=CANDIDATES,
+        help="default: all (on the CPU: all but " + ", ".join(CUDA_ONLY) + ")",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.max_repeats, args.target_time = [512, 2048], 3, 1.0
@@ -165,7 +181,10 @@ def main(argv=None):
     elt = torch.finfo(dtype).bits // 8
     bw = harness.copy_bandwidth_gbs(device) if device.type == "cuda" else None
     torch.manual_seed(0)
-    names = list(args.candidates)
+    names = list(
+        args.candidates or [c for c in CANDIDATES if device.type == "cuda" or c not in CUDA_ONLY]
+    )
+    kernels = [n for n in KERNEL_CANDIDATES if n in names]
     pairs = [(a, b) for a, b in RATIO_PAIRS if a in names and b in names]
 
     layers = {name: build_layer(name, args, device, dtype) for name in names}
@@ -184,10 +203,12 @@ def main(argv=None):
             timing = bench.time({n: make_step(n, layers[n], caches[n], xs) for n in names})
             timing.results.clear()
             del caches
-            gbps = None
-            if bw and timing.median_s("mla_kernel"):
-                # bytes of the latent cache read per step (keys and values share the rows)
-                gbps = B * (P + 1) * MLA_LATENT * elt / timing.median_s("mla_kernel") / 1e9
+            # bytes of the latent cache read per step (keys and values share the rows)
+            gbps = {
+                n: B * (P + 1) * MLA_LATENT * elt / timing.median_s(n) / 1e9
+                for n in kernels
+                if bw and timing.median_s(n)
+            }
             params = dict(dtype=dt_name, B=B, H=args.heads, S=P, mode="step", d_model=args.d_model)
             for n in names:  # each slower form against its compressed one (RATIO_PAIRS)
                 to = dict(pairs).get(n)
@@ -196,14 +217,15 @@ def main(argv=None):
                     timing.ms(n),
                     ratio_to=to,
                     ratio=to and timing.ratio(n, to),
-                    gbps=gbps if n == "mla_kernel" else None,
+                    gbps=gbps.get(n),
                     note=timing.errors.get(n, ""),
                     **params,
                 )
             row = [B, P] + [harness.fmt(timing.ms(n)) for n in names]
             row += [harness.fmt_ratio(timing.ratio(a, b)) for a, b in pairs]
-            if bw and gbps:
-                row += [f"{gbps:.0f}", f"{100 * gbps / bw:.0f}%"]
+            if bw and len(gbps) == len(kernels):
+                for n in kernels:
+                    row += [f"{gbps[n]:.0f}", f"{100 * gbps[n] / bw:.0f}%"]
             rows.append(row)
             bar.update(1)
     bar.close()
@@ -217,11 +239,12 @@ def main(argv=None):
             f"{mha_bytes / cache_bytes(n, args, dtype):.1f}x smaller",
         ]
         for n in names
-        if n != "mla_kernel"
+        if n not in KERNEL_CANDIDATES
     ]
     cols = ["B", "context"] + names + [f"{a}/{b}" for a, b in pairs]
-    if bw and all(len(r) == len(cols) + 2 for r in rows):
-        cols += ["mla_kernel GB/s", "% of copy bw"]
+    if bw and kernels and all(len(r) == len(cols) + 2 * len(kernels) for r in rows):
+        for n in kernels:
+            cols += [f"{n} GB/s", "% of copy bw"]
     dims = (
         f"d_model={args.d_model}, H={args.heads}, {dt_name}; GQA Hkv={args.kv_heads}; MLA "
         "kv_lora_rank=512, "

@@ -40,6 +40,12 @@
 #           on an H100, 2026-11-27; needs build first): their tests, compute-sanitizer memcheck
 #           and racecheck on the paged cases (tools/sanitize_cuda.py --paged), bench_decode GB/s
 #           of the split-KV kernel contiguous and paged against SDPA
+# decode_mma: issue 21's tensor-core decode kernel (csrc/decoding/cuda/decode_mma.cu; compiled,
+#           never run; after build): its GPU tests and the host layout check, the decoding /
+#           paged / MLA suites again with ATTN_EXT_UNVERIFIED_CUDA=1 (their grouped and latent
+#           CUDA cases then run on it), compute-sanitizer memcheck / racecheck / synccheck on
+#           tools/sanitize_cuda.py --decode-mma, then bench_decode at G 8 (H 64, Hkv 8) and the
+#           latent kernel (bench_kv_compression, 16 heads) against the default kernels
 # spatial:  issue 28's vectorized spatial kernels (csrc/spatial/cuda/spatial_vec.cu; compiled,
 #           never run; after build): tests/test_spatial.py as it is (its vectorized tests opt in)
 #           and again with ATTN_EXT_UNVERIFIED_CUDA=1 (every CUDA case on the new kernels),
@@ -182,6 +188,23 @@ for phase in "$@"; do
       grep -hE "GB/s|^\|" "$OUT"/decode_bench/decode_cuda.md 2>/dev/null | head -40 >> "$SUMMARY"
       cat "$OUT"/decode_*.log > "$OUT/decode.log"; rm -f "$OUT"/decode_*.log
       tar czf "$OUT/decode_results.tgz" -C "$OUT" decode_bench && rm -rf "$OUT"/decode_bench ;;
+    decode_mma)  # in priority order: what the deadline cuts is the least needed
+      OMP_NUM_THREADS=1 step decode_mma_tests 120 $PY -m pytest tests/test_decode_mma_cuda.py \
+        tests/test_cute_layouts.py -q -n 8 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/decode_mma_tests.log" | tail -1 >> "$SUMMARY"
+      for tool in memcheck racecheck synccheck; do
+        step "decode_mma_$tool" 45 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY tools/sanitize_cuda.py --decode-mma
+        grep -E "SUMMARY|NON-FINITE" "$OUT/decode_mma_$tool.log" | head -3 >> "$SUMMARY"
+      done
+      ATTN_EXT_UNVERIFIED_CUDA=1 OMP_NUM_THREADS=1 step decode_mma_suites 120 $PY -m pytest \
+        tests/test_decoding.py tests/test_paged_cache.py tests/test_mla.py -q -n 14 -p no:cacheprovider -rfE
+      grep -E "passed|failed" "$OUT/decode_mma_suites.log" | tail -1 >> "$SUMMARY"
+      step decode_mma_bench 100 $PY benchmarks/bench_decode.py --device cuda --dtype bfloat16 --heads 64 --kv-heads 8 --batch 1 16 64 --prompts 8192 32768 --new-tokens 16 --gen-max-context 0 --max-repeats 10 --candidates attn_ext mma paged16 mma_paged16 sdpa_nocudnn --out "$OUT/decode_mma_bench"
+      grep -hE "GB/s|^\|" "$OUT"/decode_mma_bench/decode_cuda.md 2>/dev/null | head -30 >> "$SUMMARY"
+      step decode_mma_latent 60 $PY benchmarks/bench_kv_compression.py --device cuda --batch 1 16 64 --contexts 8192 32768 --max-repeats 10 --candidates mla_kernel mla_kernel_mma --out "$OUT/decode_mma_bench"
+      grep -hE "GB/s|^\|" "$OUT"/decode_mma_bench/kv_compression_cuda.md 2>/dev/null | tail -8 >> "$SUMMARY"
+      cat "$OUT"/decode_mma_*.log > "$OUT/decode_mma.log"; rm -f "$OUT"/decode_mma_*.log
+      tar czf "$OUT/decode_mma_results.tgz" -C "$OUT" decode_mma_bench && rm -rf "$OUT"/decode_mma_bench ;;
     spatial)  # in priority order: what the deadline cuts is the least needed
       OMP_NUM_THREADS=1 step spatial_tests 120 $PY -m pytest tests/test_spatial.py tests/test_temporal.py \
         -q -n 14 -p no:cacheprovider -rfE
@@ -243,6 +266,6 @@ for phase in "$@"; do
 done
 
 echo "===== summary"
-grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/cute_bwd.log "$OUT"/decode.log "$OUT"/hopper_tests.log \
+grep -hE "^(FAILED|ERROR)" "$OUT"/pytest.log "$OUT"/cute_tests.log "$OUT"/cute_bwd.log "$OUT"/decode.log "$OUT"/decode_mma.log "$OUT"/hopper_tests.log \
   "$OUT"/spatial_tests.log "$OUT"/spatial_tests_vec.log "$OUT"/linear.log 2>/dev/null | cut -c1-220 | head -60
 cat "$SUMMARY"

@@ -26,11 +26,17 @@ The fused linear-attention kernels (issue 28, unverified): the forward causal an
 and the causal backward, every dtype, head dim and feature map they serve, lengths off the
 64-row chunk, Sq != Sk, an initial state and the final state's gradient, strided (B, S, H, D)
 views, an empty sequence. ``--linear`` runs these cases only.
+The tensor-core decode kernel (issue 21, unverified: csrc/decoding/cuda/decode_mma.cu): bf16 and
+fp16, D = Dv 64 / 128 / 256 with 8-100 query rows per KV head (partial row blocks, causal Sq 3,
+a window, leftpad, sinks), MLA's 576-wide latent head with 16 and 128 heads, contiguous and
+paged (one and several splits, a one-key and an empty sequence, a table entry out of range).
+``--decode-mma`` runs these cases only.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
     compute-sanitizer --tool synccheck python tools/sanitize_cuda.py
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py --spatial
+    compute-sanitizer --tool racecheck python tools/sanitize_cuda.py --decode-mma
 
 Exits 0 after every case ran (printing one line per case), 0 with a note without a GPU.
 """
@@ -256,6 +262,70 @@ def paged_cases():
     return ok
 
 
+def decode_mma_cases():
+    """The tensor-core decode kernel (decoding/cuda/decode_mma.cu), which serves only with the
+    opt-in; every call here must reach it (bf16 / fp16, >= 8 rows a KV head, or the latent
+    head)."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, ok = "cuda", []
+    for dtype in (torch.bfloat16, torch.float16):
+        for d, h, hkv, sq in ((64, 16, 2, 1), (128, 40, 2, 5), (256, 16, 2, 3), (128, 8, 1, 1)):
+            k = torch.randn(3, hkv, 150, d, device=dev, dtype=dtype)
+            v = torch.randn(3, hkv, 150, d, device=dev, dtype=dtype)
+            lens = torch.tensor([150, 1, 0], dtype=torch.int32, device=dev)
+            q = torch.randn(3, h, sq, d, device=dev, dtype=dtype)
+            outs = []
+            for splits in (1, 3, 0):
+                outs += attn_ext.decode_attention(q, k, v, lens, num_splits=splits, return_lse=True)
+            outs += attn_ext.decode_attention(
+                q,
+                k,
+                v,
+                lens,
+                window_left=9,
+                cache_leftpad=torch.tensor([4, 0, 0], dtype=torch.int32, device=dev),
+                sinks=torch.randn(h, device=dev),
+                return_lse=True,
+            )
+            pages, table = _paged_copy(k, 16)
+            v_pages, _ = _paged_copy(v, 16)
+            outs += attn_ext.decode_attention(
+                q, pages, v_pages, lens, block_table=table, num_splits=2, return_lse=True
+            )
+            ok.append(_report(f"tensor-core decode {dtype} d{d} H{h} Hkv{hkv} Sq{sq}", outs))
+        for h in (16, 128):
+            kv = torch.randn(2, 1, 200, 576, device=dev, dtype=dtype)
+            lens = torch.tensor([200, 37], dtype=torch.int32, device=dev)
+            q = torch.randn(2, h, 1, 576, device=dev, dtype=dtype)
+            outs = []
+            for splits in (1, 0):
+                outs += attn_ext.decode_attention(
+                    q, kv, kv[..., :512], lens, num_splits=splits, return_lse=True
+                )
+            pages, table = _paged_copy(kv, 16)
+            table[1, 0] = 99  # out of range: clamped into the cache
+            outs += attn_ext.decode_attention(
+                q, pages, pages[..., :512], lens, block_table=table, return_lse=True
+            )
+            ok.append(_report(f"tensor-core latent decode {dtype} H{h}", outs))
+    return ok
+
+
+def _paged_copy(cache, page_size):
+    """cache (B, Hkv, L, D) as pages (B * L / page_size, Hkv, page_size, D), in reverse order,
+    and its block table."""
+    B, Hkv, L, D = cache.shape
+    n = L // page_size + (L % page_size > 0)
+    padded = torch.zeros(B, Hkv, n * page_size, D, device=cache.device, dtype=cache.dtype)
+    padded[:, :, :L] = cache
+    pages = (
+        padded.view(B, Hkv, n, page_size, D).permute(0, 2, 1, 3, 4).reshape(-1, Hkv, page_size, D)
+    )
+    order = torch.arange(B * n - 1, -1, -1, device=cache.device)
+    table = order.view(B, n).to(torch.int32)
+    return pages.flip(0).contiguous(), table
+
+
 def linear_cases():
     """The fused linear-attention kernels (linear/cuda/linear_attention_fwd.cu, _bwd.cu)."""
     os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
@@ -393,12 +463,15 @@ def main() -> int:
         return 0 if all(spatial_vec_cases()) else 1
     if "--linear" in sys.argv[1:]:
         return 0 if all(linear_cases()) else 1
+    if "--decode-mma" in sys.argv[1:]:
+        return 0 if all(decode_mma_cases()) else 1
     results = (
         [run_case(*c) for c in CASES]
         + modifier_and_varlen_cases()
         + decoding_cases()
         + paged_cases()
         + linear_cases()
+        + decode_mma_cases()
         + compression_cases()
         + spatial_cases()
     )

@@ -82,6 +82,29 @@ def cuda_kernel_names(fn: Callable[[], object]) -> List[str]:
     return [e.key for e in prof.key_averages()]
 
 
+# The environment variable that lets compiled-but-unverified CUDA kernels serve calls
+# (csrc/common/cuda/unverified.h): read by the ops at each call (and at a CUDA graph's capture).
+UNVERIFIED_CUDA = "ATTN_EXT_UNVERIFIED_CUDA"
+
+
+def with_unverified_cuda(fn: Callable[..., object]) -> Callable[..., object]:
+    """fn with ATTN_EXT_UNVERIFIED_CUDA=1 set during each call (restored after): a benchmark
+    candidate that times a gated kernel beside the default one in the same process."""
+
+    def call(*args, **kwargs):
+        before = os.environ.get(UNVERIFIED_CUDA)
+        os.environ[UNVERIFIED_CUDA] = "1"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[UNVERIFIED_CUDA]
+            else:
+                os.environ[UNVERIFIED_CUDA] = before
+
+    return call
+
+
 def cuda_graph_replay(fn: Callable[[], object], reps: int) -> Callable[[], object]:
     """A zero-argument call that replays one CUDA graph of ``reps`` back-to-back calls of fn and
     returns the last call's result: timed, its time / reps is the device time of one call without
