@@ -335,9 +335,9 @@ bool vectors_contiguous(int threads, Part part) {
   return true;
 }
 
-template <typename T, int kD, int kDv, bool kVInK>
+template <typename T, int kD, int kDv, bool kVInK, int kBlockM>
 void check_decode_mma(const char* name) {
-  using Tr = attn_ext::cuda::DecodeMmaTraits<T, kD, kDv, kVInK>;
+  using Tr = attn_ext::cuda::DecodeMmaTraits<T, kD, kDv, kVInK, kBlockM>;
   using Elem = typename Tr::Elem;
   constexpr int M = Tr::kBlockM, N = Tr::kBlockN, S = Tr::kStages, kThreads = Tr::kThreads;
   constexpr int kCols = Tr::kColsPerWarp;
@@ -459,12 +459,16 @@ int main() {
   check_hopper<__nv_bfloat16, 128>("bf16 d128");
   check_hopper<__nv_bfloat16, 256>("bf16 d256");
   check_hopper<__half, 128>("f16 d128");
-  check_decode_mma<__nv_bfloat16, 64, 64, false>("bf16 d64");
-  check_decode_mma<__nv_bfloat16, 128, 128, false>("bf16 d128");
-  check_decode_mma<__nv_bfloat16, 256, 256, false>("bf16 d256");
-  check_decode_mma<__half, 128, 128, false>("f16 d128");
-  check_decode_mma<__nv_bfloat16, 576, 512, true>("bf16 MLA 576/512");
-  check_decode_mma<__half, 576, 512, true>("f16 MLA 576/512");
+  check_decode_mma<__nv_bfloat16, 64, 64, false, 16>("bf16 d64, 16 rows");
+  check_decode_mma<__nv_bfloat16, 64, 64, false, 64>("bf16 d64, 64 rows");
+  check_decode_mma<__nv_bfloat16, 128, 128, false, 16>("bf16 d128, 16 rows");
+  check_decode_mma<__nv_bfloat16, 128, 128, false, 64>("bf16 d128, 64 rows");
+  check_decode_mma<__nv_bfloat16, 256, 256, false, 16>("bf16 d256, 16 rows");
+  check_decode_mma<__nv_bfloat16, 256, 256, false, 32>("bf16 d256, 32 rows");
+  check_decode_mma<__half, 128, 128, false, 16>("f16 d128, 16 rows");
+  check_decode_mma<__half, 128, 128, false, 64>("f16 d128, 64 rows");
+  check_decode_mma<__nv_bfloat16, 576, 512, true, 16>("bf16 MLA 576/512");
+  check_decode_mma<__half, 576, 512, true, 16>("f16 MLA 576/512");
   std::printf("%s\n", failures ? "CUTE LAYOUT CHECK FAIL" : "CUTE LAYOUT CHECK PASS");
   return failures ? 1 : 0;
 }

@@ -47,17 +47,19 @@ def _ints(values):
     return torch.tensor(values, dtype=torch.int32, device=DEV)
 
 
-# B, H, Hkv, Sq, L, D, lengths, extra. Row blocks are 64 rows (D <= 128) or 32 (D 256): cases
-# with exactly one block, a partial last block, several blocks; lengths of 0 and 1; the band
+# B, H, Hkv, Sq, L, D, lengths, extra. A KV head's rows (G x Sq) run in one 16-row block when
+# there are at most 16, else in blocks of 64 (D <= 128) or 32 (D 256): both kinds at every head
+# dim, exactly one block, a partial last block, several blocks; lengths of 0 and 1; the band
 # over several new tokens; the with_kvcache arguments the kernel serves (leftpad, batch_idx,
 # sinks).
 GROUP_CASES = [
-    (2, 32, 4, 1, 1000, 128, [1000, 517], {}),  # G 8: kDecodeMmaMinRows
+    (2, 32, 4, 1, 1000, 128, [1000, 517], {}),  # G 8: kDecodeMmaMinRows, a 16-row block
     (3, 16, 1, 1, 700, 64, [700, 1, 0], {}),  # MQA, a one-key and an empty sequence
     (1, 64, 1, 1, 2100, 128, [2050], {}),  # one full 64-row block
     (2, 40, 2, 5, 300, 128, [300, 40], {}),  # 100 rows a KV head: two blocks, causal Sq 5
     (2, 16, 2, 4, 333, 256, [333, 70], dict(window_left=20)),  # D 256: 32-row blocks, window
-    (2, 24, 3, 2, 257, 64, [257, 256], dict(causal=False)),
+    (2, 16, 2, 1, 333, 256, [333, 70], {}),  # D 256, a 16-row block
+    (2, 24, 1, 2, 257, 64, [257, 256], dict(causal=False)),  # D 64, 48 rows of a 64-row block
     (3, 16, 2, 3, 200, 128, [200, 60, 9], dict(cache_leftpad=[5, 58, 0])),  # queries before start
     (3, 16, 2, 1, 150, 64, [150, 33, 100], dict(cache_batch_idx=[2, 0, 2])),
     (2, 32, 4, 2, 400, 128, [400, 0], dict(sinks=True, causal=False, window_right=3)),

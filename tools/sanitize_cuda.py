@@ -27,8 +27,9 @@ and the causal backward, every dtype, head dim and feature map they serve, lengt
 64-row chunk, Sq != Sk, an initial state and the final state's gradient, strided (B, S, H, D)
 views, an empty sequence. ``--linear`` runs these cases only.
 The tensor-core decode kernel (issue 21, unverified: csrc/decoding/cuda/decode_mma.cu): bf16 and
-fp16, D = Dv 64 / 128 / 256 with 8-100 query rows per KV head (partial row blocks, causal Sq 3,
-a window, leftpad, sinks), MLA's 576-wide latent head with 16 and 128 heads, contiguous and
+fp16, D = Dv 64 / 128 / 256 with 8-100 query rows per KV head (16-row and larger blocks,
+partial ones, causal Sq 3 and 5, a window, leftpad, sinks), MLA's 576-wide latent head with 16
+and 128 heads, contiguous and
 paged (one and several splits, a one-key and an empty sequence, a table entry out of range).
 ``--decode-mma`` runs these cases only.
 
@@ -269,7 +270,9 @@ def decode_mma_cases():
     os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
     dev, ok = "cuda", []
     for dtype in (torch.bfloat16, torch.float16):
-        for d, h, hkv, sq in ((64, 16, 2, 1), (128, 40, 2, 5), (256, 16, 2, 3), (128, 8, 1, 1)):
+        # 16-row blocks (G x Sq <= 16) and the larger ones, at each head dim
+        shapes = ((64, 16, 2, 1), (64, 32, 1, 2), (128, 8, 1, 1), (128, 40, 2, 5))
+        for d, h, hkv, sq in shapes + ((256, 16, 2, 1), (256, 16, 2, 3)):
             k = torch.randn(3, hkv, 150, d, device=dev, dtype=dtype)
             v = torch.randn(3, hkv, 150, d, device=dev, dtype=dtype)
             lens = torch.tensor([150, 1, 0], dtype=torch.int32, device=dev)

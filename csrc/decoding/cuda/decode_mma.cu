@@ -309,8 +309,6 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
 template <class Tr, class Rows>
 cudaError_t run(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
-  static_assert(Tr::kBlockM == decode_mma_rows_per_block(Tr::kHeadDimV),
-                "the host sizes the grid with the kernel's rows per block");
   const int64_t rows = p.group() * p.seqlen_q;
   const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads * ceil_div(rows, Tr::kBlockM)),
                   static_cast<unsigned>(p.num_splits));
@@ -330,6 +328,22 @@ cudaError_t run_rows(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t str
                          : run<Tr, ContiguousRows>(p, ws, stream);
 }
 
+// The rows-per-block instantiations of one shape: the host's decode_mma_rows_per_block picks,
+// and the grid it sizes is the kernel's.
+template <typename T, int kD, int kDv, bool kVInK>
+cudaError_t run_shape(const DecodeParams& p, DecodeWorkspace ws, cudaStream_t stream) {
+  constexpr int kSmall = kDecodeMmaSmallBlockM, kLarge = decode_mma_max_block_m(kDv);
+  static_assert(kSmall == kDecodeMmaSmallRows &&
+                    decode_mma_rows_per_block(kDecodeMmaSmallRows + 1, kDv) == kLarge,
+                "the host's rows per block are the kernel's");
+  const int64_t rows = decode_mma_rows_per_block(p.group() * p.seqlen_q, kDv);
+  if (rows == kSmall) return run_rows<DecodeMmaTraits<T, kD, kDv, kVInK, kSmall>>(p, ws, stream);
+  if constexpr (kLarge != kSmall) {
+    if (rows == kLarge) return run_rows<DecodeMmaTraits<T, kD, kDv, kVInK, kLarge>>(p, ws, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t launch_decode_mma(const DecodeParams& p, ElemKind kind, bool values_in_keys,
@@ -342,18 +356,17 @@ cudaError_t launch_decode_mma(const DecodeParams& p, ElemKind kind, bool values_
     } else {
       if (values_in_keys) {
         if (p.head_dim == kDecodeMmaLatentDim && p.head_dim_v == kDecodeMmaLatentDimV)
-          return run_rows<DecodeMmaTraits<T, kDecodeMmaLatentDim, kDecodeMmaLatentDimV, true>>(
-              p, ws, stream);
+          return run_shape<T, kDecodeMmaLatentDim, kDecodeMmaLatentDimV, true>(p, ws, stream);
         return cudaErrorInvalidValue;
       }
       if (p.head_dim != p.head_dim_v) return cudaErrorInvalidValue;
       switch (p.head_dim) {
         case 64:
-          return run_rows<DecodeMmaTraits<T, 64, 64, false>>(p, ws, stream);
+          return run_shape<T, 64, 64, false>(p, ws, stream);
         case 128:
-          return run_rows<DecodeMmaTraits<T, 128, 128, false>>(p, ws, stream);
+          return run_shape<T, 128, 128, false>(p, ws, stream);
         case 256:
-          return run_rows<DecodeMmaTraits<T, 256, 256, false>>(p, ws, stream);
+          return run_shape<T, 256, 256, false>(p, ws, stream);
         default:
           return cudaErrorInvalidValue;
       }

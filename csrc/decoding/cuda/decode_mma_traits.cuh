@@ -20,7 +20,18 @@
 
 namespace attn_ext::cuda {
 
-template <typename T, int kHeadDim_, int kHeadDimV_, bool kVInK_>
+// Rows per block when a KV head has at most this many query rows (decode with G <= 16 and one
+// token, the common case): one MMA row tile, so that the row pass and the output's registers
+// serve no padding rows.
+constexpr int kDecodeMmaSmallBlockM = 16;
+// The most rows per block at value width dv: as many as keep the output accumulator at 64 fp32
+// registers a thread of 128 (64 at Dv <= 128, 32 at 256, 16 for MLA's 512), so that each K / V
+// tile read serves as many query rows as fit.
+constexpr int decode_mma_max_block_m(int dv) {
+  return 64 * 128 / dv > 64 ? 64 : 64 * 128 / dv;
+}
+
+template <typename T, int kHeadDim_, int kHeadDimV_, bool kVInK_, int kBlockM_>
 struct DecodeMmaTraits {
   using Scalar = T;  // the CUDA type of q, the cache and the output
   using Elem = typename CuteElem<T>::type;
@@ -34,13 +45,12 @@ struct DecodeMmaTraits {
 
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  // Output accumulator registers a thread holds: kBlockM * Dv / kThreads.
-  static constexpr int kAccPerThread = 64;
-  // Rows per block: as many as keep the accumulator at kAccPerThread (64 at Dv <= 128, 32 at
-  // 256, 16 for MLA's 512), so that each K/V tile read serves as many query rows as fit.
-  static constexpr int kBlockMRaw = kAccPerThread * kThreads / kHeadDimV;
-  static constexpr int kBlockM = kBlockMRaw > 64 ? 64 : kBlockMRaw;
-  static_assert(kBlockM >= 16 && kBlockM % 16 == 0, "whole MMA row tiles");
+  // Rows per block: kDecodeMmaSmallBlockM or decode_mma_max_block_m(Dv) (the host picks from
+  // the rows a KV head has: decode_mma_rows_per_block).
+  static constexpr int kBlockM = kBlockM_;
+  static_assert(kThreads == 128, "decode_mma_max_block_m counts 128 threads");
+  static_assert(kBlockM >= 16 && kBlockM % 16 == 0 && kBlockM <= decode_mma_max_block_m(kHeadDimV),
+                "whole MMA row tiles, at most 64 accumulator registers a thread");
   // Keys per tile: 64 (16 per warp in S = Q K^T). MLA's 576-wide rows take 32 (two warps form
   // S, all four P V): a 64-key tile would be 72 KB a stage, beyond sm_80's 163 KB with two.
   static constexpr int kBlockN = kHeadDim <= 256 ? 64 : 32;

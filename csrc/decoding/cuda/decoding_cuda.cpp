@@ -267,9 +267,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const int64_t rows = p.group() * p.seqlen_q;
-  const int64_t rows_per_block = mma        ? decode_mma_rows_per_block(p.head_dim_v)
-                                 : split_kv ? split_kv_rows_per_block(p)
-                                            : kDecodeRowsPerBlock;
+  const int64_t rows_per_block =
+      mma        ? decode_mma_rows_per_block(p.group() * p.seqlen_q, p.head_dim_v)
+      : split_kv ? split_kv_rows_per_block(p)
+                 : kDecodeRowsPerBlock;
   const int64_t blocks = p.batch * p.kv_heads * ((rows + rows_per_block - 1) / rows_per_block);
   // SIMT kernel: the blocks on the grid's y axis (x holds the splits); split-KV kernel: the
   // splits on y. CUDA caps y at 65535 (x at 2^31 - 1).

@@ -57,12 +57,13 @@ constexpr int64_t kDecodeMmaLatentDimV = 512;
 // the split-KV kernel also serves: at 8 rows the split-KV kernel's FMAs per cache byte reach
 // about the H100's fp32 rate at its memory bandwidth. To be measured on the device.
 constexpr int64_t kDecodeMmaMinRows = 8;
-// Query rows per block: as many as keep the output accumulator at 64 fp32 registers a thread
-// (DecodeMmaTraits::kBlockM).
-constexpr int64_t decode_mma_rows_per_block(int64_t head_dim_v) {
-  constexpr int64_t kAccElems = 64 * 128;  // registers a thread x threads a block
-  const int64_t rows = kAccElems / head_dim_v;
-  return rows > 64 ? 64 : rows;
+// Query rows per block of the tensor-core kernel: 16 (one MMA row tile) when the KV head has at
+// most 16 rows (G x Sq), else as many as keep the output accumulator at 64 fp32 registers a
+// thread (64 at Dv <= 128, 32 at 256, 16 at 512). decode_mma.cu instantiates exactly these.
+constexpr int64_t kDecodeMmaSmallRows = 16;
+constexpr int64_t decode_mma_rows_per_block(int64_t rows, int64_t head_dim_v) {
+  const int64_t most = 64 * 128 / head_dim_v > 64 ? 64 : 64 * 128 / head_dim_v;
+  return rows <= kDecodeMmaSmallRows ? kDecodeMmaSmallRows : most;
 }
 cudaError_t launch_decode_mma(const DecodeParams& p, ElemKind kind, bool values_in_keys,
                               DecodeWorkspace ws, cudaStream_t stream);
