@@ -22,7 +22,7 @@ from .caches import (
     PagedLatentKVCache,
     TPAFactorCache,
 )
-from .decoding import decode_attention, rope, rope_
+from .decoding import decode_attention, rope, rope_, rope_parameters
 from .functional import (
     attention,
     attention_probabilities,
@@ -51,6 +51,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "rope",
     "rope_",
+    "rope_parameters",
     "decode_attention",
     "KVCache",
     "PagedKVCache",

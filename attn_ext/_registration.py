@@ -113,21 +113,17 @@ def _merge_backward_fake(grad_out, grad_lse, out_a, lse_a, out_b, lse_b):
 
 
 @torch.library.register_fake("attn_ext::rope")
-def _rope_fake(x, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None):
+def _rope_fake(x, positions=None, **kw):
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("attn_ext::rope_")
-def _rope_inplace_fake(
-    x, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None
-):
+def _rope_inplace_fake(x, positions=None, **kw):
     return None
 
 
 @torch.library.register_fake("attn_ext::rope_backward")
-def _rope_backward_fake(
-    grad_out, positions=None, *, offset=0, base=10000.0, interleaved=False, rotary_dim=None
-):
+def _rope_backward_fake(grad_out, positions=None, **kw):
     return torch.empty_like(grad_out)
 
 
@@ -147,6 +143,8 @@ def _kv_cache_append_fake(
     block_table=None,
     k_scale=1.0,
     v_scale=1.0,
+    rope_inv_freq=None,
+    rope_attention_scaling=1.0,
 ):
     return None
 
@@ -162,6 +160,8 @@ def _latent_cache_append_fake(
     rope_base=10000.0,
     rope_interleaved=False,
     block_table=None,
+    rope_inv_freq=None,
+    rope_attention_scaling=1.0,
 ):
     return None
 

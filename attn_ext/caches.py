@@ -184,12 +184,16 @@ class KVCache:
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
         rotary_dim: Optional[int] = None,
+        rope_inv_freq: Optional[torch.Tensor] = None,
+        rope_attention_scaling: float = 1.0,
     ) -> None:
         """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length and
         advances ``lengths``. ``new_lengths`` (B,) int: sequence ``b`` appends only its last
         ``new_lengths[b]`` tokens (left-padded batches). ``rope=True`` rotates the keys at their
         cache positions on the way in, with the pair layout of :func:`attn_ext.rope` (halves by
-        default, ``rope_interleaved=True`` for the pairs ``(2i, 2i + 1)``)."""
+        default, ``rope_interleaved=True`` for the pairs ``(2i, 2i + 1)``) and, for a scaled
+        variant, its ``rope_inv_freq`` / ``rope_attention_scaling`` (:func:`attn_ext.rope`'s
+        ``inv_freq`` / ``attention_scaling``)."""
         on_host = self.k.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(k, new_lengths)
         _ops.kv_cache_append(
@@ -205,6 +209,8 @@ class KVCache:
             rotary_dim=rotary_dim,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            rope_inv_freq=rope_inv_freq,
+            rope_attention_scaling=rope_attention_scaling,
         )
         if refusal is not None:
             raise RuntimeError(refusal)
@@ -403,6 +409,8 @@ class PagedKVCache:
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
         rotary_dim: Optional[int] = None,
+        rope_inv_freq: Optional[torch.Tensor] = None,
+        rope_attention_scaling: float = 1.0,
     ) -> None:
         """Writes k (B, Hkv, S_new, D) and v (B, Hkv, S_new, Dv) at each sequence's length,
         taking new pages from the free list as the sequences cross page boundaries, and
@@ -423,6 +431,8 @@ class PagedKVCache:
                 block_table=self.block_table,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                rope_inv_freq=rope_inv_freq,
+                rope_attention_scaling=rope_attention_scaling,
             )
 
         self._append_through(write, k, new_lengths)
@@ -593,11 +603,14 @@ class LatentKVCache(_LatentBuffer, KVCache):
         new_lengths: Optional[torch.Tensor] = None,
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
+        rope_inv_freq: Optional[torch.Tensor] = None,
+        rope_attention_scaling: float = 1.0,
     ) -> None:
         """Writes c_kv (B, 1, S_new, kv_lora_rank) and the not yet rotated k_rope
         (B, 1, S_new, rope_dim) at each sequence's length, rotating k_rope by RoPE at its
         cache position (halves by default; DeepSeek-V2 checkpoints need
-        ``rope_interleaved=True``, which :class:`attn_ext.nn.MultiHeadLatentAttention` passes), and
+        ``rope_interleaved=True``, which :class:`attn_ext.nn.MultiHeadLatentAttention` passes; a
+        scaled variant's ``rope_inv_freq`` / ``rope_attention_scaling``, e.g. DeepSeek's YaRN), and
         advances ``lengths`` (``new_lengths`` as in :meth:`KVCache.append`)."""
         on_host = self.kv.device.type == "cpu"
         after, refusal = (None, None) if on_host else self._room_after(c_kv, new_lengths)
@@ -609,6 +622,8 @@ class LatentKVCache(_LatentBuffer, KVCache):
             new_lengths,
             rope_base=rope_base,
             rope_interleaved=rope_interleaved,
+            rope_inv_freq=rope_inv_freq,
+            rope_attention_scaling=rope_attention_scaling,
         )
         if refusal is not None:
             raise RuntimeError(refusal.replace("kv_cache_append", "latent_cache_append"))
@@ -683,6 +698,8 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
         new_lengths: Optional[torch.Tensor] = None,
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
+        rope_inv_freq: Optional[torch.Tensor] = None,
+        rope_attention_scaling: float = 1.0,
     ) -> None:
         """As :meth:`LatentKVCache.append`, taking new pages from the free list as the
         sequences cross page boundaries (B = ``max_batch``)."""
@@ -697,6 +714,8 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
                 rope_base=rope_base,
                 rope_interleaved=rope_interleaved,
                 block_table=self.block_table,
+                rope_inv_freq=rope_inv_freq,
+                rope_attention_scaling=rope_attention_scaling,
             )
 
         self._append_through(write, c_kv, new_lengths)

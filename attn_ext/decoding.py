@@ -2,14 +2,134 @@
 cache. Thin wrappers over the registered operators (shapes and arguments only). The caches
 themselves live in :mod:`attn_ext.caches`."""
 
-from typing import Optional
+import math
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ._ops import ops as _ops
 from .functional import _as_4d
 
-__all__ = ["rope", "rope_", "decode_attention"]
+__all__ = ["rope", "rope_", "rope_parameters", "decode_attention"]
+
+
+# The RoPE variants rope_parameters knows, by Hugging Face's rope_type names.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def rope_parameters(
+    rotary_dim: int,
+    base: float = 10000.0,
+    rope_scaling: Optional[Dict[str, Any]] = None,
+    *,
+    max_position_embeddings: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    device=None,
+) -> Tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of a RoPE variant, for :func:`rope`, :func:`rope_`,
+    ``KVCache.append`` and the layers' ``rope_scaling``: ``inv_freq`` (rotary_dim / 2,) float32
+    and the factor cos and sin are multiplied by.
+
+    ``rope_scaling`` is a model config's ``rope_scaling`` (or ``rope_parameters``) dict, its
+    ``rope_type`` (or ``type``) one of ``ROPE_TYPES``: ``linear`` (``factor``), ``dynamic`` (NTK:
+    ``factor``, the base grown for ``seq_len`` past ``max_position_embeddings``), ``yarn``
+    (``factor``, ``original_max_position_embeddings``, optional ``beta_fast`` / ``beta_slow`` /
+    ``mscale`` / ``mscale_all_dim`` / ``attention_factor`` / ``truncate``: DeepSeek-V2/V3, Qwen
+    long context), ``longrope`` (``short_factor`` / ``long_factor`` per pair, chosen by
+    ``seq_len``; Phi-3), ``llama3`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``: Llama 3.1 and later). The arithmetic is Hugging Face
+    transformers' (same fp32 operations in the same order, so the same frequencies bit for bit:
+    tests/test_rope_scaling.py). ``None`` or ``default``: base's frequencies and 1.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rope_parameters: rotary_dim must be positive and even, got {rotary_dim}")
+    cfg = dict(rope_scaling or {})
+    kind = cfg.get("rope_type", cfg.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters: rope_type must be one of {ROPE_TYPES}, got {kind!r}")
+
+    def need(key):
+        if cfg.get(key) is None:
+            raise ValueError(f"rope_parameters: rope_type {kind!r} needs {key!r}")
+        return cfg[key]
+
+    def ramp_exponents():  # 2i / d in fp32, as transformers forms them
+        return torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(
+            device=device, dtype=torch.float
+        )
+
+    def plain(b):
+        return 1.0 / (b ** (ramp_exponents() / rotary_dim))
+
+    dim = rotary_dim
+    if kind == "default":
+        return plain(base), 1.0
+    if kind == "linear":
+        return plain(base) / need("factor"), 1.0
+    if kind == "dynamic":
+        factor = need("factor")
+        if max_position_embeddings is None:
+            raise ValueError("rope_parameters: rope_type 'dynamic' needs max_position_embeddings")
+        n = max(seq_len or max_position_embeddings, max_position_embeddings)
+        grown = base * ((factor * n / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        return plain(grown), 1.0
+    if kind == "llama3":
+        factor, low, high = need("factor"), need("low_freq_factor"), need("high_freq_factor")
+        old = need("original_max_position_embeddings")
+        inv = plain(base)
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    original = need("original_max_position_embeddings")
+    factor = cfg.get("factor")
+    if factor is None:
+        if max_position_embeddings is None:
+            raise ValueError(
+                f"rope_parameters: rope_type {kind!r} without 'factor' needs "
+                "max_position_embeddings"
+            )
+        factor = max_position_embeddings / original
+    attention = cfg.get("attention_factor")
+    if kind == "longrope":
+        if attention is None:
+            attention = (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            )
+        chosen = need("long_factor") if seq_len and seq_len > original else need("short_factor")
+        ext = torch.tensor(chosen, dtype=torch.float32, device=device)
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+        return 1.0 / (ext * base**shape), attention
+
+    # yarn
+    def mscale_of(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention is None:
+        mscale, mscale_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all))
+        else:
+            attention = mscale_of(factor)
+    beta_fast, beta_slow = cfg.get("beta_fast") or 32, cfg.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if cfg.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    extrapolation = (1 - ramp).to(device=device, dtype=torch.float)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, attention
 
 
 def rope(
@@ -20,6 +140,8 @@ def rope(
     base: float = 10000.0,
     interleaved: bool = False,
     rotary_dim: Optional[int] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    attention_scaling: float = 1.0,
 ) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, H, S, D) or (B, S, D), out of place.
 
@@ -30,10 +152,23 @@ def rope(
     ``(2i, 2i + 1)`` (document 000, GPT-J). Token ``s`` of sequence ``b`` is at
     ``pos = positions[b, s]`` (``positions`` int (B, S) or (S,)) or else ``offset + s``.
     Differentiable (the gradient is the inverse rotation); the output keeps ``x``'s strides.
+
+    Scaled variants (linear, dynamic NTK, YaRN, LongRoPE, Llama 3): ``inv_freq``
+    (rotary_dim / 2,) replaces ``base ** (-2i / rotary_dim)`` (read in fp32) and both cos and
+    sin are multiplied by ``attention_scaling``, which is what Hugging Face's
+    ``ROPE_INIT_FUNCTIONS[rope_type](config)`` returns and its rotary embedding applies
+    (:func:`attn_ext.rope_parameters` computes both from a ``rope_scaling`` dict).
     """
     x4 = _as_4d("x", x)
     out = _ops.rope(
-        x4, positions, offset=offset, base=base, interleaved=interleaved, rotary_dim=rotary_dim
+        x4,
+        positions,
+        offset=offset,
+        base=base,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
     )
     return out.squeeze(1) if x.dim() == 3 else out
 
@@ -46,6 +181,8 @@ def rope_(
     base: float = 10000.0,
     interleaved: bool = False,
     rotary_dim: Optional[int] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    attention_scaling: float = 1.0,
 ) -> torch.Tensor:
     """In-place :func:`rope`; returns ``x``. Not differentiable (use :func:`rope` in training)."""
     if x.requires_grad and torch.is_grad_enabled():
@@ -60,6 +197,8 @@ def rope_(
         base=base,
         interleaved=interleaved,
         rotary_dim=rotary_dim,
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
     )
     return x
 

@@ -174,22 +174,27 @@ TORCH_LIBRARY(attn_ext, m) {
 
   m.def(
       "rope(Tensor x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
-      "bool interleaved=False, SymInt? rotary_dim=None) -> Tensor");
+      "bool interleaved=False, SymInt? rotary_dim=None, Tensor? inv_freq=None, "
+      "float attention_scaling=1.0) -> Tensor");
   m.def(
       "rope_(Tensor(a!) x, Tensor? positions=None, *, SymInt offset=0, float base=10000.0, "
-      "bool interleaved=False, SymInt? rotary_dim=None) -> ()");
+      "bool interleaved=False, SymInt? rotary_dim=None, Tensor? inv_freq=None, "
+      "float attention_scaling=1.0) -> ()");
   m.def(
       "rope_backward(Tensor grad_out, Tensor? positions=None, *, SymInt offset=0, "
-      "float base=10000.0, bool interleaved=False, SymInt? rotary_dim=None) -> Tensor grad_x");
+      "float base=10000.0, bool interleaved=False, SymInt? rotary_dim=None, "
+      "Tensor? inv_freq=None, float attention_scaling=1.0) -> Tensor grad_x");
   m.def(
       "kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) cache_seqlens, "
       "Tensor k, Tensor v, Tensor? new_lengths=None, *, bool rope=False, "
       "float rope_base=10000.0, bool rope_interleaved=False, SymInt? rotary_dim=None, "
-      "Tensor? block_table=None, float k_scale=1.0, float v_scale=1.0) -> ()");
+      "Tensor? block_table=None, float k_scale=1.0, float v_scale=1.0, "
+      "Tensor? rope_inv_freq=None, float rope_attention_scaling=1.0) -> ()");
   m.def(
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
-      "bool rope_interleaved=False, Tensor? block_table=None) -> ()");
+      "bool rope_interleaved=False, Tensor? block_table=None, Tensor? rope_inv_freq=None, "
+      "float rope_attention_scaling=1.0) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "

@@ -11,13 +11,13 @@ key/value heads, rotary position embedding, an optional sliding window, and two 
   but the projections' outputs.
 """
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from ..caches import KVCache
-from ..decoding import rope, rope_
+from ..decoding import rope, rope_, rope_parameters
 from ..functional import attention
 
 __all__ = ["DecoderAttention"]
@@ -37,6 +37,12 @@ class DecoderAttention(nn.Module):
         rope_interleaved: ``False`` rotates halves (LLaMA, Mistral, HuggingFace), ``True``
             rotates the pairs ``(2i, 2i + 1)`` (document 000, GPT-J).
         rotary_dim: features rotated per head (default ``D``; partial rotary as in GPT-NeoX).
+        rope_scaling: a scaled RoPE variant as a model config's ``rope_scaling`` dict
+            (``{"rope_type": "llama3", "factor": 8.0, ...}``; :func:`attn_ext.rope_parameters`
+            lists the types), applied by every rotation of this layer; ``None``: plain RoPE.
+        max_position_embeddings: the model's context length, for the variants that read it
+            (``dynamic``, which is evaluated at this length, and ``yarn`` / ``longrope``
+            without ``factor``).
         window_left: sliding window: a query at position ``p`` sees keys ``[p - window_left, p]``
             (``-1`` unbounded; Mistral's ``sliding_window = W`` is ``window_left = W - 1``).
         dropout: attention dropout in training mode (the cache path is inference only).
@@ -62,6 +68,8 @@ class DecoderAttention(nn.Module):
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
         rotary_dim: Optional[int] = None,
+        rope_scaling: Optional[Dict[str, Any]] = None,
+        max_position_embeddings: Optional[int] = None,
         window_left: int = -1,
         dropout: float = 0.0,
         device=None,
@@ -100,6 +108,19 @@ class DecoderAttention(nn.Module):
             rope_interleaved,
             dropout,
         )
+        inv_freq, self.rope_attention_scaling = (
+            (None, 1.0)
+            if rope_scaling is None
+            else rope_parameters(
+                rot,
+                rope_base,
+                rope_scaling,
+                max_position_embeddings=max_position_embeddings,
+                device=device,
+            )
+        )
+        # a buffer, so that it moves with the layer (not saved: it follows from the config)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         kw = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **kw)
@@ -133,7 +154,11 @@ class DecoderAttention(nn.Module):
 
     def _rope_kw(self):
         return dict(
-            base=self.rope_base, interleaved=self.rope_interleaved, rotary_dim=self.rotary_dim
+            base=self.rope_base,
+            interleaved=self.rope_interleaved,
+            rotary_dim=self.rotary_dim,
+            inv_freq=self.rope_inv_freq,
+            attention_scaling=self.rope_attention_scaling,
         )
 
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -183,6 +208,8 @@ class DecoderAttention(nn.Module):
                 rope_base=self.rope_base,
                 rope_interleaved=self.rope_interleaved,
                 rotary_dim=self.rotary_dim,
+                rope_inv_freq=self.rope_inv_freq,
+                rope_attention_scaling=self.rope_attention_scaling,
             )
             out = cache.attend(q, window_left=self.window_left)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

@@ -27,13 +27,13 @@ Two ways to run:
 """
 
 import math
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch import nn
 
 from ..caches import LatentKVCache, PagedLatentKVCache
-from ..decoding import decode_attention, rope
+from ..decoding import decode_attention, rope, rope_parameters
 from ..functional import attention
 
 # The caches the layer decodes against: contiguous, or paged through a block table.
@@ -56,6 +56,12 @@ class MultiHeadLatentAttention(nn.Module):
         rope_base: RoPE base.
         rope_interleaved: ``True`` rotates the pairs ``(2i, 2i + 1)`` (DeepSeek-V2's checkpoint
             layout), ``False`` the halves ``(i, i + d/2)``.
+        rope_scaling: a scaled RoPE variant as the config's ``rope_scaling`` dict (DeepSeek-V2 /
+            V3: ``{"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}``;
+            :func:`attn_ext.rope_parameters`); ``None``: plain RoPE. DeepSeek's YaRN also
+            scales the softmax (``softmax_scale``), which stays the caller's.
+        max_position_embeddings: the model's context length, for the variants that read it.
         softmax_scale: default ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
         rms_norm_eps: epsilon of the two RMSNorms.
 
@@ -86,6 +92,8 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int = 128,
         rope_base: float = 10000.0,
         rope_interleaved: bool = True,
+        rope_scaling: Optional[Dict[str, Any]] = None,
+        max_position_embeddings: Optional[int] = None,
         softmax_scale: Optional[float] = None,
         rms_norm_eps: float = 1e-6,
         device=None,
@@ -116,6 +124,19 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_base, self.rope_interleaved = float(rope_base), rope_interleaved
+        inv_freq, self.rope_attention_scaling = (
+            (None, 1.0)
+            if rope_scaling is None
+            else rope_parameters(
+                qk_rope_head_dim,
+                rope_base,
+                rope_scaling,
+                max_position_embeddings=max_position_embeddings,
+                device=device,
+            )
+        )
+        # a buffer, so that it moves with the layer (not saved: it follows from the config)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.softmax_scale = (
             1.0 / math.sqrt(self.qk_head_dim) if softmax_scale is None else float(softmax_scale)
         )
@@ -171,7 +192,12 @@ class MultiHeadLatentAttention(nn.Module):
         )
 
     def _rope_kw(self):
-        return dict(base=self.rope_base, interleaved=self.rope_interleaved)
+        return dict(
+            base=self.rope_base,
+            interleaved=self.rope_interleaved,
+            inv_freq=self.rope_inv_freq,
+            attention_scaling=self.rope_attention_scaling,
+        )
 
     def _query(self, x: torch.Tensor):
         """(q_nope (B, H, S, nope), q_rope (B, H, S, rope)) as views, q_rope not yet rotated."""
@@ -275,6 +301,8 @@ class MultiHeadLatentAttention(nn.Module):
             new_lengths=new_lengths,
             rope_base=self.rope_base,
             rope_interleaved=self.rope_interleaved,
+            rope_inv_freq=self.rope_inv_freq,
+            rope_attention_scaling=self.rope_attention_scaling,
         )
         if prompt:
             # A prompt into an empty cache: causal attention over its decompressed keys

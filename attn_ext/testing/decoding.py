@@ -64,19 +64,26 @@ def rope_reference(
     base: float = 10000.0,
     interleaved: bool = False,
     rotary_dim=None,
+    inv_freq=None,
+    attention_scaling: float = 1.0,
     compute_dtype=None,
 ) -> torch.Tensor:
     """RoPE of x (B, H, S, D) with fp32 angles. ``compute_dtype`` None: a plain implementation
     at x's dtype (torch's float32 frequencies, cos/sin cast to x's dtype, as HuggingFace
     does); float64: the ground truth (attn_ext's frequencies, cos/sin and rotation in
-    float64)."""
+    float64). A scaled variant: ``inv_freq`` (read in float32) replaces the frequencies and
+    cos / sin are multiplied by ``attention_scaling`` before the cast (HuggingFace's order)."""
     rot = x.size(-1) if rotary_dim is None else rotary_dim
     dt = compute_dtype or x.dtype
     truth = compute_dtype == torch.float64
-    inv = (rope_inv_freq if truth else torch_inv_freq)(rot, base, x.device)
+    if inv_freq is not None:
+        inv = inv_freq.detach().float().to(x.device)
+    else:
+        inv = (rope_inv_freq if truth else torch_inv_freq)(rot, base, x.device)
     ang = rope_angles(_positions(x, positions, offset), rot, base, inv_freq=inv)  # (B|1, S, rot/2)
-    cos = torch.cos(ang.to(torch.float64) if dt == torch.float64 else ang).to(dt)[:, None]
-    sin = torch.sin(ang.to(torch.float64) if dt == torch.float64 else ang).to(dt)[:, None]
+    wide = ang.to(torch.float64) if dt == torch.float64 else ang
+    cos = (torch.cos(wide) * attention_scaling).to(dt)[:, None]
+    sin = (torch.sin(wide) * attention_scaling).to(dt)[:, None]
     xr, rest = x[..., :rot].to(dt), x[..., rot:].to(dt)
     if interleaved:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]

@@ -3,7 +3,9 @@
 // and the KV-cache append: which features form a rotated pair, and the rotation angle.
 //
 // Pair i (0 <= i < rotary_dim / 2) rotates features (first(i), second(i)) by the angle
-// pos * inv_freq(i), inv_freq(i) = base^(-2i / rotary_dim):
+// pos * inv_freq(i), inv_freq(i) = base^(-2i / rotary_dim) or the caller's table `freqs` (the
+// scaled variants: linear, NTK, YaRN, LongRoPE, Llama 3), and the rotated pair is multiplied by
+// attention_scaling (YaRN's and LongRoPE's factor on cos and sin; 1 otherwise):
 //   halves (LLaMA, GPT-NeoX; the default): features (i, i + rotary_dim / 2);
 //   interleaved (document 000, GPT-J):     features (2i, 2i + 1).
 // Features at and beyond rotary_dim pass through unchanged.
@@ -17,6 +19,12 @@ struct RopePolicy {
   double base = 10000.0;
   int64_t rotary_dim = 0;  // even, <= head dim
   bool interleaved = false;
+  // pairs() fp32 frequencies in the op's device memory, or null for base's; kept alive by the
+  // op's prepared inputs.
+  const float* freqs = nullptr;
+  // Hugging Face's attention_scaling: cos and sin are multiplied by it in the compute type
+  // (exactly 1: unchanged).
+  double attention_scaling = 1.0;
 
   C10_HOST_DEVICE int64_t pairs() const { return rotary_dim / 2; }
   C10_HOST_DEVICE int64_t first(int64_t i) const { return interleaved ? 2 * i : i; }
@@ -28,6 +36,7 @@ struct RopePolicy {
   // rounded fp32 one on every device (fp32 pow implementations differ by an ulp, which a
   // position in the tens of thousands turns into a visible angle error).
   C10_HOST_DEVICE float inv_freq(int64_t i) const {
+    if (freqs != nullptr) return freqs[i];
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(rotary_dim);
     return static_cast<float>(1.0 / ::pow(base, static_cast<double>(exponent)));
   }

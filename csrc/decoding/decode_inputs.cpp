@@ -76,6 +76,34 @@ RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool 
   return RopePolicy{base, rot, interleaved};
 }
 
+bool rope_scaled(const RopeScaling& scaling) {
+  return (scaling.inv_freq.has_value() && scaling.inv_freq->defined()) ||
+         scaling.attention_scaling != 1.0;
+}
+
+RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool interleaved,
+                            std::optional<int64_t> rotary_dim, const RopeScaling& scaling,
+                            const at::Tensor& like, const char* prefix, at::Tensor* freqs) {
+  RopePolicy pol = make_rope_policy(op, head_dim, base, interleaved, rotary_dim);
+  const double a = scaling.attention_scaling;
+  TORCH_CHECK(std::isfinite(a) && a > 0.0, op, ": ", prefix,
+              "attention_scaling must be positive and finite, got ", a);
+  pol.attention_scaling = a;
+  if (scaling.inv_freq.has_value() && scaling.inv_freq->defined()) {
+    const at::Tensor& f = *scaling.inv_freq;
+    TORCH_CHECK(f.dim() == 1 && f.size(0) == pol.pairs(), op, ": ", prefix,
+                "inv_freq must have shape (rotary_dim / 2,) = (", pol.pairs(), ",), got ",
+                f.sizes());
+    TORCH_CHECK(at::isFloatingType(f.scalar_type()), op, ": ", prefix,
+                "inv_freq must be floating point, got ", f.scalar_type());
+    TORCH_CHECK(f.device() == like.device(), op, ": ", prefix, "inv_freq must be on ",
+                like.device(), ", got ", f.device());
+    *freqs = f.to(at::kFloat).contiguous();
+    pol.freqs = freqs->data_ptr<float>();
+  }
+  return pol;
+}
+
 PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions& o) {
   check_float_4d(op, "x", x, "(B, H, S, D)");
   PreparedRope r;
@@ -84,7 +112,8 @@ PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions
   p.heads = x.size(1);
   p.seqlen = x.size(2);
   p.head_dim = x.size(3);
-  p.policy = make_rope_policy(op, p.head_dim, o.base, o.interleaved, o.rotary_dim);
+  p.policy = make_rope_policy(op, p.head_dim, o.base, o.interleaved, o.rotary_dim, o.scaling, x, "",
+                              &r.inv_freq);
   p.x = x.data_ptr();
   p.x_batch_stride = x.stride(0);
   p.x_head_stride = x.stride(1);
@@ -186,7 +215,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  double rope_base, bool rope_interleaved,
                                  std::optional<int64_t> rotary_dim,
                                  const std::optional<at::Tensor>& block_table, bool check_values,
-                                 CacheScales scales, const AppendNames& n) {
+                                 CacheScales scales, const AppendNames& n,
+                                 const RopeScaling& rope_scaling) {
   const bool paged = block_table.has_value() && block_table->defined();
   check_cache_4d(op, n.k_cache, k_cache,
                  paged ? "(num_pages, Hkv, page_size, D)" : "(B, Hkv, L, D)");
@@ -253,7 +283,12 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   p.k_scale = scales.k;
   p.v_scale = scales.v;
   p.rope = rope;
-  if (rope) p.policy = make_rope_policy(op, p.head_dim, rope_base, rope_interleaved, rotary_dim);
+  TORCH_CHECK(rope || !rope_scaled(rope_scaling), op,
+              ": rope_inv_freq / rope_attention_scaling need rope=True");
+  if (rope) {
+    p.policy = make_rope_policy(op, p.head_dim, rope_base, rope_interleaved, rotary_dim,
+                                rope_scaling, k_cache, "rope_", &r.inv_freq);
+  }
 
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -276,7 +311,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                                      const std::optional<at::Tensor>& new_lengths, double rope_base,
                                      bool rope_interleaved,
                                      const std::optional<at::Tensor>& block_table,
-                                     bool check_values) {
+                                     bool check_values, const RopeScaling& rope_scaling) {
   const bool paged = block_table.has_value() && block_table->defined();
   check_float_4d(op, "cache", cache,
                  paged ? "(num_pages, Hkv, page_size, Dc + Dr)" : "(B, Hkv, L, Dc + Dr)");
@@ -293,7 +328,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
                            k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
                            std::nullopt, block_table, check_values, CacheScales{},
-                           {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"});
+                           {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"}, rope_scaling);
 }
 
 PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Tensor& k_cache,

@@ -9,12 +9,22 @@
 
 namespace attn_ext {
 
+// A scaled RoPE variant, as Hugging Face's rope_type functions give it (linear, dynamic NTK,
+// YaRN, LongRoPE, Llama 3: `inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[type](config)`):
+// the pairs' frequencies, (rotary_dim / 2,) floating on the op's device, used instead of
+// base's, and the factor cos and sin are multiplied by.
+struct RopeScaling {
+  std::optional<at::Tensor> inv_freq;
+  double attention_scaling = 1.0;
+};
+
 struct RopeOptions {
   std::optional<at::Tensor> positions;
   int64_t offset = 0;
   double base = 10000.0;
   bool interleaved = false;
   std::optional<int64_t> rotary_dim;
+  RopeScaling scaling;
 };
 
 // Checks the RoPE options against a head dim and returns the policy.
@@ -29,9 +39,18 @@ at::Tensor prepare_positions(const char* op, const at::Tensor& pos, const char* 
 
 RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool interleaved,
                             std::optional<int64_t> rotary_dim);
+// The same with a scaled variant: inv_freq checked against the pairs and `like`'s device and
+// returned in *freqs as contiguous float32 (the policy points into it); attention_scaling
+// positive and finite. `prefix` names the arguments in messages ("" or "rope_").
+RopePolicy make_rope_policy(const char* op, int64_t head_dim, double base, bool interleaved,
+                            std::optional<int64_t> rotary_dim, const RopeScaling& scaling,
+                            const at::Tensor& like, const char* prefix, at::Tensor* freqs);
+// Whether a call asks for a scaled variant (a frequency table or attention_scaling != 1).
+bool rope_scaled(const RopeScaling& scaling);
 
 struct PreparedRope {
   at::Tensor positions;  // int64, (1 or B, S) rows contiguous, or undefined
+  at::Tensor inv_freq;   // float32 frequencies the policy points into, or undefined
   RopeParams params;     // everything but out
 };
 PreparedRope prepare_rope(const char* op, const at::Tensor& x, const RopeOptions& o);
@@ -55,6 +74,7 @@ void check_page_entries(const char* op, const PageTable& pages, int64_t batch, c
 
 struct PreparedAppend {
   at::Tensor lengths, appended;  // int64 copies on the cache's device
+  at::Tensor inv_freq;           // the RoPE frequencies the policy points into, or undefined
   KVAppendParams params;
 };
 // The names error messages give the append's four tensors (the latent append passes its
@@ -76,7 +96,8 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  double rope_base, bool rope_interleaved,
                                  std::optional<int64_t> rotary_dim,
                                  const std::optional<at::Tensor>& block_table, bool check_values,
-                                 CacheScales scales = {}, const AppendNames& names = {});
+                                 CacheScales scales = {}, const AppendNames& names = {},
+                                 const RopeScaling& rope_scaling = {});
 
 // The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope]
 // (paged: (num_pages, Hkv, page_size, Dc + Dr) through block_table); the append writes c_kv
@@ -88,7 +109,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
                                      const std::optional<at::Tensor>& new_lengths, double rope_base,
                                      bool rope_interleaved,
                                      const std::optional<at::Tensor>& block_table,
-                                     bool check_values);
+                                     bool check_values, const RopeScaling& rope_scaling = {});
 
 struct PreparedDecode {
   at::Tensor q, k_cache, v_cache, lengths, batch_idx, leftpad;

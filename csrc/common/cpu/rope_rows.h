@@ -10,14 +10,16 @@
 
 namespace attn_ext::cpu {
 
-// cos / sin of every pair's angle at `pos` (sin negated for the inverse rotation).
+// cos / sin of every pair's angle at `pos` times the policy's attention_scaling (sin negated
+// for the inverse rotation: the backward of a scaled rotation is the scaled inverse one).
 template <typename acc_t>
 inline void rope_table(const RopePolicy& pol, const float* inv_freq, int64_t pos, bool inverse,
                        acc_t* cos_t, acc_t* sin_t) {
+  const acc_t scaling = static_cast<acc_t>(pol.attention_scaling);
   for (int64_t i = 0; i < pol.pairs(); ++i) {
     const acc_t a = static_cast<acc_t>(RopePolicy::angle(pos, inv_freq[i]));
-    cos_t[i] = std::cos(a);
-    sin_t[i] = inverse ? -std::sin(a) : std::sin(a);
+    cos_t[i] = std::cos(a) * scaling;
+    sin_t[i] = (inverse ? -std::sin(a) : std::sin(a)) * scaling;
   }
 }
 

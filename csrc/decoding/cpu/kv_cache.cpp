@@ -94,11 +94,13 @@ void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& c
                          const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
                          bool rope_interleaved, std::optional<int64_t> rotary_dim,
                          const std::optional<at::Tensor>& block_table, double k_scale,
-                         double v_scale) {
+                         double v_scale, const std::optional<at::Tensor>& rope_inv_freq,
+                         double rope_attention_scaling) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim, block_table,
-                                       /*check_values=*/true, {k_scale, v_scale});
+                                       /*check_values=*/true, {k_scale, v_scale}, {},
+                                       {rope_inv_freq, rope_attention_scaling});
   if (k.numel() > 0 || v.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(k.scalar_type(), kOp, [&] {
       ATTN_EXT_DISPATCH_CACHE(k_cache.scalar_type(), kOp,
@@ -111,11 +113,14 @@ void kv_cache_append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& c
 void latent_cache_append_cpu(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                              const at::Tensor& k_rope, const std::optional<at::Tensor>& new_lengths,
                              double rope_base, bool rope_interleaved,
-                             const std::optional<at::Tensor>& block_table) {
+                             const std::optional<at::Tensor>& block_table,
+                             const std::optional<at::Tensor>& rope_inv_freq,
+                             double rope_attention_scaling) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
   PreparedAppend r =
       prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
-                            rope_interleaved, block_table, /*check_values=*/true);
+                            rope_interleaved, block_table,
+                            /*check_values=*/true, {rope_inv_freq, rope_attention_scaling});
   if (c_kv.numel() > 0 || k_rope.numel() > 0) {
     ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp,
                                [&] { kv_append_kernel<scalar_t>(r.params); });

@@ -77,8 +77,10 @@ void run(const char* op, RopeParams& p, const at::Tensor& x) {
 at::Tensor rope_out_of_place(const char* op, const at::Tensor& x,
                              const std::optional<at::Tensor>& positions, int64_t offset,
                              double base, bool interleaved, std::optional<int64_t> rotary_dim,
+                             const std::optional<at::Tensor>& inv_freq, double attention_scaling,
                              bool inverse) {
-  PreparedRope r = prepare_rope(op, x, {positions, offset, base, interleaved, rotary_dim});
+  PreparedRope r = prepare_rope(
+      op, x, {positions, offset, base, interleaved, rotary_dim, {inv_freq, attention_scaling}});
   // Same layout as x (a (B, S, H, D).transpose(1, 2) view stays one), like ATen's pointwise ops.
   at::Tensor out = advise_huge_pages(at::empty_like(x));
   r.params.inverse = inverse;
@@ -88,22 +90,26 @@ at::Tensor rope_out_of_place(const char* op, const at::Tensor& x,
 }
 
 at::Tensor rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,
-                    double base, bool interleaved, std::optional<int64_t> rotary_dim) {
+                    double base, bool interleaved, std::optional<int64_t> rotary_dim,
+                    const std::optional<at::Tensor>& inv_freq, double attention_scaling) {
   return rope_out_of_place("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim,
-                           false);
+                           inv_freq, attention_scaling, false);
 }
 
 at::Tensor rope_backward_cpu(const at::Tensor& grad_out, const std::optional<at::Tensor>& positions,
                              int64_t offset, double base, bool interleaved,
-                             std::optional<int64_t> rotary_dim) {
+                             std::optional<int64_t> rotary_dim,
+                             const std::optional<at::Tensor>& inv_freq, double attention_scaling) {
   return rope_out_of_place("attn_ext.rope_backward", grad_out, positions, offset, base, interleaved,
-                           rotary_dim, true);
+                           rotary_dim, inv_freq, attention_scaling, true);
 }
 
 void rope_inplace_cpu(at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,
-                      double base, bool interleaved, std::optional<int64_t> rotary_dim) {
+                      double base, bool interleaved, std::optional<int64_t> rotary_dim,
+                      const std::optional<at::Tensor>& inv_freq, double attention_scaling) {
   constexpr const char* kOp = "attn_ext.rope_";
-  PreparedRope r = prepare_rope(kOp, x, {positions, offset, base, interleaved, rotary_dim});
+  PreparedRope r = prepare_rope(
+      kOp, x, {positions, offset, base, interleaved, rotary_dim, {inv_freq, attention_scaling}});
   // Two elements sharing memory (an expanded view) would be rotated twice.
   at::assert_no_internal_overlap(x);
   set_rope_output(r.params, x);

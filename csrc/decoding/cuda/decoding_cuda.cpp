@@ -23,11 +23,20 @@
 namespace attn_ext::cuda {
 namespace {
 
+// A scaled RoPE variant (a frequency table or attention_scaling) has run only on the CPU: on
+// CUDA it needs the opt-in until a GPU session has run test_rope_scaling.py's CUDA cases.
+void require_scaled_rope_opt_in(const char* op, const RopeScaling& scaling) {
+  if (rope_scaled(scaling)) {
+    require_verified_or_opt_in(op, "RoPE with inv_freq / attention_scaling");
+  }
+}
+
 at::Tensor rope_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                     int64_t offset, double base, bool interleaved,
-                    std::optional<int64_t> rotary_dim, bool inverse) {
+                    std::optional<int64_t> rotary_dim, const RopeScaling& scaling, bool inverse) {
   c10::cuda::CUDAGuard guard(x.device());
-  PreparedRope r = prepare_rope(op, x, {positions, offset, base, interleaved, rotary_dim});
+  require_scaled_rope_opt_in(op, scaling);
+  PreparedRope r = prepare_rope(op, x, {positions, offset, base, interleaved, rotary_dim, scaling});
   at::Tensor out = at::empty_like(x);
   r.params.inverse = inverse;
   set_rope_output(r.params, out);
@@ -38,22 +47,28 @@ at::Tensor rope_out(const char* op, const at::Tensor& x, const std::optional<at:
 
 at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                      int64_t offset, double base, bool interleaved,
-                     std::optional<int64_t> rotary_dim) {
-  return rope_out("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim, false);
+                     std::optional<int64_t> rotary_dim, const std::optional<at::Tensor>& inv_freq,
+                     double attention_scaling) {
+  return rope_out("attn_ext.rope", x, positions, offset, base, interleaved, rotary_dim,
+                  {inv_freq, attention_scaling}, false);
 }
 
 at::Tensor rope_backward_cuda(const at::Tensor& grad_out,
                               const std::optional<at::Tensor>& positions, int64_t offset,
-                              double base, bool interleaved, std::optional<int64_t> rotary_dim) {
+                              double base, bool interleaved, std::optional<int64_t> rotary_dim,
+                              const std::optional<at::Tensor>& inv_freq, double attention_scaling) {
   return rope_out("attn_ext.rope_backward", grad_out, positions, offset, base, interleaved,
-                  rotary_dim, true);
+                  rotary_dim, {inv_freq, attention_scaling}, true);
 }
 
 void rope_inplace_cuda(at::Tensor& x, const std::optional<at::Tensor>& positions, int64_t offset,
-                       double base, bool interleaved, std::optional<int64_t> rotary_dim) {
+                       double base, bool interleaved, std::optional<int64_t> rotary_dim,
+                       const std::optional<at::Tensor>& inv_freq, double attention_scaling) {
   constexpr const char* kOp = "attn_ext.rope_";
   c10::cuda::CUDAGuard guard(x.device());
-  PreparedRope r = prepare_rope(kOp, x, {positions, offset, base, interleaved, rotary_dim});
+  require_scaled_rope_opt_in(kOp, {inv_freq, attention_scaling});
+  PreparedRope r = prepare_rope(
+      kOp, x, {positions, offset, base, interleaved, rotary_dim, {inv_freq, attention_scaling}});
   at::assert_no_internal_overlap(x);
   set_rope_output(r.params, x);
   C10_CUDA_CHECK(
@@ -82,13 +97,16 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
                           const std::optional<at::Tensor>& new_lengths, bool rope, double rope_base,
                           bool rope_interleaved, std::optional<int64_t> rotary_dim,
                           const std::optional<at::Tensor>& block_table, double k_scale,
-                          double v_scale) {
+                          double v_scale, const std::optional<at::Tensor>& rope_inv_freq,
+                          double rope_attention_scaling) {
   constexpr const char* kOp = "attn_ext.kv_cache_append";
   c10::cuda::CUDAGuard guard(k_cache.device());
   refuse_float8_cache(kOp, k_cache);
+  require_scaled_rope_opt_in(kOp, {rope_inv_freq, rope_attention_scaling});
   PreparedAppend r = prepare_kv_append(kOp, k_cache, v_cache, cache_seqlens, k, v, new_lengths,
                                        rope, rope_base, rope_interleaved, rotary_dim, block_table,
-                                       /*check_values=*/false, {k_scale, v_scale});
+                                       /*check_values=*/false, {k_scale, v_scale}, {},
+                                       {rope_inv_freq, rope_attention_scaling});
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, k.scalar_type()), cache_seqlens.data_ptr(),
@@ -98,12 +116,16 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& 
 void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, const at::Tensor& c_kv,
                               const at::Tensor& k_rope,
                               const std::optional<at::Tensor>& new_lengths, double rope_base,
-                              bool rope_interleaved, const std::optional<at::Tensor>& block_table) {
+                              bool rope_interleaved, const std::optional<at::Tensor>& block_table,
+                              const std::optional<at::Tensor>& rope_inv_freq,
+                              double rope_attention_scaling) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
   c10::cuda::CUDAGuard guard(cache.device());
+  require_scaled_rope_opt_in(kOp, {rope_inv_freq, rope_attention_scaling});
   PreparedAppend r =
       prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
-                            rope_interleaved, block_table, /*check_values=*/false);
+                            rope_interleaved, block_table,
+                            /*check_values=*/false, {rope_inv_freq, rope_attention_scaling});
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),

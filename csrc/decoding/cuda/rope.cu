@@ -11,14 +11,16 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// cos / sin of every pair at `pos` into shared memory (sin negated for the inverse).
+// cos / sin of every pair at `pos` times the policy's attention_scaling into shared memory
+// (sin negated for the inverse).
 template <typename acc_t>
 __device__ void rope_table(const RopePolicy& pol, int64_t pos, bool inverse, acc_t* cos_t,
                            acc_t* sin_t) {
+  const acc_t scaling = static_cast<acc_t>(pol.attention_scaling);
   for (int64_t i = threadIdx.x; i < pol.pairs(); i += blockDim.x) {
     const acc_t a = static_cast<acc_t>(RopePolicy::angle(pos, pol.inv_freq(i)));
-    cos_t[i] = cos(a);
-    sin_t[i] = inverse ? -sin(a) : sin(a);
+    cos_t[i] = cos(a) * scaling;
+    sin_t[i] = (inverse ? -sin(a) : sin(a)) * scaling;
   }
   __syncthreads();
 }
