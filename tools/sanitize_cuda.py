@@ -32,6 +32,8 @@ partial ones, causal Sq 3 and 5, a window, leftpad, sinks), MLA's 576-wide laten
 and 128 heads, contiguous and
 paged (one and several splits, a one-key and an empty sequence, a table entry out of range).
 ``--decode-mma`` runs these cases only.
+RoPE with a frequency table and attention_scaling (unverified on CUDA): rope forward and
+backward, rope_, kv_cache_append and latent_cache_append.
 
     compute-sanitizer --tool memcheck  python tools/sanitize_cuda.py
     compute-sanitizer --tool racecheck python tools/sanitize_cuda.py
@@ -314,6 +316,46 @@ def decode_mma_cases():
     return ok
 
 
+def scaled_rope_cases():
+    """RoPE with a frequency table and attention_scaling (unverified on CUDA: the opt-in) in
+    rope, its backward, rope_, kv_cache_append and latent_cache_append."""
+    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
+    dev, outs = "cuda", []
+    inv, scaling = attn_ext.rope_parameters(
+        32, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    )
+    kw = dict(inv_freq=inv.to(dev), attention_scaling=scaling)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = torch.randn(2, 3, 9, 48, device=dev, dtype=dtype, requires_grad=dtype != torch.bfloat16)
+        y = attn_ext.rope(x, rotary_dim=32, offset=5, **kw)
+        if x.requires_grad:
+            y.sum().backward()
+            outs.append(x.grad)
+        outs.append(y.detach())
+        z = x.detach().clone()
+        attn_ext.rope_(z, rotary_dim=32, interleaved=True, **kw)
+        outs.append(z)
+        c = attn_ext.KVCache(2, 3, 20, 48, dtype=dtype, device=dev)
+        c.append(
+            z,
+            z,
+            rope=True,
+            rotary_dim=32,
+            rope_inv_freq=kw["inv_freq"],
+            rope_attention_scaling=scaling,
+        )
+        outs.append(c.k)
+    lat = attn_ext.LatentKVCache(2, 16, kv_lora_rank=16, rope_dim=32, device=dev)
+    lat.append(
+        torch.randn(2, 1, 5, 16, device=dev),
+        torch.randn(2, 1, 5, 32, device=dev),
+        rope_inv_freq=kw["inv_freq"],
+        rope_attention_scaling=scaling,
+    )
+    outs.append(lat.kv)
+    return [_report("scaled RoPE: rope, backward, rope_, kv / latent append", outs)]
+
+
 def _paged_copy(cache, page_size):
     """cache (B, Hkv, L, D) as pages (B * L / page_size, Hkv, page_size, D), in reverse order,
     and its block table."""
@@ -475,6 +517,7 @@ def main() -> int:
         + paged_cases()
         + linear_cases()
         + decode_mma_cases()
+        + scaled_rope_cases()
         + compression_cases()
         + spatial_cases()
     )
