@@ -132,6 +132,24 @@ def rope_parameters(
     return inv, attention
 
 
+def _register_rope_variant(module, rotary_dim, base, rope_scaling, max_position_embeddings, device):
+    """A layer's scaled RoPE: ``module.rope_inv_freq`` (a buffer, so that it moves with the
+    layer; not saved, as it follows from the config; None without ``rope_scaling``) and
+    ``module.rope_attention_scaling``."""
+    inv_freq, module.rope_attention_scaling = (
+        (None, 1.0)
+        if rope_scaling is None
+        else rope_parameters(
+            rotary_dim,
+            base,
+            rope_scaling,
+            max_position_embeddings=max_position_embeddings,
+            device=device,
+        )
+    )
+    module.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+
 def rope(
     x: torch.Tensor,
     *,

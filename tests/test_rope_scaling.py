@@ -13,40 +13,11 @@ import pytest
 import torch
 
 import attn_ext
-from attn_ext.testing.decoding import rope_reference
+from attn_ext.testing.decoding import ROPE_SCALING_EXAMPLES, rope_reference
 from attn_ext.testing.numerics import ALL_DTYPES, assert_error_rule, rand
 
 ops = torch.ops.attn_ext
 
-# Variants as model configs give them (rope_type, its dict), for a 64-wide rotation.
-VARIANTS = {
-    "linear": dict(rope_type="linear", factor=4.0),
-    "dynamic": dict(rope_type="dynamic", factor=2.0),
-    "llama3": dict(
-        rope_type="llama3",
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    ),
-    # DeepSeek-V2's (its config says "type"; mscale / mscale_all_dim cancel in the factor)
-    "yarn_deepseek": dict(
-        type="yarn",
-        factor=40.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=0.707,
-        mscale_all_dim=0.707,
-    ),
-    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768),
-    "longrope": dict(
-        rope_type="longrope",
-        short_factor=[1.0 + 0.01 * i for i in range(32)],
-        long_factor=[1.5 + 0.1 * i for i in range(32)],
-        original_max_position_embeddings=4096,
-    ),
-}
 MAX_POS, THETA, ROT = 131072, 500000.0, 64
 
 
@@ -60,20 +31,20 @@ def _variant(name, seq_len=None, device="cpu"):
     return attn_ext.rope_parameters(
         ROT,
         THETA,
-        VARIANTS[name],
+        ROPE_SCALING_EXAMPLES[name],
         max_position_embeddings=MAX_POS,
         seq_len=seq_len,
         device=device,
     )
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(ROPE_SCALING_EXAMPLES))
 @pytest.mark.parametrize("seq_len", [None, 200_000])
 def test_parameters_match_transformers(name, seq_len):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = dict(VARIANTS[name])
+    scaling = dict(ROPE_SCALING_EXAMPLES[name])
     kind = scaling.get("rope_type", scaling.get("type"))
     config = transformers.LlamaConfig(
         hidden_size=1024,
@@ -251,7 +222,7 @@ def test_decoder_layer_rope_scaling(name):
     and differs from the unscaled layer."""
     torch.manual_seed(0)
     kw = dict(rope_base=THETA, max_position_embeddings=MAX_POS)
-    layer = attn_ext.nn.DecoderAttention(128, 4, 2, rope_scaling=VARIANTS[name], **kw)
+    layer = attn_ext.nn.DecoderAttention(128, 4, 2, rope_scaling=ROPE_SCALING_EXAMPLES[name], **kw)
     plain = attn_ext.nn.DecoderAttention(128, 4, 2, **kw)
     plain.load_state_dict(layer.state_dict())
     x = torch.randn(2, 12, 128)
@@ -277,7 +248,7 @@ def test_latent_layer_rope_scaling():
         qk_nope_head_dim=32,
         qk_rope_head_dim=ROT,
         v_head_dim=32,
-        rope_scaling=VARIANTS["yarn_deepseek"],
+        rope_scaling=ROPE_SCALING_EXAMPLES["yarn_deepseek"],
         max_position_embeddings=MAX_POS,
     )
     x = torch.randn(2, 10, 256)

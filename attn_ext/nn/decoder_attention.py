@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..caches import KVCache
-from ..decoding import rope, rope_, rope_parameters
+from ..decoding import _register_rope_variant, rope, rope_
 from ..functional import attention
 
 __all__ = ["DecoderAttention"]
@@ -108,19 +108,7 @@ class DecoderAttention(nn.Module):
             rope_interleaved,
             dropout,
         )
-        inv_freq, self.rope_attention_scaling = (
-            (None, 1.0)
-            if rope_scaling is None
-            else rope_parameters(
-                rot,
-                rope_base,
-                rope_scaling,
-                max_position_embeddings=max_position_embeddings,
-                device=device,
-            )
-        )
-        # a buffer, so that it moves with the layer (not saved: it follows from the config)
-        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        _register_rope_variant(self, rot, rope_base, rope_scaling, max_position_embeddings, device)
         kw = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **kw)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..caches import LatentKVCache, PagedLatentKVCache
-from ..decoding import decode_attention, rope, rope_parameters
+from ..decoding import _register_rope_variant, decode_attention, rope
 from ..functional import attention
 
 # The caches the layer decodes against: contiguous, or paged through a block table.
@@ -124,19 +124,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_base, self.rope_interleaved = float(rope_base), rope_interleaved
-        inv_freq, self.rope_attention_scaling = (
-            (None, 1.0)
-            if rope_scaling is None
-            else rope_parameters(
-                qk_rope_head_dim,
-                rope_base,
-                rope_scaling,
-                max_position_embeddings=max_position_embeddings,
-                device=device,
-            )
+        _register_rope_variant(
+            self, qk_rope_head_dim, rope_base, rope_scaling, max_position_embeddings, device
         )
-        # a buffer, so that it moves with the layer (not saved: it follows from the config)
-        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.softmax_scale = (
             1.0 / math.sqrt(self.qk_head_dim) if softmax_scale is None else float(softmax_scale)
         )

@@ -48,6 +48,38 @@ def torch_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch
     return 1.0 / (base ** (pairs / rotary_dim))
 
 
+# Scaled RoPE variants as model configs give them (`rope_scaling` dicts), for a 64-wide rotation
+# (longrope's factors are per pair): tests/test_rope_scaling.py, the rope fuzz family.
+ROPE_SCALING_EXAMPLES = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=2.0),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    # DeepSeek-V2's (its config says "type"; mscale / mscale_all_dim cancel in the factor)
+    "yarn_deepseek": dict(
+        type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768),
+    "longrope": dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.01 * i for i in range(32)],
+        long_factor=[1.5 + 0.1 * i for i in range(32)],
+        original_max_position_embeddings=4096,
+    ),
+}
+
+
 def _positions(x: torch.Tensor, positions, offset: int) -> torch.Tensor:
     """(B or 1, S) positions for x (B, H, S, D)."""
     S = x.size(-2)

@@ -27,7 +27,7 @@
 #include "common/online_softmax.h"
 #include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
-#include "decoding/cuda/cache_rows.cuh"
+#include "decoding/cuda/decode_block.cuh"
 #include "decoding/cuda/decode_mma_traits.cuh"
 #include "decoding/cuda/decoding_launch.h"
 #include "decoding/cuda/split_merge.cuh"
@@ -66,24 +66,12 @@ __global__ void __launch_bounds__(Tr::kThreads)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  // ---- this block's rows and keys (key indices int32: the host keeps capacities below
-  // kSplitKvMaxCapacity, so no sum of keys, tiles and splits overflows)
-  const int64_t G = p.group(), Sq = p.seqlen_q, rows_all = G * Sq;
-  const int64_t num_m = (rows_all + M - 1) / M;
-  const int64_t bk = blockIdx.x / num_m, r0 = (blockIdx.x % num_m) * M;
-  const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads;
-  const int m = static_cast<int>(rows_all - r0 < M ? rows_all - r0 : M);
-  int64_t len = p.lengths[b];
-  len = len < 0 ? 0 : (len > p.seqlen_k ? p.seqlen_k : len);  // clamped: never past capacity
-  const LocalBand band{len - Sq, p.window_left, p.window_right};
-  const int64_t first = p.first_key(b);
-  const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
-  const int32_t lo = static_cast<int32_t>(max(band.key_begin(i_begin, len), first));
-  const int32_t hi = static_cast<int32_t>(max(band.key_end(i_end, len), int64_t(lo)));
-  const int32_t splits = gridDim.y, split = blockIdx.y;
-  // This split's keys: a whole number of tiles each.
-  const int32_t chunk = ((hi - lo + splits - 1) / splits + N - 1) / N * N;
-  const int32_t j_begin = min(hi, lo + split * chunk), j_end = min(hi, j_begin + chunk);
+  // ---- this block's rows and keys
+  const DecodeBlock blk(p, M, N);
+  const int64_t G = blk.G, Sq = blk.Sq, rows_all = blk.rows, bk = blk.bk, r0 = blk.r0;
+  const int64_t b = blk.b, hk = blk.hk;
+  const int m = blk.m;
+  const int32_t splits = blk.splits, split = blk.split, j_begin = blk.j_begin, j_end = blk.j_end;
   const int num_tiles = (j_end - j_begin + N - 1) / N;
   const float log2e = static_cast<float>(kLog2e);
   const float s_scale = static_cast<float>(p.scale) * log2e;
@@ -112,14 +100,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   // ---- prologue: each row's keys of this split [row_lo, row_hi) (empty past m), its state
   for (int r = tid; r < M; r += kThreads) {
-    int32_t rlo = 0, rhi = 0;
-    if (r < m) {
-      const int64_t i = (r0 + r) / G;
-      rlo = static_cast<int32_t>(max(max(band.key_begin(i, len), first), int64_t(j_begin)));
-      rhi = static_cast<int32_t>(min(band.key_end(i + 1, len), int64_t(j_end)));
-    }
-    row_lo[r] = rlo;
-    row_hi[r] = rhi;
+    row_lo[r] = r < m ? blk.row_begin(r) : 0;
+    row_hi[r] = r < m ? blk.row_end(r) : 0;
     row_max[r] = -INFINITY;
     row_sum[r] = 0.f;
   }

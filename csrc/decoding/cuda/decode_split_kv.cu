@@ -22,7 +22,7 @@
 #include "attention/score_mod.h"
 #include "common/cuda/elem.cuh"
 #include "decoding/cuda/decoding_launch.h"
-#include "decoding/cuda/cache_rows.cuh"
+#include "decoding/cuda/decode_block.cuh"
 #include "decoding/cuda/split_merge.cuh"
 
 namespace attn_ext::cuda {
@@ -85,26 +85,12 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
   __shared__ float o_s[Tr::kWarps][kRows][kHeadDim];
   __shared__ SoftmaxState<float> state_s[Tr::kWarps][kRows];
 
-  // ---- prologue: this block's rows and keys (key indices are int32: the host keeps the
-  // capacity below kSplitKvMaxCapacity, so no sum of keys, tiles and splits overflows), the
-  // query slices
-  const int64_t G = p.group(), Sq = p.seqlen_q, rows = G * Sq;
-  const int64_t num_m = (rows + kRows - 1) / kRows;
-  const int64_t bk = blockIdx.x / num_m, r0 = (blockIdx.x % num_m) * kRows;
-  const int64_t b = bk / p.kv_heads, hk = bk % p.kv_heads;
-  const int m = static_cast<int>(rows - r0 < kRows ? rows - r0 : kRows);
-  int64_t len = p.lengths[b];
-  len = len < 0 ? 0 : (len > p.seqlen_k ? p.seqlen_k : len);  // clamped: never past capacity
-  const LocalBand band{len - Sq, p.window_left, p.window_right};
-  const int64_t first = p.first_key(b);
-  const int64_t i_begin = r0 / G, i_end = (r0 + m - 1) / G + 1;
-  const int32_t lo = static_cast<int32_t>(max(band.key_begin(i_begin, len), first));
-  const int32_t hi = static_cast<int32_t>(max(band.key_end(i_end, len), int64_t(lo)));
-  const int32_t splits = gridDim.y, split = blockIdx.y;
-  // This split's keys: a whole number of tiles each.
-  const int32_t chunk =
-      ((hi - lo + splits - 1) / splits + Tr::kTileKeys - 1) / Tr::kTileKeys * Tr::kTileKeys;
-  const int32_t j_begin = min(hi, lo + split * chunk), j_end = min(hi, j_begin + chunk);
+  // ---- prologue: this block's rows and keys, the query slices
+  const DecodeBlock blk(p, kRows, Tr::kTileKeys);
+  const int64_t G = blk.G, Sq = blk.Sq, rows = blk.rows, bk = blk.bk, r0 = blk.r0;
+  const int64_t b = blk.b, hk = blk.hk, len = blk.len;
+  const int m = blk.m;
+  const int32_t splits = blk.splits, split = blk.split, j_begin = blk.j_begin, j_end = blk.j_end;
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int group = lane / kLanes, gl = lane % kLanes;
@@ -120,8 +106,8 @@ __global__ void __launch_bounds__(SplitKvTraits<T, kHeadDim, kRowsPerBlock>::kTh
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t rg = r0 + (r < m ? r : 0), i = rg / G, h = hk * G + rg % G;
-    row_lo[r] = static_cast<int32_t>(max(max(band.key_begin(i, len), first), int64_t(j_begin)));
-    row_hi[r] = r < m ? static_cast<int32_t>(min(band.key_end(i + 1, len), int64_t(j_end))) : 0;
+    row_lo[r] = blk.row_begin(r < m ? r : 0);
+    row_hi[r] = r < m ? blk.row_end(r) : 0;
     const T* qr = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                   i * p.q_row_stride;
 #pragma unroll
