@@ -162,6 +162,7 @@ def _latent_cache_append_fake(
     block_table=None,
     rope_inv_freq=None,
     rope_attention_scaling=1.0,
+    kv_scale=1.0,
 ):
     return None
 

@@ -45,11 +45,11 @@ def _check_sizes(owner: str, positive: Tuple[str, ...] = (), **sizes) -> None:
 _FLOAT8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _check_scales(owner: str, dtype: torch.dtype, k_scale, v_scale) -> Tuple[float, float]:
-    """A cache's (k_scale, v_scale) as floats: positive and finite, and 1 unless the cache is
-    float8 (the append and decode ops check the same, at the first call)."""
-    scales = []
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+def _check_scales(owner: str, dtype: torch.dtype, **scales) -> Tuple[float, ...]:
+    """A cache's scales (by name, in order) as floats: positive and finite, and 1 unless the
+    cache is float8 (the append and decode ops check the same, at the first call)."""
+    checked = []
+    for name, s in scales.items():
         s = float(s)
         if not (math.isfinite(s) and s > 0.0):
             raise ValueError(f"{owner}: {name} must be positive and finite, got {s}")
@@ -58,8 +58,8 @@ def _check_scales(owner: str, dtype: torch.dtype, k_scale, v_scale) -> Tuple[flo
                 f"{owner}: {name} applies to float8_e4m3fn / float8_e5m2 caches only, got "
                 f"{name}={s} with dtype {dtype}"
             )
-        scales.append(s)
-    return scales[0], scales[1]
+        checked.append(s)
+    return tuple(checked)
 
 
 def _room_after(
@@ -140,7 +140,9 @@ class KVCache:
             batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
         )
         self.v = torch.zeros(batch_size, num_kv_heads, max_len, dv, dtype=dtype, device=device)
-        self.k_scale, self.v_scale = _check_scales("KVCache", self.k.dtype, k_scale, v_scale)
+        self.k_scale, self.v_scale = _check_scales(
+            "KVCache", self.k.dtype, k_scale=k_scale, v_scale=v_scale
+        )
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.k.device)
         # A GPU op cannot read the lengths without synchronizing, so on a GPU the cache keeps a
         # host copy to refuse an overflowing append with a clear error (the CPU op checks the
@@ -309,7 +311,9 @@ class PagedKVCache:
         kw = dict(dtype=dtype, device=device)
         self.k = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, **kw)
         self.v = torch.zeros(num_pages, num_kv_heads, page_size, dv, **kw)
-        self.k_scale, self.v_scale = _check_scales("PagedKVCache", self.k.dtype, k_scale, v_scale)
+        self.k_scale, self.v_scale = _check_scales(
+            "PagedKVCache", self.k.dtype, k_scale=k_scale, v_scale=v_scale
+        )
         self._init_table(max_batch, max_pages_per_seq, self.k.device)
 
     def _init_table(self, max_batch: int, max_pages_per_seq: int, device) -> None:
@@ -518,6 +522,21 @@ class _LatentBuffer:
     kv: torch.Tensor
     kv_lora_rank: int
 
+    def _readable(self, rows: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """rows as stored, or in ``dtype``: a float8 cache's rows dequantized (times
+        ``kv_scale``), for the layer's prompt and decompressed paths."""
+        if dtype is None:
+            return rows
+        if rows.dtype in _FLOAT8_CACHE_DTYPES:
+            return rows.to(dtype) * self.k_scale
+        return rows.to(dtype)
+
+    @property
+    def kv_scale(self) -> float:
+        """A float8 cache's one scale (keys and values are the same rows): it holds
+        ``[c_kv, k_rope] / kv_scale``; 1 otherwise."""
+        return self.k_scale
+
     @property
     def empty(self) -> bool:
         """True until the first :meth:`append` after construction or :meth:`reset`."""
@@ -546,6 +565,10 @@ class LatentKVCache(_LatentBuffer, KVCache):
     (``rope_dim`` values), in one buffer ``kv`` (B, 1, max_len, kv_lora_rank + rope_dim) laid
     out ``[c_kv, k_rope]``.
 
+    ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) with ``kv_scale`` keeps the rows as
+    ``[c_kv, k_rope] / kv_scale`` in one byte each (CPU; one scale, since the rows are both the
+    keys and the values): half a bf16 cache, as vLLM's fp8 MLA caches.
+
     The buffer is the single key head of width ``kv_lora_rank + rope_dim`` that the absorbed
     decode attends to (``self.k``), and its first ``kv_lora_rank`` columns are the values
     (``self.v``, a strided view of the same memory, never a copy). :meth:`append` writes both
@@ -562,6 +585,7 @@ class LatentKVCache(_LatentBuffer, KVCache):
         *,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        kv_scale: float = 1.0,
     ):
         _check_sizes(
             "LatentKVCache",
@@ -574,6 +598,8 @@ class LatentKVCache(_LatentBuffer, KVCache):
         self.kv = torch.zeros(
             batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
+        (self.k_scale,) = _check_scales("LatentKVCache", self.kv.dtype, kv_scale=kv_scale)
+        self.v_scale = self.k_scale
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.kv.device)
         self._host_lengths = [0] * batch_size
         # Host-side: no append since construction or reset (a prompt can then skip the cache;
@@ -590,10 +616,11 @@ class LatentKVCache(_LatentBuffer, KVCache):
         """The rotated ``k_rope`` columns (B, 1, max_len, rope_dim), a view."""
         return self.kv[..., self.kv_lora_rank :]
 
-    def rows(self, n: int) -> torch.Tensor:
+    def rows(self, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The first ``n`` rows of every sequence, (B, 1, n, kv_lora_rank + rope_dim), a view
-        (the same call as :meth:`PagedLatentKVCache.rows`)."""
-        return self.kv[:, :, :n]
+        (the same call as :meth:`PagedLatentKVCache.rows`); with ``dtype``, a copy in that
+        dtype (a float8 cache's rows dequantized)."""
+        return self._readable(self.kv[:, :, :n], dtype)
 
     def append(
         self,
@@ -624,6 +651,7 @@ class LatentKVCache(_LatentBuffer, KVCache):
             rope_interleaved=rope_interleaved,
             rope_inv_freq=rope_inv_freq,
             rope_attention_scaling=rope_attention_scaling,
+            kv_scale=self.k_scale,
         )
         if refusal is not None:
             raise RuntimeError(refusal.replace("kv_cache_append", "latent_cache_append"))
@@ -660,6 +688,7 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
         max_pages_per_seq: int,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        kv_scale: float = 1.0,
     ):
         _check_sizes(
             "PagedLatentKVCache",
@@ -675,20 +704,24 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
         self.kv = torch.zeros(
             num_pages, 1, page_size, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
+        (self.k_scale,) = _check_scales("PagedLatentKVCache", self.kv.dtype, kv_scale=kv_scale)
+        self.v_scale = self.k_scale
         self._init_table(max_batch, max_pages_per_seq, self.kv.device)
 
     def _copy_page(self, src: int, dst: int) -> None:
         self.kv[dst].copy_(self.kv[src])
 
-    def rows(self, n: int) -> torch.Tensor:
+    def rows(self, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The first ``n`` rows of every sequence, (max_batch, 1, n, kv_lora_rank + rope_dim),
-        gathered through the table (a copy). Rows past a sequence's length are not its own
-        (they read page 0 where it has no page): mask them by ``lengths``, as decoding does."""
+        gathered through the table (a copy; with ``dtype``, in that dtype, a float8 cache's
+        rows dequantized). Rows past a sequence's length are not its own (they read page 0
+        where it has no page): mask them by ``lengths``, as decoding does."""
         n_pages = -(-n // self.page_size)
         table = self.block_table[:, :n_pages].clamp(min=0).long()
         pages = self.kv[table]  # (B, n_pages, 1, page_size, W)
         B, W = table.size(0), self.kv.size(3)
-        return pages.transpose(1, 2).reshape(B, 1, n_pages * self.page_size, W)[:, :, :n]
+        gathered = pages.transpose(1, 2).reshape(B, 1, n_pages * self.page_size, W)[:, :, :n]
+        return self._readable(gathered, dtype)
 
     def append(
         self,
@@ -716,6 +749,7 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
                 block_table=self.block_table,
                 rope_inv_freq=rope_inv_freq,
                 rope_attention_scaling=rope_attention_scaling,
+                kv_scale=self.k_scale,
             )
 
         self._append_through(write, c_kv, new_lengths)

@@ -69,7 +69,8 @@
 //   latent_cache_append (MLA's cache): cache (B, Hkv, L, Dc + Dr) holds rows [c_kv, k_rope];
 //   writes c_kv (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr), the latter rotated by
 //   RoPE (all Dr features) at the rows' positions, as kv_cache_append does (v = c_kv, k = k_rope);
-//   paged (block_table given): cache (num_pages, Hkv, page_size, Dc + Dr), as below.
+//   paged (block_table given): cache (num_pages, Hkv, page_size, Dc + Dr), as below; a float8
+//   cache holds the rows / kv_scale (one scale: the rows are both keys and values).
 //   decode_attention: q (B, H, Sq, D) against the cache; query i of sequence b sits at
 //   key position cache_seqlens[b] - Sq + i (bottom-right) and sees keys
 //   [max(pos - window_left, leftpad_b), min(pos + window_right, len_b - 1)] (causal sets
@@ -194,7 +195,7 @@ TORCH_LIBRARY(attn_ext, m) {
       "latent_cache_append(Tensor(a!) cache, Tensor(b!) cache_seqlens, Tensor c_kv, "
       "Tensor k_rope, Tensor? new_lengths=None, *, float rope_base=10000.0, "
       "bool rope_interleaved=False, Tensor? block_table=None, Tensor? rope_inv_freq=None, "
-      "float rope_attention_scaling=1.0) -> ()");
+      "float rope_attention_scaling=1.0, float kv_scale=1.0) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, *, "
       "float? scale=None, bool causal=True, int window_left=-1, int window_right=-1, "

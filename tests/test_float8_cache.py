@@ -277,9 +277,20 @@ def test_bad_arguments():
         attn_ext.KVCache(1, 2, 4, 8, k_scale=2.0)
     with pytest.raises(ValueError, match="PagedKVCache: v_scale must be positive and finite"):
         attn_ext.PagedKVCache(4, 2, 2, 8, max_batch=1, max_pages_per_seq=2, dtype=fp8, v_scale=0)
-    latent = torch.zeros(1, 1, 4, 12, dtype=fp8)
-    with pytest.raises(RuntimeError, match="cache must be float32, float64, bfloat16 or float16"):
-        ops.latent_cache_append(latent, lens.clone(), torch.randn(1, 1, 1, 8), k[:, :1, :, :4])
+    latent = torch.zeros(1, 1, 4, 12)
+    c_kv, k_rope = torch.randn(1, 1, 1, 8), k[:, :1, :, :4]
+    with pytest.raises(RuntimeError, match="kv_scale applies to float8"):
+        ops.latent_cache_append(latent, lens.clone(), c_kv, k_rope, kv_scale=0.5)
+    with pytest.raises(RuntimeError, match="kv_scale must be positive and finite, got inf"):
+        ops.latent_cache_append(latent.to(fp8), lens.clone(), c_kv, k_rope, kv_scale=float("inf"))
+    with pytest.raises(RuntimeError, match="c_kv must be float32, float64, bfloat16 or float16"):
+        ops.latent_cache_append(latent.to(fp8), lens.clone(), c_kv.to(fp8), k_rope)
+    with pytest.raises(ValueError, match="LatentKVCache: kv_scale applies to float8"):
+        attn_ext.LatentKVCache(1, 4, kv_lora_rank=8, rope_dim=4, kv_scale=2.0)
+    with pytest.raises(ValueError, match="PagedLatentKVCache: kv_scale must be positive"):
+        attn_ext.PagedLatentKVCache(
+            4, 2, 8, 4, max_batch=1, max_pages_per_seq=2, dtype=fp8, kv_scale=-2.0
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -291,6 +302,11 @@ def test_cuda_refuses_float8_caches():
         ops.decode_attention(q, kc, kc, lens)
     with pytest.raises(NotImplementedError, match="supported on the CPU only"):
         ops.kv_cache_append(kc, kc.clone(), lens.clone(), q[:, :, :1], q[:, :, :1])
+    latent = torch.zeros(1, 1, 4, 12, dtype=torch.float8_e4m3fn, device="cuda")
+    with pytest.raises(NotImplementedError, match="supported on the CPU only"):
+        ops.latent_cache_append(
+            latent, lens.clone(), torch.randn(1, 1, 1, 8, device="cuda"), q[:, :1, :1, :4]
+        )
 
 
 def test_opcheck():
@@ -350,5 +366,99 @@ def test_decoder_layer_generates_through_a_float8_cache():
             step = torch.randn(2, 1, 256)
             outs += [layer(step, c) for c in (fp8, full)]
     assert fp8.k.dtype == torch.float8_e4m3fn and fp8.lengths.tolist() == [16, 16]
+    for got, want in zip(outs[0::2], outs[1::2]):
+        assert (got - want).abs().max() < 0.08 * want.abs().max()
+
+
+# ------------------------------------------------------------------------- MLA's latent cache
+LATENT_SCALE = 2.0**-5  # a power of two: the dequantized rows are exact in every q dtype
+
+
+@pytest.mark.parametrize("fp8", FLOAT8)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_latent_append_quantizes_as_torch_converts(fp8, dtype, paged):
+    """The latent append writes [c_kv, RoPE(k_rope)] / kv_scale: c_kv as torch converts the
+    saturated quotient, k_rope rotated in fp32 first (as the rotation alone gives it)."""
+    B, Dc, Dr = 2, 24, 8
+    c_kv = rand((B, 1, 9, Dc), dtype, "cpu", scale=4.0)
+    k_rope = rand((B, 1, 9, Dr), dtype, "cpu")
+    kw = dict(dtype=fp8, kv_scale=LATENT_SCALE)
+    if paged:
+        c = attn_ext.PagedLatentKVCache(8, 4, Dc, Dr, max_batch=B, max_pages_per_seq=4, **kw)
+    else:
+        c = attn_ext.LatentKVCache(B, 16, Dc, Dr, **kw)
+    c.append(c_kv, k_rope, rope_interleaved=True, new_lengths=torch.tensor([9, 4]))
+    assert c.kv_scale == LATENT_SCALE and c.lengths.tolist() == [9, 4]
+    rows = c.rows(9)
+    assert rows.dtype == fp8
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # the rotation's type
+    for b, n in enumerate([9, 4]):  # sequence b's last n tokens, at positions 0 .. n - 1
+        want_c = _quantize(c_kv[b, :, 9 - n :], fp8, LATENT_SCALE)
+        rotated = attn_ext.rope(k_rope[b : b + 1, :, 9 - n :].to(acc), interleaved=True)[0]
+        want_r = _quantize(rotated, fp8, LATENT_SCALE)
+        assert torch.equal(_bits(rows[b, :, :n, :Dc]), _bits(want_c))
+        assert torch.equal(_bits(rows[b, :, :n, Dc:]), _bits(want_r))
+    deq = c.rows(9, dtype=torch.float64)
+    assert torch.equal(deq, rows.double() * LATENT_SCALE)
+
+
+@pytest.mark.parametrize("fp8", FLOAT8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_latent_decode_equals_attention_on_the_dequantized_cache(fp8, dtype, page_size):
+    """The absorbed decode over a float8 latent cache (D 576, the values its 512-column view)
+    against the dense reference on the dequantized rows; paged == contiguous bit for bit."""
+    torch.manual_seed(0)
+    B, L, H = 2, 300, 16
+    c_kv, k_rope, n = (
+        torch.randn(B, 1, 257, 512),
+        torch.randn(B, 1, 257, 64),
+        torch.tensor([257, 90]),
+    )
+    c = attn_ext.LatentKVCache(B, L, 512, 64, dtype=fp8, kv_scale=LATENT_SCALE)
+    c.append(c_kv, k_rope, new_lengths=n)
+    q = rand((B, H, 2, 576), dtype, "cpu", layout="bshd")
+    out, lse = c.attend(q, scale=0.07, return_lse=True)
+    k = _dequantize(c.kv, LATENT_SCALE, dtype)
+    ref_out, ref_lse = decode_reference(q, k, k[..., :512], c.lengths, scale=0.07)
+    t_out, t_lse = ground_truth(decode_reference, q, k, k[..., :512], c.lengths, scale=0.07)
+    assert out.shape == (B, H, 2, 512)
+    assert_error_rule(out, ref_out, t_out, name="float8 latent decode out")
+    assert_lse_close(lse, ref_lse, t_lse, name="float8 latent decode lse")
+    if page_size:  # the same appends through pages: the same bytes, the same results
+        p = attn_ext.PagedLatentKVCache(
+            40,
+            page_size,
+            512,
+            64,
+            max_batch=B,
+            max_pages_per_seq=20,
+            dtype=fp8,
+            kv_scale=LATENT_SCALE,
+        )
+        p.append(c_kv, k_rope, new_lengths=n)
+        for b, m in enumerate(n.tolist()):
+            assert torch.equal(_bits(p.rows(257)[b, :, :m]), _bits(c.kv[b, :, :m]))
+        p_out, p_lse = p.attend(q, scale=0.07, return_lse=True)
+        assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_latent_layer_generates_through_a_float8_cache(page_size):
+    """MultiHeadLatentAttention's prompt and absorbed / decompressed steps through a float8
+    latent cache stay within e4m3's precision of the same steps through an fp32 cache."""
+    torch.manual_seed(0)
+    mla = attn_ext.nn.MultiHeadLatentAttention(
+        256, 4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32
+    ).eval()
+    x = torch.randn(2, 12, 256)
+    fp8 = mla.new_cache(2, 32, dtype=torch.float8_e4m3fn, kv_scale=2.0**-4, page_size=page_size)
+    full = mla.new_cache(2, 32, page_size=page_size)
+    with torch.no_grad():
+        outs = [mla(x[:, :6], c) for c in (fp8, full)]
+        for t in range(6, 12):
+            outs += [mla(x[:, t : t + 1], c, absorb=t % 2 == 0) for c in (fp8, full)]
+    assert fp8.kv.dtype == torch.float8_e4m3fn and fp8.lengths.tolist() == [12, 12]
     for got, want in zip(outs[0::2], outs[1::2]):
         assert (got - want).abs().max() < 0.08 * want.abs().max()

@@ -157,13 +157,15 @@ class MultiHeadLatentAttention(nn.Module):
         num_pages: Optional[int] = None,
         dtype=None,
         device=None,
+        kv_scale: float = 1.0,
     ) -> LatentCache:
         """An empty :class:`attn_ext.LatentKVCache` for this layer (default: its weights'
-        dtype and device): ``kv_lora_rank + qk_rope_head_dim`` values per token. With
+        dtype and device): ``kv_lora_rank + qk_rope_head_dim`` values per token
+        (``dtype=torch.float8_e4m3fn`` with ``kv_scale``: one byte each, on the CPU). With
         ``page_size``, a :class:`attn_ext.PagedLatentKVCache` of ``num_pages`` pages (default:
         enough for every sequence at ``max_len``)."""
         w = self.kv_b_proj.weight
-        kw = dict(dtype=dtype or w.dtype, device=device or w.device)
+        kw = dict(dtype=dtype or w.dtype, device=device or w.device, kv_scale=kv_scale)
         if page_size is None:
             if num_pages is not None:
                 raise ValueError(f"{type(self).__name__}.new_cache: num_pages needs page_size")
@@ -297,7 +299,7 @@ class MultiHeadLatentAttention(nn.Module):
         if prompt:
             # A prompt into an empty cache: causal attention over its decompressed keys
             # (D = nope + rope) costs less than the absorbed form's kv_lora_rank-wide scores.
-            k, v = self._decompress(*self._split_rows(cache.rows(S)))
+            k, v = self._decompress(*self._split_rows(cache.rows(S, dtype=q_nope.dtype)))
             return self._attend(q_nope, q_rope, k, v)
         if not absorb:
             return self._decode_decompressed(torch.cat([q_nope, q_rope], dim=-1), cache)
@@ -309,7 +311,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self._merge_heads(torch.matmul(out, w_uv.transpose(1, 2)))
 
     def _decode_decompressed(self, q: torch.Tensor, cache: LatentCache) -> torch.Tensor:
-        k, v = self._decompress(*self._split_rows(cache.rows(_max_length(cache))))
+        rows = cache.rows(_max_length(cache), dtype=q.dtype)
+        k, v = self._decompress(*self._split_rows(rows))
         return self._merge_heads(decode_attention(q, k, v, cache.lengths, scale=self.softmax_scale))
 
     def extra_repr(self) -> str:

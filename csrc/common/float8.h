@@ -18,15 +18,17 @@ inline bool is_float8_cache(c10::ScalarType t) {
 
 // The scales of a cache: positive and finite; anything but 1 only with a float8 cache (a 16-
 // or 32-bit cache stores the values themselves).
+inline void check_cache_scale(const char* op, const char* name, c10::ScalarType cache_dtype,
+                              double s) {
+  TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": ", name, " must be positive and finite, got ", s);
+  TORCH_CHECK(s == 1.0 || is_float8_cache(cache_dtype), op, ": ", name,
+              " applies to float8_e4m3fn / float8_e5m2 caches only, got ", name, " = ", s,
+              " with a ", cache_dtype, " cache");
+}
 inline void check_cache_scales(const char* op, c10::ScalarType cache_dtype, double k_scale,
                                double v_scale) {
-  for (const auto& [name, s] : {std::pair{"k_scale", k_scale}, std::pair{"v_scale", v_scale}}) {
-    TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": ", name, " must be positive and finite, got ",
-                s);
-    TORCH_CHECK(s == 1.0 || is_float8_cache(cache_dtype), op, ": ", name,
-                " applies to float8_e4m3fn / float8_e5m2 caches only, got ", name, " = ", s,
-                " with a ", cache_dtype, " cache");
-  }
+  check_cache_scale(op, "k_scale", cache_dtype, k_scale);
+  check_cache_scale(op, "v_scale", cache_dtype, v_scale);
 }
 
 // The largest finite value of a float8 type, as float (read once, not per element).

@@ -305,18 +305,17 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
   return r;
 }
 
-PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
-                                     const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
-                                     const at::Tensor& k_rope,
-                                     const std::optional<at::Tensor>& new_lengths, double rope_base,
-                                     bool rope_interleaved,
-                                     const std::optional<at::Tensor>& block_table,
-                                     bool check_values, const RopeScaling& rope_scaling) {
+PreparedAppend prepare_latent_append(
+    const char* op, const at::Tensor& cache, const at::Tensor& cache_seqlens,
+    const at::Tensor& c_kv, const at::Tensor& k_rope, const std::optional<at::Tensor>& new_lengths,
+    double rope_base, bool rope_interleaved, const std::optional<at::Tensor>& block_table,
+    bool check_values, const RopeScaling& rope_scaling, double kv_scale) {
   const bool paged = block_table.has_value() && block_table->defined();
-  check_float_4d(op, "cache", cache,
+  check_cache_4d(op, "cache", cache,
                  paged ? "(num_pages, Hkv, page_size, Dc + Dr)" : "(B, Hkv, L, Dc + Dr)");
   check_float_4d(op, "c_kv", c_kv, "(B, Hkv, S_new, Dc)");
   check_float_4d(op, "k_rope", k_rope, "(B, Hkv, S_new, Dr)");
+  check_cache_scale(op, "kv_scale", cache.scalar_type(), kv_scale);
   const int64_t dc = c_kv.size(3), dr = k_rope.size(3);
   TORCH_CHECK(dc + dr == cache.size(3), op,
               ": the cache row width (dim 3) must be c_kv's + "
@@ -327,7 +326,7 @@ PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
   // column views of the one buffer, written row by row without overlap.
   return prepare_kv_append(op, cache.narrow(3, dc, dr), cache.narrow(3, 0, dc), cache_seqlens,
                            k_rope, c_kv, new_lengths, /*rope=*/true, rope_base, rope_interleaved,
-                           std::nullopt, block_table, check_values, CacheScales{},
+                           std::nullopt, block_table, check_values, CacheScales{kv_scale, kv_scale},
                            {"cache[..., Dc:]", "cache[..., :Dc]", "k_rope", "c_kv"}, rope_scaling);
 }
 

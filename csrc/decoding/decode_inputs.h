@@ -100,16 +100,15 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const RopeScaling& rope_scaling = {});
 
 // The latent cache of MLA: one buffer (B, Hkv, L, Dc + Dr) whose rows are [c_kv, k_rope]
+// (float8: [c_kv, k_rope] / kv_scale, the one scale of keys and values alike)
 // (paged: (num_pages, Hkv, page_size, Dc + Dr) through block_table); the append writes c_kv
 // (B, Hkv, S_new, Dc) and k_rope (B, Hkv, S_new, Dr) rotated by RoPE at the rows' positions
 // (argument checks as kv_cache_append's, k = k_rope, v = c_kv).
-PreparedAppend prepare_latent_append(const char* op, const at::Tensor& cache,
-                                     const at::Tensor& cache_seqlens, const at::Tensor& c_kv,
-                                     const at::Tensor& k_rope,
-                                     const std::optional<at::Tensor>& new_lengths, double rope_base,
-                                     bool rope_interleaved,
-                                     const std::optional<at::Tensor>& block_table,
-                                     bool check_values, const RopeScaling& rope_scaling = {});
+PreparedAppend prepare_latent_append(
+    const char* op, const at::Tensor& cache, const at::Tensor& cache_seqlens,
+    const at::Tensor& c_kv, const at::Tensor& k_rope, const std::optional<at::Tensor>& new_lengths,
+    double rope_base, bool rope_interleaved, const std::optional<at::Tensor>& block_table,
+    bool check_values, const RopeScaling& rope_scaling = {}, double kv_scale = 1.0);
 
 struct PreparedDecode {
   at::Tensor q, k_cache, v_cache, lengths, batch_idx, leftpad;

@@ -115,15 +115,16 @@ void latent_cache_append_cpu(at::Tensor& cache, at::Tensor& cache_seqlens, const
                              double rope_base, bool rope_interleaved,
                              const std::optional<at::Tensor>& block_table,
                              const std::optional<at::Tensor>& rope_inv_freq,
-                             double rope_attention_scaling) {
+                             double rope_attention_scaling, double kv_scale) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
-  PreparedAppend r =
-      prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
-                            rope_interleaved, block_table,
-                            /*check_values=*/true, {rope_inv_freq, rope_attention_scaling});
+  PreparedAppend r = prepare_latent_append(
+      kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base, rope_interleaved,
+      block_table, /*check_values=*/true, {rope_inv_freq, rope_attention_scaling}, kv_scale);
   if (c_kv.numel() > 0 || k_rope.numel() > 0) {
-    ATTN_EXT_DISPATCH_FLOATING(cache.scalar_type(), kOp,
-                               [&] { kv_append_kernel<scalar_t>(r.params); });
+    ATTN_EXT_DISPATCH_FLOATING(c_kv.scalar_type(), kOp, [&] {
+      ATTN_EXT_DISPATCH_CACHE(cache.scalar_type(), kOp,
+                              [&] { kv_append_kernel<scalar_t, cache_t>(r.params); });
+    });
   }
   cache_seqlens.add_(r.appended.to(cache_seqlens.scalar_type()));
 }

@@ -118,14 +118,14 @@ void latent_cache_append_cuda(at::Tensor& cache, at::Tensor& cache_seqlens, cons
                               const std::optional<at::Tensor>& new_lengths, double rope_base,
                               bool rope_interleaved, const std::optional<at::Tensor>& block_table,
                               const std::optional<at::Tensor>& rope_inv_freq,
-                              double rope_attention_scaling) {
+                              double rope_attention_scaling, double kv_scale) {
   constexpr const char* kOp = "attn_ext.latent_cache_append";
   c10::cuda::CUDAGuard guard(cache.device());
+  refuse_float8_cache(kOp, cache);
   require_scaled_rope_opt_in(kOp, {rope_inv_freq, rope_attention_scaling});
-  PreparedAppend r =
-      prepare_latent_append(kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base,
-                            rope_interleaved, block_table,
-                            /*check_values=*/false, {rope_inv_freq, rope_attention_scaling});
+  PreparedAppend r = prepare_latent_append(
+      kOp, cache, cache_seqlens, c_kv, k_rope, new_lengths, rope_base, rope_interleaved,
+      block_table, /*check_values=*/false, {rope_inv_freq, rope_attention_scaling}, kv_scale);
   TORCH_CHECK(cache_seqlens.is_contiguous(), kOp, ": cache_seqlens must be contiguous");
   C10_CUDA_CHECK(launch_kv_append(
       r.params, elem_kind(kOp, cache.scalar_type()), cache_seqlens.data_ptr(),
