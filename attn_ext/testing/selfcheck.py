@@ -24,7 +24,7 @@ from attn_ext.testing.attention import (
     attention_weights_reference,
     sdpa_reference,
 )
-from attn_ext.testing.decoding import decode_reference, rope_reference
+from attn_ext.testing.decoding import ROPE_SCALING_EXAMPLES, decode_reference, rope_reference
 from attn_ext.testing.linear import linear_attention_quadratic
 from attn_ext.testing.spatial import cbam_spatial, channel_pool, spatial_gate
 from attn_ext.testing.tpa import tpa_decode_reference, tpa_expand_reference
@@ -306,6 +306,37 @@ def rope_case(interleaved):
 
     layout = "pairs (2i, 2i+1)" if interleaved else "halves (LLaMA)"
     return Case(f"rope {layout}, positions < 8192", make, ext, ref, grads=("x",), truth=truth)
+
+
+def scaled_rope_case():
+    """rope with Llama 3.1's frequencies and YaRN's cos / sin factor (attn_ext.rope_parameters),
+    against the reference with the same table and factor."""
+    inv, _ = attn_ext.rope_parameters(64, 500000.0, ROPE_SCALING_EXAMPLES["llama3"])
+    scaling = 1.25
+
+    def make(dev):
+        return {"x": randn(2, 4, 37, 64, device=dev), "positions": randint_positions(dev)}
+
+    def kw(x):
+        return dict(base=500000.0, inv_freq=inv.to(x.device), attention_scaling=scaling)
+
+    def ext(x, positions):
+        with _unverified_cuda():  # compiled, not yet run on a GPU
+            return (attn_ext.rope(x, positions=positions, **kw(x)),)
+
+    def ref(x, positions):
+        return (rope_reference(x, positions=positions, **kw(x)),)
+
+    def truth(x, positions):
+        return (rope_reference(x, positions=positions, compute_dtype=torch.float64, **kw(x)),)
+
+    # no gradient here: on CUDA the backward would run outside the opt-in (tests cover it)
+    name = "rope, Llama 3.1 frequencies x 1.25, positions < 100k"
+    return Case(name, make, ext, ref, grads=(), truth=truth)
+
+
+def randint_positions(dev):
+    return torch.randint(0, 100_000, (2, 37), device=dev)
 
 
 def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):
@@ -590,6 +621,7 @@ def all_cases() -> List[Case]:
         weights_modifiers_case(),
         rope_case(interleaved=True),
         rope_case(interleaved=False),
+        scaled_rope_case(),
         decode_case("decode_attention GQA 8/2, ragged lengths"),
         decode_case(
             "decode_attention MQA, Sq=3, split-KV x4", h=4, hkv=1, sq=3, lengths=(700, 3), splits=4
