@@ -61,6 +61,12 @@ Differences from FlashAttention, by design:
   copy (varlen: the used tokens, packed): correct, not fast. The largest length is read on the
   host, as FlashAttention's paged check does. On CUDA out-of-range block indices are clamped,
   not checked (no sync).
+- ``flash_attn_with_kvcache`` takes FlashAttention 3's ``k_descale`` / ``v_descale`` for a float8
+  cache (float8_e4m3fn / float8_e5m2, CPU): the cache holds ``K / k_descale`` and
+  ``V / v_descale``, and new ``k`` / ``v`` are quantized into it (round to nearest even,
+  saturated). One value per cache (a number, or a tensor of one repeated value: FlashAttention
+  3's are (B, Hkv), and attn_ext's caches keep one scale, as vLLM's do); per-head values raise.
+  ``q_descale`` (a float8 ``q``) is not taken.
 - On CUDA, the varlen functions, ``softcap``, ``alibi_slopes`` and ``flash_attn_with_kvcache``'s
   ``cache_batch_idx`` / ``cache_leftpad`` / right windows run on kernel code that has not yet
   run on a GPU: they raise until ``ATTN_EXT_UNVERIFIED_CUDA=1`` opts in. (In
@@ -499,6 +505,10 @@ def _rotate(x, cos, sin, positions, interleaved):
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+# Caches flash_attn_with_kvcache may hold in float8 (with k_descale / v_descale).
+_FLOAT8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _check_kvcache(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, paged):
     """FlashAttention's checks of flash_attn_with_kvcache's tensors; returns the keys a
     sequence can have (seqlen_k: the cache's rows, or max_blocks * page_size)."""
@@ -506,7 +516,12 @@ def _check_kvcache(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     layout = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_rank(fn, name, x, layout)
-        _check_like(fn, name, x, q)
+        if x.dtype in _FLOAT8_CACHES:  # a float8 cache under q of another dtype (k_descale)
+            if x.dtype != k_cache.dtype or x.device != q.device:
+                _fail(fn, f"{name} must have k_cache's dtype and q's device, got {x.dtype} on "
+                          f"{x.device}")  # fmt: skip
+        else:
+            _check_like(fn, name, x, q)
     _check_size(fn, "k_cache", k_cache, 3, "head dim", q.size(3))
     for dim, what in ((0, "batch size"), (1, "length"), (2, "heads")):
         _check_size(fn, "v_cache", v_cache, dim, what, k_cache.size(dim))
@@ -561,6 +576,9 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    k_descale=None,
+    v_descale=None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Incremental decoding against a KV cache, FlashAttention's semantics: q (B, Sq, H, D),
     k_cache / v_cache (B_cache, S_cache, Hkv, D) (paged: (num_blocks, page_size, Hkv, D) with
@@ -570,12 +588,14 @@ def flash_attn_with_kvcache(
     ``cache_batch_idx[b]``; with ``rotary_cos`` / ``rotary_sin`` (S_ro, rotary_dim / 2) the new
     keys rotate at positions ``cache_seqlens + i``, and q at the same positions if causal or
     windowed, else all at ``cache_seqlens``. Returns out (B, Sq, H, Dv), with
-    return_softmax_lse also lse (B, H, Sq). Not differentiable."""
+    return_softmax_lse also lse (B, H, Sq). ``k_descale`` / ``v_descale``: a float8 cache's
+    scales (FlashAttention 3's; one value per cache). Not differentiable."""
     fn = "flash_attn_with_kvcache"
     paged = block_table is not None
     seqlen_k = _check_kvcache(
         fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, paged
     )
+    k_scale, v_scale = (_cache_scale(fn, n, d) for n, d in (("k", k_descale), ("v", v_descale)))
     _check_common(fn, 0.0, window_size)
     B, sq = q.shape[0], q.shape[1]
     dev = k_cache.device
@@ -617,8 +637,8 @@ def flash_attn_with_kvcache(
             rows = lens.long()[:, None] + torch.arange(s_new, device=dev)  # (B, S_new)
             where = (cache_batch_idx.long()[:, None].expand_as(rows), rows)
             with torch.no_grad():  # not differentiable, as in FlashAttention
-                k_cache[where] = k
-                v_cache[where] = v
+                k_cache[where] = _stored(k, k_cache.dtype, k_scale)
+                v_cache[where] = _stored(v, v_cache.dtype, v_scale)
             lens_after = lens + s_new
         else:
             # kv_cache_append advances the lengths it is given; FlashAttention's cache_seqlens
@@ -632,6 +652,8 @@ def flash_attn_with_kvcache(
                     k.transpose(1, 2),
                     v.transpose(1, 2),
                     block_table=table,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
     out, lse = decode_attention(
         q.transpose(1, 2),
@@ -649,6 +671,37 @@ def flash_attn_with_kvcache(
         cache_leftpad=cache_leftpad,
         block_table=table,
         return_lse=True,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _cache_scale(fn, name, descale) -> float:
+    """FlashAttention 3's ``{name}_descale`` as the one float attn_ext's caches keep: a number,
+    or a tensor whose values are all equal (read on the host); 1.0 when not given."""
+    if descale is None:
+        return 1.0
+    if not isinstance(descale, torch.Tensor):
+        return float(descale)
+    if descale.numel() == 0:
+        _fail(fn, f"{name}_descale is empty")
+    flat = descale.detach().flatten()
+    if not bool((flat == flat[0]).all()):
+        _fail(
+            fn,
+            f"{name}_descale must hold one value per cache (attn_ext's float8 caches keep one "
+            f"scale, as vLLM's do), got {flat.unique().numel()} distinct values",
+        )
+    return float(flat[0])
+
+
+def _stored(x, cache_dtype, scale):
+    """x as a cache of ``cache_dtype`` stores it: a float8 cache holds x / scale, rounded to
+    nearest even and saturated at the format's largest value (kv_cache_append's quantization);
+    any other cache x itself."""
+    if cache_dtype not in _FLOAT8_CACHES:
+        return x
+    big = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp(-big, big).to(cache_dtype)

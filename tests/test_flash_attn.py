@@ -530,17 +530,25 @@ FLASH_ATTN_SIGNATURES = {
 }
 
 
+# Keyword-only additions after FlashAttention 2's parameters (every FlashAttention 2 call binds
+# as before): FlashAttention 3's names for a float8 cache's scales.
+KEYWORD_EXTENSIONS = {"flash_attn_with_kvcache": ("k_descale", "v_descale")}
+
+
 @pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))
 def test_signature_equals_flash_attn(name):
     import inspect
 
     sig = inspect.signature(getattr(fa, name))
+    params = list(sig.parameters.values())
+    fa2 = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     plain = sig.replace(
-        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
-        return_annotation=sig.empty,
+        parameters=[p.replace(annotation=p.empty) for p in fa2], return_annotation=sig.empty
     )
     assert str(plain) == FLASH_ATTN_SIGNATURES[name]
-    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+    extra = params[len(fa2) :]
+    assert all(p.kind == p.KEYWORD_ONLY and p.default is None for p in extra)
+    assert tuple(p.name for p in extra) == KEYWORD_EXTENSIONS.get(name, ())
 
 
 def test_module_exports_flash_attn_names():

@@ -462,3 +462,66 @@ def test_latent_layer_generates_through_a_float8_cache(page_size):
     assert fp8.kv.dtype == torch.float8_e4m3fn and fp8.lengths.tolist() == [12, 12]
     for got, want in zip(outs[0::2], outs[1::2]):
         assert (got - want).abs().max() < 0.08 * want.abs().max()
+
+
+# ------------------------------------------------------------- FlashAttention's kvcache API
+@pytest.mark.parametrize("fp8", FLOAT8)
+@pytest.mark.parametrize("where", ["rows", "batch_idx", "paged"])
+def test_flash_attn_with_kvcache_descale(fp8, where):
+    """flash_attn_with_kvcache with FlashAttention 3's k_descale / v_descale over a float8 cache:
+    the new keys / values stored as kv_cache_append quantizes them (by index with
+    cache_batch_idx, through the table when paged), the output the decode reference's over the
+    dequantized cache."""
+    from attn_ext.flash_attn import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    B, L, Hkv, H, D, S_new = 2, 48, 2, 4, 32, 5
+    bf16 = torch.bfloat16  # FlashAttention's k / v have q's dtype; the cache is float8
+    k, v = torch.randn(B, S_new, Hkv, D, dtype=bf16), torch.randn(B, S_new, Hkv, D, dtype=bf16)
+    q = torch.randn(B, 2, H, D, dtype=bf16)
+    lens = torch.tensor([10, 3], dtype=torch.int32)
+    rows = dict(rows=B, batch_idx=4, paged=B * 3)[where]
+    kc = _quantize(torch.randn(rows, L if where != "paged" else 16, Hkv, D), fp8, K_SCALE)
+    vc = _quantize(torch.randn(rows, L if where != "paged" else 16, Hkv, D), fp8, V_SCALE)
+    kw = dict(cache_seqlens=lens, causal=True, return_softmax_lse=True)
+    if where == "batch_idx":
+        kw["cache_batch_idx"] = torch.tensor([3, 1], dtype=torch.int32)
+    if where == "paged":
+        kw["block_table"] = torch.tensor([[5, 0, 2], [4, 3, 1]], dtype=torch.int32)
+    descale = dict(k_descale=torch.full((B, Hkv), K_SCALE), v_descale=V_SCALE)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, **kw, **descale)
+    # the cache rows the sequences now hold, dense (B, Hkv, len + S_new, D), dequantized
+    if where == "paged":
+        dense_k = gather_pages(kc.transpose(1, 2), kw["block_table"], 16)
+        dense_v = gather_pages(vc.transpose(1, 2), kw["block_table"], 16)
+    else:
+        idx = kw.get("cache_batch_idx", torch.arange(B)).long()
+        dense_k, dense_v = kc[idx].transpose(1, 2), vc[idx].transpose(1, 2)
+    for b, n in enumerate(lens.tolist()):
+        new_k = _quantize(k[b].transpose(0, 1), fp8, K_SCALE)
+        new_v = _quantize(v[b].transpose(0, 1), fp8, V_SCALE)
+        assert torch.equal(_bits(dense_k[b, :, n : n + S_new]), _bits(new_k))
+        assert torch.equal(_bits(dense_v[b, :, n : n + S_new]), _bits(new_v))
+    deq_k = _dequantize(dense_k, K_SCALE, torch.bfloat16)
+    deq_v = _dequantize(dense_v, V_SCALE, torch.bfloat16)
+    after = lens + S_new
+    qh = q.transpose(1, 2)
+    ref_out, ref_lse = decode_reference(qh, deq_k, deq_v, after)
+    t_out, t_lse = ground_truth(decode_reference, qh, deq_k, deq_v, after)
+    assert_error_rule(out.transpose(1, 2), ref_out, t_out, name="flash_attn float8 out")
+    assert_lse_close(lse, ref_lse, t_lse, name="flash_attn float8 lse")
+
+
+def test_flash_attn_with_kvcache_descale_errors():
+    from attn_ext.flash_attn import flash_attn_with_kvcache
+
+    q = torch.randn(2, 1, 4, 8)
+    kc = torch.zeros(2, 16, 2, 8, dtype=torch.float8_e4m3fn)
+    lens = torch.tensor([3, 1], dtype=torch.int32)
+    per_head = torch.tensor([[0.5, 0.25], [0.5, 0.25]])
+    with pytest.raises(RuntimeError, match="k_descale must hold one value per cache"):
+        flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens, k_descale=per_head)
+    with pytest.raises(RuntimeError, match="v_cache must have k_cache's dtype"):
+        flash_attn_with_kvcache(q, kc, kc.to(torch.float8_e5m2), cache_seqlens=lens)
+    with pytest.raises(RuntimeError, match="k_scale applies to float8"):
+        flash_attn_with_kvcache(q, kc.float(), kc.float(), cache_seqlens=lens, k_descale=0.5)
