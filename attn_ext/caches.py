@@ -538,6 +538,11 @@ class _LatentBuffer:
         return self.k_scale
 
     @property
+    def v_scale(self) -> float:
+        """The values' scale: the keys' (the values are the keys' first columns)."""
+        return self.k_scale
+
+    @property
     def empty(self) -> bool:
         """True until the first :meth:`append` after construction or :meth:`reset`."""
         return self._empty
@@ -599,7 +604,6 @@ class LatentKVCache(_LatentBuffer, KVCache):
             batch_size, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
         (self.k_scale,) = _check_scales("LatentKVCache", self.kv.dtype, kv_scale=kv_scale)
-        self.v_scale = self.k_scale
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.kv.device)
         self._host_lengths = [0] * batch_size
         # Host-side: no append since construction or reset (a prompt can then skip the cache;
@@ -705,7 +709,6 @@ class PagedLatentKVCache(_LatentBuffer, PagedKVCache):
             num_pages, 1, page_size, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
         (self.k_scale,) = _check_scales("PagedLatentKVCache", self.kv.dtype, kv_scale=kv_scale)
-        self.v_scale = self.k_scale
         self._init_table(max_batch, max_pages_per_seq, self.kv.device)
 
     def _copy_page(self, src: int, dst: int) -> None:

@@ -80,6 +80,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ._ops import ops as _ops
+from .caches import _FLOAT8_CACHE_DTYPES
 from .decoding import decode_attention
 from .functional import _int32, _rng_state
 
@@ -505,10 +506,6 @@ def _rotate(x, cos, sin, positions, interleaved):
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
-# Caches flash_attn_with_kvcache may hold in float8 (with k_descale / v_descale).
-_FLOAT8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def _check_kvcache(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, paged):
     """FlashAttention's checks of flash_attn_with_kvcache's tensors; returns the keys a
     sequence can have (seqlen_k: the cache's rows, or max_blocks * page_size)."""
@@ -516,7 +513,7 @@ def _check_kvcache(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     layout = "(num_blocks, page_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_rank(fn, name, x, layout)
-        if x.dtype in _FLOAT8_CACHES:  # a float8 cache under q of another dtype (k_descale)
+        if x.dtype in _FLOAT8_CACHE_DTYPES:  # a float8 cache under q of another dtype (k_descale)
             if x.dtype != k_cache.dtype or x.device != q.device:
                 _fail(fn, f"{name} must have k_cache's dtype and q's device, got {x.dtype} on "
                           f"{x.device}")  # fmt: skip
@@ -701,7 +698,7 @@ def _stored(x, cache_dtype, scale):
     """x as a cache of ``cache_dtype`` stores it: a float8 cache holds x / scale, rounded to
     nearest even and saturated at the format's largest value (kv_cache_append's quantization);
     any other cache x itself."""
-    if cache_dtype not in _FLOAT8_CACHES:
+    if cache_dtype not in _FLOAT8_CACHE_DTYPES:
         return x
     big = torch.finfo(cache_dtype).max
     return (x.float() / scale).clamp(-big, big).to(cache_dtype)

@@ -23,6 +23,7 @@ imported when used: without them the bar or the plot is skipped with a one-line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -87,20 +88,28 @@ def cuda_kernel_names(fn: Callable[[], object]) -> List[str]:
 UNVERIFIED_CUDA = "ATTN_EXT_UNVERIFIED_CUDA"
 
 
+@contextlib.contextmanager
+def unverified_cuda():
+    """ATTN_EXT_UNVERIFIED_CUDA=1 inside the block (restored after): the self-check's cases and
+    the benchmark candidates that run kernel code not yet verified on a GPU."""
+    before = os.environ.get(UNVERIFIED_CUDA)
+    os.environ[UNVERIFIED_CUDA] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[UNVERIFIED_CUDA]
+        else:
+            os.environ[UNVERIFIED_CUDA] = before
+
+
 def with_unverified_cuda(fn: Callable[..., object]) -> Callable[..., object]:
-    """fn with ATTN_EXT_UNVERIFIED_CUDA=1 set during each call (restored after): a benchmark
-    candidate that times a gated kernel beside the default one in the same process."""
+    """fn with ATTN_EXT_UNVERIFIED_CUDA=1 set during each call: a benchmark candidate that times
+    a gated kernel beside the default one in the same process."""
 
     def call(*args, **kwargs):
-        before = os.environ.get(UNVERIFIED_CUDA)
-        os.environ[UNVERIFIED_CUDA] = "1"
-        try:
+        with unverified_cuda():
             return fn(*args, **kwargs)
-        finally:
-            if before is None:
-                del os.environ[UNVERIFIED_CUDA]
-            else:
-                os.environ[UNVERIFIED_CUDA] = before
 
     return call
 

@@ -8,9 +8,7 @@ modules); this module only declares the cases and runs them.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,6 +23,7 @@ from attn_ext.testing.attention import (
     sdpa_reference,
 )
 from attn_ext.testing.decoding import ROPE_SCALING_EXAMPLES, decode_reference, rope_reference
+from attn_ext.testing.harness import unverified_cuda
 from attn_ext.testing.linear import linear_attention_quadratic
 from attn_ext.testing.spatial import cbam_spatial, channel_pool, spatial_gate
 from attn_ext.testing.tpa import tpa_decode_reference, tpa_expand_reference
@@ -109,21 +108,6 @@ def attention_case(name, make, grads=("q", "k", "v"), **opts):
     return Case(name, make, ext, ref, grads)
 
 
-@contextlib.contextmanager
-def _unverified_cuda():
-    """Opts in to CUDA kernel code not yet run on a GPU (csrc/common/cuda/unverified.h) for the
-    cases that check it: on a GPU, this self-check is part of that verification."""
-    old = os.environ.get("ATTN_EXT_UNVERIFIED_CUDA")
-    os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["ATTN_EXT_UNVERIFIED_CUDA"]
-        else:
-            os.environ["ATTN_EXT_UNVERIFIED_CUDA"] = old
-
-
 def _modifier_inputs(dev):
     """The modifier cases' inputs: GQA 8/2 and a sink logit per head."""
     inputs = qkv(h=8, hkv=2, device=dev)
@@ -145,7 +129,7 @@ def modifiers_case():
         return (attention_reference(q, k, v, **_modifiers(q, sinks)),)
 
     def ext(q, k, v, sinks):
-        with _unverified_cuda():
+        with unverified_cuda():
             return (attn_ext.attention(q, k, v, **_modifiers(q, sinks, torch.float32)),)
 
     return Case(
@@ -167,7 +151,7 @@ def weights_modifiers_case():
         return attention_weights_reference(q, k, **kw), attention_reference(q, k, v, **kw)
 
     def ext(q, k, v, sinks):
-        with _unverified_cuda():
+        with unverified_cuda():
             out, w = attn_ext.attention_with_weights(q, k, v, **_modifiers(q, sinks, torch.float32))
             return w, out
 
@@ -201,7 +185,7 @@ def varlen_case():
 
     def ext(q, k, v, cu):
         longest = max(VARLEN_LENGTHS)
-        with _unverified_cuda():
+        with unverified_cuda():
             out = attn_ext.attention_varlen(
                 q, k, v, cu, cu, longest, longest, causal=True, window_size=(24, 0)
             )
@@ -315,13 +299,14 @@ def scaled_rope_case():
     scaling = 1.25
 
     def make(dev):
-        return {"x": randn(2, 4, 37, 64, device=dev), "positions": randint_positions(dev)}
+        positions = torch.randint(0, 100_000, (2, 37), device=dev)
+        return {"x": randn(2, 4, 37, 64, device=dev), "positions": positions}
 
     def kw(x):
         return dict(base=500000.0, inv_freq=inv.to(x.device), attention_scaling=scaling)
 
     def ext(x, positions):
-        with _unverified_cuda():  # compiled, not yet run on a GPU
+        with unverified_cuda():  # compiled, not yet run on a GPU
             return (attn_ext.rope(x, positions=positions, **kw(x)),)
 
     def ref(x, positions):
@@ -333,10 +318,6 @@ def scaled_rope_case():
     # no gradient here: on CUDA the backward would run outside the opt-in (tests cover it)
     name = "rope, Llama 3.1 frequencies x 1.25, positions < 100k"
     return Case(name, make, ext, ref, grads=(), truth=truth)
-
-
-def randint_positions(dev):
-    return torch.randint(0, 100_000, (2, 37), device=dev)
 
 
 def decode_case(name, h=8, hkv=2, sq=1, lengths=(300, 57, 0), splits=0):

@@ -171,6 +171,18 @@ int64_t decode_mma_auto_splits(int64_t blocks, int64_t capacity) {
   return split_count(blocks, capacity, kBlocksPerSM);
 }
 
+// Whether every row of a prepared 4-D tensor (q or a cache: its last dim contiguous, as
+// prepare_decode's blas_rows leaves it) starts on a 16-byte boundary: the base, and the strides
+// of the (batch or page, head, row) dims a kernel steps through. A dim of size 1 is never
+// stepped through, and torch leaves its stride arbitrary (a view with one KV head, say).
+bool rows_16_byte_aligned(const at::Tensor& t) {
+  const int64_t vec = 16 / t.element_size();  // elements per 16-byte vector
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t dim = 0; dim < 3; ++dim)
+    if (t.size(dim) > 1 && t.stride(dim) % vec != 0) return false;
+  return true;
+}
+
 // Why the split-KV kernel cannot serve p (nullptr when it can): it reads 16-byte vectors of
 // D = Dv features in bf16 / fp16 / fp32. k_cache / v_cache: the prepared caches p points into.
 const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, const at::Tensor& k_cache,
@@ -180,17 +192,7 @@ const char* split_kv_unsupported(const DecodeParams& p, ElemKind kind, const at:
       std::find(std::begin(kSplitKvHeadDims), std::end(kSplitKvHeadDims), p.head_dim) ==
           std::end(kSplitKvHeadDims))
     return "head dims other than D = Dv in {64, 128, 256}";
-  // Every row starts on a 16-byte boundary: the base, and the strides of the (batch or page,
-  // head, row) dims the kernel steps through. A dim of size 1 is never stepped through, and
-  // torch leaves its stride arbitrary (a view with one KV head, say).
-  const auto aligned = [](const at::Tensor& cache) {
-    const int64_t vec = 16 / cache.element_size();  // elements per 16-byte vector
-    if (reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 != 0) return false;
-    for (int64_t dim = 0; dim < 3; ++dim)
-      if (cache.size(dim) > 1 && cache.stride(dim) % vec != 0) return false;
-    return true;
-  };
-  if (!aligned(k_cache) || !aligned(v_cache))
+  if (!rows_16_byte_aligned(k_cache) || !rows_16_byte_aligned(v_cache))
     return "k_cache / v_cache rows that are not 16-byte aligned (pointer and strides)";
   if (p.seqlen_k >= kSplitKvMaxCapacity) return "capacities of 2^30 rows or more";
   return nullptr;
@@ -217,17 +219,9 @@ bool decode_mma_serves(const DecodeParams& p, ElemKind kind, const PreparedDecod
                                  p.head_dim) != std::end(kSplitKvHeadDims) &&
                        p.group() * p.seqlen_q >= kDecodeMmaMinRows;
   if (!latent && !grouped) return false;
-  // Rows read as 16-byte vectors: the base, a contiguous last dim, and the strides of the dims
-  // the kernel steps through (a dim of size 1 is never stepped through).
-  const auto aligned = [](const at::Tensor& t) {
-    const int64_t vec = 16 / t.element_size();
-    if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-    if (t.size(3) > 1 && t.stride(3) != 1) return false;
-    for (int64_t dim = 0; dim < 3; ++dim)
-      if (t.size(dim) > 1 && t.stride(dim) % vec != 0) return false;
-    return true;
-  };
-  if (!aligned(in.q) || !aligned(k) || !aligned(v)) return false;
+  // q's rows too are read as 16-byte vectors (cp.async into shared memory).
+  if (!rows_16_byte_aligned(in.q) || !rows_16_byte_aligned(k) || !rows_16_byte_aligned(v))
+    return false;
   *values_in_keys = latent;
   return true;
 }
