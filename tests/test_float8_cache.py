@@ -525,3 +525,25 @@ def test_flash_attn_with_kvcache_descale_errors():
         flash_attn_with_kvcache(q, kc, kc.to(torch.float8_e5m2), cache_seqlens=lens)
     with pytest.raises(RuntimeError, match="k_scale applies to float8"):
         flash_attn_with_kvcache(q, kc.float(), kc.float(), cache_seqlens=lens, k_descale=0.5)
+
+
+def test_latent_append_opcheck():
+    """latent_cache_append with kv_scale into a float8 cache: opcheck's fake, autograd and
+    dynamic-shape checks (its schema check cannot compare float8 tensors: test_opcheck above),
+    and the mutation checked on the bytes."""
+    fp8 = torch.float8_e4m3fn
+    cache = torch.zeros(2, 1, 8, 12, dtype=fp8)
+    lens = torch.tensor([2, 0], dtype=torch.int32)
+    c_kv, k_rope = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 4)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(
+        ops.latent_cache_append.default,
+        (cache.clone(), lens.clone(), c_kv, k_rope),
+        dict(kv_scale=LATENT_SCALE),
+        test_utils=utils,
+    )
+    ops.latent_cache_append(cache, lens, c_kv, k_rope, kv_scale=LATENT_SCALE)
+    assert lens.tolist() == [3, 1]
+    assert torch.equal(
+        _bits(cache[1, :, 0, :8]), _bits(_quantize(c_kv[1, :, 0], fp8, LATENT_SCALE))
+    )

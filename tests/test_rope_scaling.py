@@ -257,3 +257,30 @@ def test_latent_layer_rope_scaling():
         cache = mla.new_cache(2, 32)
         steps = [mla(x[:, :4], cache)] + [mla(x[:, t : t + 1], cache) for t in range(4, 10)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_append_ops_opcheck_and_compile():
+    """The two appends' new arguments through opcheck (fakes, schema, autograd registration),
+    and a cache step that appends with a variant compiled whole."""
+    inv, scaling = _variant("yarn")
+    k_cache, v_cache, k, v, lens = _append_case("cpu", torch.float32)
+    kw = dict(rope=True, rotary_dim=ROT, rope_inv_freq=inv, rope_attention_scaling=scaling)
+    torch.library.opcheck(ops.kv_cache_append.default, (k_cache, v_cache, lens, k, v), kw)
+    latent = torch.zeros(2, 1, 20, 16 + ROT)
+    c_kv, k_rope = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, ROT)
+    torch.library.opcheck(
+        ops.latent_cache_append.default,
+        (latent, torch.tensor([4, 0], dtype=torch.int32), c_kv, k_rope),
+        dict(rope_inv_freq=inv, rope_attention_scaling=scaling),
+    )
+
+    def step(cache, k, v, q):
+        cache.append(k, v, rope=True, rope_inv_freq=inv, rope_attention_scaling=scaling)
+        return cache.attend(q)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    caches = [attn_ext.KVCache(2, 2, 16, ROT) for _ in range(2)]
+    for _ in range(3):
+        k, v, q = torch.randn(2, 2, 1, ROT), torch.randn(2, 2, 1, ROT), torch.randn(2, 4, 1, ROT)
+        assert torch.equal(compiled(caches[0], k, v, q), step(caches[1], k, v, q))
+    assert torch.equal(caches[0].k, caches[1].k)
