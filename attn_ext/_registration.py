@@ -33,10 +33,19 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, *, sinks=None, **kw):
 
 @torch.library.register_fake("attn_ext::attention_varlen")
 def _attention_varlen_fake(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, sinks=None, **kw
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    rng_state=None,
+    alibi_slopes=None,
+    sinks=None,
+    block_table=None,
+    **kw,
 ):
     total_q, H, _ = q.shape
-    out = q.new_empty((total_q, H, v.size(2)))
+    out = q.new_empty((total_q, H, v.size(-1)))  # v: (total_k, Hkv, Dv) or pages
     lse = q.new_empty((H, total_q), dtype=torch.float32)
     return out, lse
 

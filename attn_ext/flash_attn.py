@@ -56,10 +56,12 @@ Differences from FlashAttention, by design:
   ops (in fp32, fp64 for fp64 inputs) before appending through ``kv_cache_append`` (with
   ``cache_batch_idx`` by indexed writes: the op does not know it). With ``block_table`` on the
   CPU, ``kv_cache_append`` and ``decode_attention`` read and write the pages in place through
-  the table; on CUDA (not yet routed through the CUDA paged ops) and in the varlen functions the
-  rows are written by index and the used pages gathered into a dense ``(B, max length, Hkv, D)``
-  copy (varlen: the used tokens, packed): correct, not fast. The largest length is read on the
-  host, as FlashAttention's paged check does. On CUDA out-of-range block indices are clamped,
+  the table, and so does ``attention_varlen`` for the varlen functions without gradients; on
+  CUDA (not yet routed through the CUDA paged ops), and in the varlen functions when gradients
+  flow or dropped probabilities are returned, the rows are written by index and the used pages
+  gathered into a dense ``(B, max length, Hkv, D)`` copy (varlen: the used tokens, packed):
+  correct, not fast. The largest length is read on the host, as FlashAttention's paged check
+  does. On CUDA out-of-range block indices are clamped,
   not checked (no sync).
 - ``flash_attn_with_kvcache`` takes FlashAttention 3's ``k_descale`` / ``v_descale`` for a float8
   cache (float8_e4m3fn / float8_e5m2, CPU): the cache holds ``K / k_descale`` and
@@ -293,6 +295,14 @@ def _unpage_tokens(fn, pages, block_table, cu_k):
     return pages[page, token % pages.size(1)]
 
 
+def _reads_pages_in_place(q, k, v, dropout_p, probs):
+    """Whether the operator reads a paged batch's pages where they lie (its CPU kernels, an
+    inference call) rather than a gathered copy: CUDA's varlen kernels read token rows, the
+    backward needs rows to scatter into, and the dropped probabilities slice keys by token."""
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    return q.device.type == "cpu" and not grads and not (probs and dropout_p > 0.0)
+
+
 def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap,
             alibi, probs, block_table=None):  # fmt: skip
     _check_common(fn, dropout_p, window)
@@ -300,12 +310,22 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
     _check_offsets(fn, "cu_seqlens_q", cu_q, batch, q.device)
     _check_offsets(fn, "cu_seqlens_k", cu_k, batch, q.device)
     cu_q, cu_k = _int32(cu_q), _int32(cu_k)
+    pages_in_place = None
     if block_table is not None:
         for name, x in (("k", k), ("v", v)):
             _check_rank(fn, name, x, "(num_blocks, page_size, Hkv, D)")
         _check_block_table(fn, block_table, k, v, batch, cu_k[1:] - cu_k[:-1])
-        k, v = (_unpage_tokens(fn, x, block_table, cu_k) for x in (k, v))
-    _check_qkv(fn, q, k, v, "(total, H, D)", seq_dims=1)
+        if _reads_pages_in_place(q, k, v, dropout_p, probs):
+            _check_rank(fn, "q", q, "(total, H, D)")
+            _check_like(fn, "k", k, q)
+            _check_like(fn, "v", v, q)
+            _check_size(fn, "k", k, -1, "head dim", q.size(-1))
+            _check_heads(fn, q.size(1), k.size(2))
+            pages_in_place = block_table
+        else:
+            k, v = (_unpage_tokens(fn, x, block_table, cu_k) for x in (k, v))
+    if pages_in_place is None:
+        _check_qkv(fn, q, k, v, "(total, H, D)", seq_dims=1)
     left, right = (int(w) for w in window)
     rng_state = _rng_state(dropout_p, None)
     out, lse = _ops.attention_varlen(
@@ -317,6 +337,7 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         rng_state,
         alibi,
         None,
+        pages_in_place,
         max_seqlen_q=int(max_q),
         max_seqlen_k=int(max_k),
         scale=scale,

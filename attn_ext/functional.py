@@ -127,6 +127,7 @@ def attention_varlen(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    block_table: Optional[torch.Tensor] = None,
 ):
     """:func:`attention` over a batch of sequences of different lengths, packed along one
     token axis (FlashAttention's varlen layout): no work and no memory for padding.
@@ -138,6 +139,13 @@ def attention_varlen(
     device value is read; checked on the CPU). ``causal`` and ``window_size`` are bottom-right
     aligned within each sequence; ``alibi_slopes`` may be (B, H). Dropout streams are keyed
     by (head, token), so they differ from a padded call's.
+
+    With ``block_table`` (B, max_pages) int32, k / v are pages (num_pages, page_size, Hkv, D /
+    Dv), FlashAttention's paged layout (any strides with the last dimension contiguous), and
+    key t of sequence b is row ``t % page_size`` of page ``block_table[b, t // page_size]``;
+    ``cu_seqlens_k`` counts each sequence's keys. The pages are read where they lie (chunked
+    prefill against a paged cache, with no gathered copy). CPU and inference only: CUDA and
+    gradients raise (``attn_ext.flash_attn.flash_attn_varlen_func`` gathers the pages there).
 
     Returns ``out`` (total_q, H, Dv), or ``(out, lse)`` with lse float32 (H, total_q).
     """
@@ -151,6 +159,7 @@ def attention_varlen(
         rng_state=_rng_state(dropout_p, generator),
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        block_table=block_table,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         scale=scale,

@@ -14,6 +14,18 @@ Candidates, in one process on the same tokens:
 
 Padding and unpadding the inputs are not timed (a padded pipeline has its tensors padded
 already). Modes ``fwd`` and ``fwd+bwd``; ratios ``<padded> / varlen`` (> 1: varlen faster).
+
+``--paged`` times chunked prefill against a paged cache instead (vLLM's step: each of B
+sequences attends with a chunk of ``--chunks`` new queries to its ``--contexts`` keys, which lie in
+pages of ``--page-sizes`` rows in shuffled order, FlashAttention's (num_pages, page_size, Hkv, D)
+layout; forward only, causal):
+
+* ``paged``     -- ``attn_ext.attention_varlen(..., block_table=)``, the pages read in place;
+* ``gathered``  -- the pages gathered into packed (total_k, Hkv, D) rows, then the same op (what
+                  ``flash_attn_varlen_func`` with a block_table does on CUDA and for training);
+* ``packed``    -- the op on keys that already lie packed (the cost of the attention alone).
+
+Ratios ``<candidate> / paged`` (> 1: paged faster).
 ``--memory`` adds the peak memory of one fwd and one fwd+bwd step of each candidate (its q, k,
 v, packed or padded, plus the step's peak growth above them), each in a fresh process
 (harness.PeakMeter). Output: ``attn_ext.testing.harness`` (``varlen_<device>.md``,
@@ -22,6 +34,7 @@ history.csv, PNG).
     python benchmarks/bench_varlen.py --quick
     python benchmarks/bench_varlen.py                       # L = 512 ... 8192, 16k tokens
     python benchmarks/bench_varlen.py --memory
+    python benchmarks/bench_varlen.py --paged --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -180,6 +193,89 @@ def summary(cells) -> list:
     return lines
 
 
+# --------------------------------------------------------------------------- paged prefill
+
+PAGED_CANDIDATES = ("paged", "gathered", "packed")
+
+
+class PagedBatch:
+    """B sequences of `context` keys (chunk of them new queries) in shuffled pages."""
+
+    def __init__(self, args, dtype, context, chunk, page, device):
+        gen = torch.Generator().manual_seed(args.seed)
+        B, Hkv, D = args.paged_batch, args.kv_heads, args.head_dim
+        pages_per_seq = (context + page - 1) // page
+        num_pages = B * pages_per_seq
+        self.q = torch.randn(B * chunk, args.heads, D, generator=gen).to(device, dtype)
+        self.pages = [
+            torch.randn(num_pages, page, Hkv, D, generator=gen).to(device, dtype) for _ in range(2)
+        ]
+        order = torch.randperm(num_pages, generator=gen)
+        self.table = order.view(B, pages_per_seq).to(device, torch.int32)
+        self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device) * chunk
+        self.cu_k = torch.arange(B + 1, dtype=torch.int32, device=device) * context
+        self.chunk, self.context = chunk, context
+        self.packed = self.gather()  # the same keys, packed once (not timed)
+
+    def gather(self):
+        return [x[self.table.long()].flatten(1, 2)[:, : self.context].flatten(0, 1)
+                for x in self.pages]  # fmt: skip
+
+    def attend(self, k, v, block_table=None):
+        return attn_ext.attention_varlen(
+            self.q, k, v, self.cu_q, self.cu_k, self.chunk, self.context, causal=True,
+            block_table=block_table,
+        )  # fmt: skip
+
+
+def paged_step(name, batch: PagedBatch):
+    def step():
+        with torch.no_grad():
+            if name == "paged":
+                return (batch.attend(*batch.pages, block_table=batch.table),)
+            if name == "gathered":
+                return (batch.attend(*batch.gather()),)
+            return (batch.attend(*batch.packed),)
+
+    return step
+
+
+def paged_sweep(bench: harness.Bench, args) -> list:
+    grid = [(dt, c, q, p) for dt in args.dtypes for c in args.contexts for q in args.chunks
+            for p in args.page_sizes]  # fmt: skip
+    bar = harness.progress(len(grid), "paged")
+    cells = []
+    for dt, context, chunk, page in grid:
+        batch = PagedBatch(args, DTYPES[dt], context, chunk, page, bench.device)
+        runs = {n: paged_step(n, batch) for n in PAGED_CANDIDATES}
+        timing = bench.time(runs, close_margin=args.close_margin, close_rounds=args.close_repeats)
+        outs = timing.results
+        diff = max(harness.max_abs_diff(outs["paged"], outs[n]) for n in PAGED_CANDIDATES[1:])
+        params = dict(dtype=dt, B=args.paged_batch, H=args.heads, Hkv=args.kv_heads,
+                      D=args.head_dim, context=context, chunk=chunk, page=page,
+                      mode="fwd")  # fmt: skip
+        bench.record_timing(timing, {n: "paged" for n in PAGED_CANDIDATES[1:]}, **params)
+        cells.append((params, timing, diff))
+        bar.write(f"{dt:8s} context={context:<6d} chunk={chunk:<4d} page={page:<4d} | "
+                  + "  ".join(f"{n} {harness.fmt(timing.ms(n))}" for n in runs))  # fmt: skip
+        bar.update(1)
+        timing.results.clear()
+    bar.close()
+    return cells
+
+
+def paged_table(cells) -> str:
+    head = ["dtype", "context", "chunk", "page"] + [f"ms {n}" for n in PAGED_CANDIDATES]
+    head += [f"{n}/paged" for n in PAGED_CANDIDATES[1:]] + ["max abs diff"]
+    rows = []
+    for p, t, diff in cells:
+        row = [p["dtype"], p["context"], p["chunk"], p["page"]]
+        row += [harness.fmt(t.ms(n)) for n in PAGED_CANDIDATES]
+        row += [harness.fmt_ratio(t.ratio(n, "paged")) for n in PAGED_CANDIDATES[1:]]
+        rows.append(row + [harness.fmt(diff, ".1e")])
+    return harness.markdown_table(head, rows)
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -279,6 +375,13 @@ def parse_args(argv=None):
     g.add_argument("--close-margin", type=float, default=0.15)
     g.add_argument("--close-repeats", type=int, default=5)
     g.add_argument("--seed", type=int, default=0)
+    pg = p.add_argument_group("paged prefill (--paged)")
+    pg.add_argument("--paged", action="store_true", help="time chunked prefill on pages")
+    pg.add_argument("--paged-batch", type=int, default=4)
+    pg.add_argument("--kv-heads", type=int, default=2)
+    pg.add_argument("--contexts", type=csv_list(int), default=[2048, 8192])
+    pg.add_argument("--chunks", type=csv_list(int), default=[16, 128, 512])
+    pg.add_argument("--page-sizes", type=csv_list(int), default=[16, 256])
     m = p.add_argument_group("memory")
     m.add_argument("--memory", action="store_true", help="also measure peak memory")
     m.add_argument("--memory-causal", action="store_true", default=True)
@@ -287,6 +390,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.max_lens, args.total_tokens, args.heads = [128, 256], 1024, 2
+        args.contexts, args.chunks, args.page_sizes = [256], [16], [16]
         args.min_repeats, args.max_repeats, args.target_time = 1, 2, 0.1
     return args
 
@@ -295,6 +399,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.memory_child:
         return harness.child_main(args, lambda: memory_child(args))
+    if args.paged:
+        bench = harness.Bench("varlen_paged", args, __file__)
+        cells = paged_sweep(bench, args)
+        head = (
+            f"Chunked prefill on a paged cache: B={args.paged_batch} sequences, each a chunk of "
+            f"new queries attending (causal) to its context's keys in shuffled pages, "
+            f"H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}; forward; candidates "
+            f"interleaved in one process, median of rounds per cell"
+        )
+        bench.finish("paged varlen prefill", [head, paged_table(cells)])
+        return 0
     bench = harness.Bench("varlen", args, __file__)
     cells = sweep(bench, args)
     head = (

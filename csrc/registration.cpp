@@ -49,6 +49,9 @@
 //   b owning tokens [cu[b], cu[b + 1]) (empty sequences allowed); max_seqlen_q / _k bound the
 //   lengths (the CUDA grid's size; the CPU checks them). causal / window are bottom-right per
 //   sequence; out (total_q, H, Dv), lse (H, total_q) float32. No attn_mask or key_offset.
+//   block_table (B, max_pages) int32 (CPU; FlashAttention's paged varlen): k / v are pages
+//   (num_pages, page_size, Hkv, D / Dv) and key t of sequence b (t < its cu_seqlens_k length)
+//   is row t % page_size of page block_table[b, t / page_size]; no backward.
 // Tensor arguments precede the keyword-only tail (torch.library autograd needs them
 //   positional).
 // Dropout: rng_state is an int64 CPU tensor (seed, offset); the mask is a pure function
@@ -135,7 +138,7 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, Tensor? rng_state=None, Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None, *, SymInt max_seqlen_q, SymInt max_seqlen_k, float? scale=None, "
+      "Tensor? sinks=None, Tensor? block_table=None, *, SymInt max_seqlen_q, SymInt max_seqlen_k, float? scale=None, "
       "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
       "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(

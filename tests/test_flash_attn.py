@@ -358,6 +358,26 @@ def test_varlen_block_table(device):
     torch.testing.assert_close(_unpaged(dk, table), dk_r, rtol=1e-9, atol=1e-9)
 
 
+def test_varlen_block_table_inference_reads_pages_in_place(device, monkeypatch):
+    """Without gradients the CPU operator reads the pages where they lie (no gathered copy: the
+    gather is made to fail) and returns the packed keys' bits; on CUDA, and with gradients
+    (test_varlen_block_table), the pages are gathered first."""
+    lq, lk, H, Hkv, D, P = [5, 1, 9], [17, 0, 40], 4, 2, 16, 16
+    cq, ck = _cu(lq, device), _cu(lk, device)
+    q = torch.randn(sum(lq), H, D, device=device).bfloat16()
+    dense = torch.randn(3, 48, Hkv, D, device=device).bfloat16()
+    k_pages, table = _paged(dense, P)
+    v_pages, _ = _paged(dense.flip(-1), P)
+    packed = torch.cat([dense[b, :n] for b, n in enumerate(lk)])
+    packed_v = torch.cat([dense.flip(-1)[b, :n] for b, n in enumerate(lk)])
+    kw = dict(causal=True, window_size=(11, 0), return_attn_probs=True)
+    want = fa.flash_attn_varlen_func(q, packed, packed_v, cq, ck, 9, 40, **kw)
+    if device == "cpu":
+        monkeypatch.setattr(fa, "_unpage_tokens", lambda *a: pytest.fail("pages were gathered"))
+    got = fa.flash_attn_varlen_func(q, k_pages, v_pages, cq, ck, 9, 40, block_table=table, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------ flash_attn_with_kvcache
 KVCACHE_CASES = {
     "append_causal": dict(causal=True),

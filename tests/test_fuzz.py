@@ -6,7 +6,8 @@ GQA/MQA, D != Dv (odd sizes too), strided, non-contiguous and overlapping (strid
 causal / windows (left and right), bool / additive masks broadcast every way, softcap, ALiBi
 (per head and per batch), sinks, dropout (against the reference given the same keep mask, and
 bit-identical for the same generator state, forward and backward), varlen batches with empty
-and one-token sequences, decode against caches with cache_batch_idx / cache_leftpad / split-KV,
+and one-token sequences (and their keys in pages of any size), decode against caches with
+cache_batch_idx / cache_leftpad / split-KV,
 attention_weights / attention_with_weights (the score modifiers too), kv_cache_append /
 latent_cache_append (the memory outside the appended rows keeps its bits; an overflow writes
 nothing), linear attention (feature maps, initial / returned state), tpa_expand,
@@ -30,10 +31,12 @@ import attn_ext  # noqa: E402
 from attn_ext.compat import attention_zoo, llms_from_scratch, textbook, torchcode  # noqa: E402
 from attn_ext.testing import spatial as spatial_ref  # noqa: E402
 from attn_ext.testing.attention import (  # noqa: E402
+    assert_paged_like_packed,
     attention_reference,
     attention_varlen_reference,
     attention_weights_reference,
     logit_rounding_floor,
+    paged_varlen_kv,
     stored_output_grad_floors,
 )
 from attn_ext.testing.decoding import (  # noqa: E402
@@ -293,6 +296,14 @@ def test_fuzz_attention_varlen(data):
     assert out.shape == (sum(lq), H, Dv)
     truth = ground_truth(ref, *inputs)
     assert_error_rule(out, ref(*inputs), truth, name="out", slack_ulps=_fwd_ulps(dtype))
+    if data.draw(st.booleans(), label="paged"):  # the same keys in pages
+        page = data.draw(st.integers(1, 20), label="page size")
+        layout = data.draw(st.sampled_from(["flash_attn", "heads_first"]), label="page layout")
+        k_pages, v_pages, table = paged_varlen_kv(k, v, lk, page, layout)
+        paged = attn_ext.attention_varlen(
+            q, k_pages, v_pages, cq, ck, mq, mk, sinks=sinks, block_table=table, **kw
+        )
+        assert_paged_like_packed(paged, out, mq, mk)
     if data.draw(st.booleans(), label="backward") and out.numel() > 0:
         _check_grads(ours, ref, inputs, torch.randn(out.shape).to(dtype))
     _count("attention_varlen")

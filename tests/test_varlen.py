@@ -7,13 +7,22 @@ Numerics rule as in test_attention.py: error against the float64 truth at most t
 plain reference's at the input dtype, plus one rounding unit (float64: ~1e-10).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attn_ext
-from attn_ext.testing.attention import attention_reference, attention_varlen_reference
+from attn_ext.testing.attention import (
+    assert_paged_like_packed,
+    attention_reference,
+    attention_varlen_reference,
+    paged_varlen_kv,
+)
 from attn_ext.testing.numerics import (
     ALL_DTYPES,
     assert_error_rule,
@@ -297,6 +306,176 @@ def test_sink_row_that_sees_no_key(device):
     out, lse = attn_ext.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
     assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
     torch.testing.assert_close(lse[0, :, :2], sinks.view(2, 1).expand(2, 2))
+
+
+# --------------------------------------------------------------------------- #
+# Paged keys and values (block_table): the pages read where they lie
+# --------------------------------------------------------------------------- #
+PAGED_OPTIONS = [
+    o for o in OPTIONS if o[0] in ("plain", "causal", "causal_window_softcap", "everything")
+]
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "heads_first"])
+@pytest.mark.parametrize("page", [1, 7, 16, 64])
+@pytest.mark.parametrize("lengths", ["mixed", "cross"])
+@pytest.mark.parametrize("option", PAGED_OPTIONS, ids=[o[0] for o in PAGED_OPTIONS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_varlen_equals_packed(dtype, option, lengths, page, layout):
+    """The packed call on the same keys, bit for bit where the CPU's own products run
+    (assert_paged_like_packed): pages of 1 row to 64, in shuffled order, in FlashAttention's
+    layout and as a view of heads-first pages; the NaN rows no sequence owns are never read."""
+    lens_q, lens_k = LENGTHS[lengths]
+    tensors, kw = varlen_inputs(lens_q, lens_k, 4, 2, 32, 24, dtype, "cpu", option)
+    q, k, v, sinks = _split(tensors)
+    cq, ck = cu(lens_q, "cpu"), cu(lens_k, "cpu")
+    k_pages, v_pages, table = paged_varlen_kv(k, v, lens_k, page, layout)
+    mq, mk = max(lens_q), max(lens_k)
+    want = attn_ext.attention_varlen(q, k, v, cq, ck, mq, mk, sinks=sinks, return_lse=True, **kw)
+    got = attn_ext.attention_varlen(
+        q, k_pages, v_pages, cq, ck, mq, mk, sinks=sinks, return_lse=True, block_table=table, **kw
+    )
+    for a, b in zip(got, want):
+        assert_paged_like_packed(a, b, mq, mk)
+
+
+# Queries per sequence that select each kind of products (few rows: BLAS; else the packed
+# panels or bf16 pairs) on keys long enough at D 256 that no product packs the whole head
+# (tile by tile: kMaxPackedHeadElems, kMaxConvertedHeadElems in kernel_traits.h).
+@pytest.mark.parametrize("lens_q", [[20, 5], [3, 2]], ids=["packed_products", "blas"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_varlen_long_keys_tile_by_tile(dtype, lens_q):
+    lens_k = [8200, 300]
+    tensors, _ = varlen_inputs(lens_q, lens_k, 2, 1, 256, 256, dtype, "cpu", OPTIONS[0])
+    q, k, v, _ = _split(tensors)
+    cq, ck = cu(lens_q, "cpu"), cu(lens_k, "cpu")
+    k_pages, v_pages, table = paged_varlen_kv(k, v, lens_k, 16)
+    args = (cq, ck, max(lens_q), max(lens_k))
+    want = attn_ext.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    got = attn_ext.attention_varlen(
+        q, k_pages, v_pages, *args, causal=True, return_lse=True, block_table=table
+    )
+    for a, b in zip(got, want):
+        assert_paged_like_packed(a, b, max(lens_q), max(lens_k))
+
+
+PAGED_KERNELS_SCRIPT = r"""
+import torch, attn_ext
+from attn_ext.testing.attention import paged_varlen_kv
+cu = lambda lens, device: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]).int()
+torch.manual_seed(0)
+lens_q, lens_k = [40, 3, 17], [60, 9, 200]
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    q = torch.randn(sum(lens_q), 4, 64).to(dtype)
+    k, v = (torch.randn(sum(lens_k), 2, 64).to(dtype) for _ in range(2))
+    k_pages, v_pages, table = paged_varlen_kv(k, v, lens_k, 16)
+    args = (cu(lens_q, "cpu"), cu(lens_k, "cpu"), 40, 200)
+    want = attn_ext.attention_varlen(q, k, v, *args, causal=True)
+    got = attn_ext.attention_varlen(q, k_pages, v_pages, *args, causal=True, block_table=table)
+    assert torch.equal(got, want), (dtype, (got - want).abs().max())
+print("ok", attn_ext._C.cpu_block_kernels())
+"""
+
+
+@pytest.mark.parametrize("kernels", ["avx2", "auto"])
+def test_paged_varlen_on_each_kernel_set(kernels):
+    """The AVX2 panels (avx2) and this CPU's widest set (auto: AVX-512, or the bf16 pairs of
+    AVX512-BF16 / AMX, whose packers read the pages too) pack paged keys as they pack rows."""
+    env = dict(os.environ, ATTN_EXT_CPU_KERNELS=kernels)
+    r = subprocess.run(
+        [sys.executable, "-c", PAGED_KERNELS_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+def _paged_args(**overrides):
+    lens = [3, 20]
+    q = torch.randn(23, 4, 8)
+    k_pages, v_pages = torch.randn(4, 8, 2, 8), torch.randn(4, 8, 2, 8)
+    table = torch.tensor([[3, 0, 1], [2, 1, 0]], dtype=torch.int32)
+    a = dict(q=q, k=k_pages, v=v_pages, cq=cu(lens, "cpu"), ck=cu(lens, "cpu"), table=table)
+    a.update(overrides)
+    return a
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(table=torch.zeros(2, 3, dtype=torch.int64)), "block_table must be int32"),
+        (dict(table=torch.zeros(3, 3, dtype=torch.int32)),
+         r"block_table must have shape \(B, max_pages\) with B = 2"),
+        (dict(k=torch.randn(32, 2, 8)),
+         r"with a block_table, k must be 4-D \(num_pages, page_size, Hkv, D\)"),
+        (dict(v=torch.randn(4, 4, 2, 8)), "v must have k's num_pages and page_size"),
+        (dict(k=torch.randn(4, 8, 3, 8), v=torch.randn(4, 8, 3, 8)),
+         "q heads must be a multiple of k heads"),
+        (dict(ck=cu([3, 25], "cpu")),
+         r"sequence 1 has 25 keys \(cu_seqlens_k\), more than its block_table row holds"),
+        (dict(table=torch.tensor([[3, 0, 1], [2, 4, 0]], dtype=torch.int32)),
+         r"block_table\[1, 1\] must be a page of the cache, in \[0, num_pages = 4\), got 4"),
+        (dict(k=torch.randn(4, 8, 2, 8).bfloat16()), "k must have q's dtype"),
+    ],
+)  # fmt: skip
+def test_paged_varlen_rejects_bad_pages(overrides, message):
+    a = _paged_args(**overrides)
+    with pytest.raises(RuntimeError, match=message):
+        ops.attention_varlen(
+            a["q"], a["k"], a["v"], a["cq"], a["ck"], block_table=a["table"],
+            max_seqlen_q=20, max_seqlen_k=25,
+        )  # fmt: skip
+
+
+def test_paged_varlen_has_no_backward():
+    """Gradients through pages are refused, not silently dropped (flash_attn_varlen_func gathers
+    the pages when it needs them: test_flash_attn.py)."""
+    a = _paged_args(q=torch.randn(23, 4, 8, requires_grad=True))
+    with pytest.raises(NotImplementedError, match=r"paged k / v \(block_table\) have no backward"):
+        attn_ext.attention_varlen(a["q"], a["k"], a["v"], a["cq"], a["ck"], 20, 20,
+                                  block_table=a["table"])  # fmt: skip
+    with torch.no_grad():  # the same call without a graph runs
+        attn_ext.attention_varlen(a["q"], a["k"], a["v"], a["cq"], a["ck"], 20, 20,
+                                  block_table=a["table"])  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_varlen_refused_on_cuda():
+    a = {n: (x.cuda() if isinstance(x, torch.Tensor) else x) for n, x in _paged_args().items()}
+    with pytest.raises(NotImplementedError, match="block_table \\(paged k / v\\) runs on the CPU"):
+        ops.attention_varlen(a["q"], a["k"], a["v"], a["cq"], a["ck"], block_table=a["table"],
+                             max_seqlen_q=20, max_seqlen_k=20)  # fmt: skip
+
+
+def test_opcheck_paged_varlen():
+    a = _paged_args()
+    torch.library.opcheck(
+        ops.attention_varlen.default,
+        (a["q"], a["k"], a["v"], a["cq"], a["ck"], None, None, torch.randn(4), a["table"]),
+        dict(max_seqlen_q=20, max_seqlen_k=20, causal=True, softcap=2.0),
+    )
+
+
+def test_compile_paged_varlen():
+    """fullgraph, dynamic: chunks of different lengths against the same pages, one graph (as in
+    test_compile_varlen_without_recompiles, the first chunk's sizes avoid every other size of
+    the inputs and every q has more than 4096 elements)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def fn(q, k, v, cq, ck, mq, mk, table):
+        return attn_ext.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, block_table=table)
+
+    cfn = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    lens_k = [40, 64]
+    k, v = torch.randn(sum(lens_k), 2, 16), torch.randn(sum(lens_k), 2, 16)
+    k_pages, v_pages, table = paged_varlen_kv(k, v, lens_k, 16)
+    frames = None
+    for lens_q in ([33, 50], [29, 41], [38, 34]):
+        q = torch.randn(sum(lens_q), 4, 16)
+        args = (q, k_pages, v_pages, cu(lens_q, "cpu"), cu(lens_k, "cpu"), max(lens_q), 64, table)
+        assert torch.equal(cfn(*args), fn(*args))
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames, "recompiled for a new chunk of lengths"
+    torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------- #

@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+import attn_ext
 from attn_ext.testing.documents import doc000
 from attn_ext.testing.numerics import LOW_PRECISION, ground_truth, to_f64
 
@@ -253,6 +254,65 @@ def attention_varlen_reference(
     out = torch.cat(outs, 0) if outs else q.new_zeros((0, q.size(1), v.size(2)))
     lse = torch.cat(lses, 1) if lses else q.new_zeros((q.size(1), 0))
     return (out, lse) if return_lse else out
+
+
+def paged_varlen_kv(k, v, lens_k, page, layout="flash_attn", seed=0):
+    """Packed (total_k, Hkv, *) keys / values of sequences `lens_k` as pages of `page` rows in
+    shuffled order, with one spare page; every page row no sequence owns (a last page's tail,
+    the spare page) is NaN, so a read past a sequence's keys poisons the output. `layout`
+    "flash_attn": (num_pages, page, Hkv, *) contiguous; "heads_first": a view of
+    (num_pages, Hkv, page, *) storage. Returns (k_pages, v_pages, block_table)."""
+    per_seq = [(n + page - 1) // page for n in lens_k]
+    width = max(max(per_seq, default=0), 1)
+    order = torch.randperm(sum(per_seq) + 1, generator=torch.Generator().manual_seed(seed))
+    table = torch.zeros(len(lens_k), width, dtype=torch.int32)
+    pages = []
+    for x in (k, v):
+        shape = (sum(per_seq) + 1, page, *x.shape[1:])
+        if layout == "heads_first":
+            store = torch.full((shape[0], shape[2], page, shape[3]), float("nan"), dtype=x.dtype)
+            pg = store.to(x.device).transpose(1, 2)
+        else:
+            pg = torch.full(shape, float("nan"), dtype=x.dtype).to(x.device)
+        pages.append(pg)
+    used, start = 0, 0
+    for b, n in enumerate(lens_k):
+        for i in range(per_seq[b]):
+            page_id = int(order[used])
+            table[b, i] = page_id
+            rows = slice(start + i * page, start + min(n, (i + 1) * page))
+            count = rows.stop - rows.start
+            for pg, x in zip(pages, (k, v)):
+                pg[page_id, :count] = x[rows]
+            used += 1
+        start += n
+    return pages[0], pages[1], table.to(k.device)
+
+
+# kernel_traits.h: a query block of fewer rows than kPackedMinQueries runs on BLAS unless (fp32)
+# its head has at most kPackedFewKeys keys.
+PACKED_MIN_QUERIES, PACKED_FEW_KEYS = 16, 64
+
+
+def assert_paged_like_packed(paged, packed, max_seqlen_q, max_seqlen_k):
+    """A paged varlen call's output (or lse) against the same call on packed keys: bit for bit
+    where the CPU forward runs its own products (the packed panels and bf16 pairs read each key
+    row from its page in the order they read it from its token), within the output dtype's
+    rounding (assert_close's defaults) where BLAS runs (fp64; few query rows), whose summation
+    order follows its operands' alignment and leading dimension (MKL)."""
+    own = (
+        attn_ext._C.cpu_block_kernels() != "blas"
+        and packed.dtype != torch.float64
+        and (
+            max_seqlen_q >= PACKED_MIN_QUERIES
+            or (packed.dtype == torch.float32 and max_seqlen_k <= PACKED_FEW_KEYS)
+        )
+    )
+    if own:
+        diff = (paged.double() - packed.double()).abs().max() if paged.numel() else 0
+        assert torch.equal(paged, packed), f"max diff {diff}"
+    else:
+        torch.testing.assert_close(paged, packed, equal_nan=True)
 
 
 def attention_weights_reference(q, k, **kw):

@@ -118,9 +118,9 @@ std::tuple<Tensor, Tensor> attention_autograd(
 
 using VarlenSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                              const Tensor&, const Tensor&, const TensorOpt&,
-                                             const TensorOpt&, const TensorOpt&, c10::SymInt,
-                                             c10::SymInt, optional<double>, bool, int64_t, int64_t,
-                                             double, double);
+                                             const TensorOpt&, const TensorOpt&, const TensorOpt&,
+                                             c10::SymInt, c10::SymInt, optional<double>, bool,
+                                             int64_t, int64_t, double, double);
 using VarlenBackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const TensorOpt&, c10::SymInt, c10::SymInt, optional<double>,
@@ -141,9 +141,9 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
                                const TensorOpt& sinks, c10::SymInt max_q, c10::SymInt max_k,
                                optional<double> scale, bool causal, int64_t window_left,
                                int64_t window_right, double dropout_p, double softcap) {
-    auto [out, lse] =
-        call_below_autograd(varlen_op(), q, k, v, cu_q, cu_k, rng_state, alibi_slopes, sinks, max_q,
-                            max_k, scale, causal, window_left, window_right, dropout_p, softcap);
+    auto [out, lse] = call_below_autograd(varlen_op(), q, k, v, cu_q, cu_k, rng_state, alibi_slopes,
+                                          sinks, std::nullopt, max_q, max_k, scale, causal,
+                                          window_left, window_right, dropout_p, softcap);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward(
         {q, k, v, out, lse, cu_q, cu_k, saved(rng_state), saved(alibi_slopes), saved(sinks)});
@@ -184,14 +184,20 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
 std::tuple<Tensor, Tensor> attention_varlen_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
     const TensorOpt& rng_state, const TensorOpt& alibi_slopes, const TensorOpt& sinks,
-    c10::SymInt max_q, c10::SymInt max_k, optional<double> scale, bool causal, int64_t window_left,
-    int64_t window_right, double dropout_p, double softcap) {
+    const TensorOpt& block_table, c10::SymInt max_q, c10::SymInt max_k, optional<double> scale,
+    bool causal, int64_t window_left, int64_t window_right, double dropout_p, double softcap) {
   if (!records_graph(q, k, v, alibi_slopes, sinks)) {
     return call_below_autograd(varlen_op(), q, k, v, cu_q, cu_k, rng_state, alibi_slopes, sinks,
-                               std::move(max_q), std::move(max_k), scale, causal, window_left,
-                               window_right, dropout_p, softcap);
+                               block_table, std::move(max_q), std::move(max_k), scale, causal,
+                               window_left, window_right, dropout_p, softcap);
   }
   refuse_slopes_grad("attn_ext.attention_varlen", alibi_slopes);
+  // FlashAttention's paged varlen forward is inference-only too: its backward would scatter
+  // dK / dV into pages that other sequences may share.
+  TORCH_CHECK_NOT_IMPLEMENTED(!block_table.has_value() || !block_table->defined(),
+                              "attn_ext.attention_varlen: paged k / v (block_table) have no "
+                              "backward; gather the pages into (total_k, Hkv, D) rows to train "
+                              "through them");
   auto r = VarlenFunction::apply(q, k, v, cu_q, cu_k, rng_state, alibi_slopes, sinks,
                                  std::move(max_q), std::move(max_k), scale, causal, window_left,
                                  window_right, dropout_p, softcap);

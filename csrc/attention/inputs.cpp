@@ -1,6 +1,7 @@
 #include "attention/inputs.h"
 
 #include <cmath>
+#include <limits>
 #include <utility>
 #include <vector>
 #include <ATen/ATen.h>
@@ -170,6 +171,33 @@ at::Tensor token_rows(const char* op, const char* name, const at::Tensor& t, con
   return t.transpose(0, 1).unsqueeze(0);
 }
 
+// FlashAttention's pages (num_pages, page_size, heads, dim) as the (num_pages, heads, page_size,
+// dim) view the kernels address by (page, head, row).
+at::Tensor paged_rows(const char* op, const char* name, const at::Tensor& t, const char* shape) {
+  TORCH_CHECK(t.dim() == 4, op, ": with a block_table, ", name, " must be 4-D ", shape, ", got ",
+              t.dim(), "-D ", t.sizes());
+  return t.transpose(1, 2);
+}
+
+// The block_table of a paged varlen batch (cu_seqlens_k already checked: on the CPU, so its
+// values are read): each sequence's length within its table row's pages, and the entries it
+// touches pages of k.
+PageTable prepare_paged_keys(const char* op, const at::Tensor& block_table, int64_t batch,
+                             const at::Tensor& k, const at::Tensor& cu_seqlens_k) {
+  PageTable pages = prepare_page_table(op, block_table, batch, k, "k", /*page_dim=*/1);
+  const int64_t capacity = block_table.size(1) * pages.page_size;
+  const int32_t* cu = cu_seqlens_k.const_data_ptr<int32_t>();
+  std::vector<int64_t> begin(batch, 0), end(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    end[b] = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    TORCH_CHECK(end[b] <= capacity, op, ": sequence ", b, " has ", end[b],
+                " keys (cu_seqlens_k), more than its block_table row holds (max_pages ",
+                block_table.size(1), " x page_size ", pages.page_size, " = ", capacity, ")");
+  }
+  check_page_entries(op, pages, batch, begin.data(), end.data());
+  return pages;
+}
+
 void check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, const at::Tensor& q,
                       int64_t batch, int64_t total, const char* max_name, int64_t max_seqlen,
                       bool exact_total) {
@@ -241,10 +269,24 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
                                         const at::Tensor& cu_seqlens_q,
                                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                         int64_t max_seqlen_k, const AttentionOptions& o) {
+  const bool paged = o.block_table.has_value() && o.block_table->defined();
   const at::Tensor q4 = token_rows(op, "q", q_in, "(total_q, H, D)");
-  const at::Tensor k4 = token_rows(op, "k", k_in, "(total_k, Hkv, D)");
-  const at::Tensor v4 = token_rows(op, "v", v_in, "(total_k, Hkv, Dv)");
-  check_qkv(op, q4, k4, v4);
+  // Pages are read as (num_pages, Hkv, page_size, *): a batch of pages for check_qkv's shapes.
+  const at::Tensor k4 = paged ? paged_rows(op, "k", k_in, "(num_pages, page_size, Hkv, D)")
+                              : token_rows(op, "k", k_in, "(total_k, Hkv, D)");
+  const at::Tensor v4 = paged ? paged_rows(op, "v", v_in, "(num_pages, page_size, Hkv, Dv)")
+                              : token_rows(op, "v", v_in, "(total_k, Hkv, Dv)");
+  if (paged) {
+    TORCH_CHECK_NOT_IMPLEMENTED(q_in.device().is_cpu(), op,
+                                ": block_table (paged k / v) runs on the CPU only; on ",
+                                q_in.device(), " gather the pages into (total_k, Hkv, D) rows");
+    TORCH_CHECK(v4.size(0) == k4.size(0) && v4.size(2) == k4.size(2), op,
+                ": v must have k's num_pages and page_size (", k4.size(0), ", ", k4.size(2),
+                "), got shape ", v_in.sizes());
+    check_qkv(op, q4.expand({k4.size(0), -1, -1, -1}), k4, v4);
+  } else {
+    check_qkv(op, q4, k4, v4);
+  }
   TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, op,
               ": max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
               max_seqlen_k);
@@ -252,13 +294,16 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
   check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q_in, batch, q_in.size(0), "max_seqlen_q",
                    max_seqlen_q,
                    /*exact_total=*/true);
-  check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q_in, batch, k_in.size(0), "max_seqlen_k",
+  // A paged batch's keys are not one token axis: its lengths are bounded by the pages below.
+  check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q_in, batch,
+                   paged ? std::numeric_limits<int64_t>::max() : k_in.size(0), "max_seqlen_k",
                    max_seqlen_k,
                    /*exact_total=*/false);
   PreparedInputs r;
   r.q = blas_rows(q4);
   r.k = blas_rows(k4);
   r.v = blas_rows(v4);
+  if (paged) r.params.pages = prepare_paged_keys(op, *o.block_table, batch, k_in, cu_seqlens_k);
   r.cu_seqlens_q = cu_seqlens_q;
   r.cu_seqlens_k = cu_seqlens_k;
   AttentionParams& p = r.params;
@@ -270,7 +315,8 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
   p.seqlen_q = max_seqlen_q;
   p.seqlen_k = max_seqlen_k;
   p.total_q = q_in.size(0);
-  p.total_k = k_in.size(0);
+  // Paged: the keys of all sequences (the CPU's checked offsets; no key row is addressed by it).
+  p.total_k = paged ? cu_seqlens_k.const_data_ptr<int32_t>()[batch] : k_in.size(0);
   p.head_dim = r.q.size(3);
   p.head_dim_v = r.v.size(3);
   set_scale(op, o, p);
@@ -280,6 +326,10 @@ PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q_in,
   read_rng_state(op, o.rng_state, o.dropout_p, p);
   prepare_score_mods(op, r, o);
   set_qkv_pointers(r);
+  if (paged) {  // the kernels step from page to page by the batch strides (params.h)
+    p.k_batch_stride = r.k.stride(0);
+    p.v_batch_stride = r.v.stride(0);
+  }
   return r;
 }
 
@@ -347,9 +397,12 @@ AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_
                                 int64_t window_right, double dropout_p,
                                 const std::optional<at::Tensor>& rng_state, double softcap,
                                 const std::optional<at::Tensor>& alibi_slopes,
-                                const std::optional<at::Tensor>& sinks) {
-  return {std::nullopt, scale,     causal,  window_left,  window_right, std::nullopt,
-          dropout_p,    rng_state, softcap, alibi_slopes, sinks};
+                                const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& block_table) {
+  AttentionOptions o{std::nullopt, scale,     causal,  window_left,  window_right, std::nullopt,
+                     dropout_p,    rng_state, softcap, alibi_slopes, sinks};
+  o.block_table = block_table;
+  return o;
 }
 
 AttentionOptions weights_options(const std::optional<at::Tensor>& attn_mask,

@@ -25,6 +25,9 @@ struct AttentionOptions {
   std::optional<at::Tensor> sinks;         // (H,)
   // k and v may be a float8 cache (decode_attention; common/float8.h) instead of q's dtype.
   bool float8_kv = false;
+  // Varlen only: k / v are FlashAttention's pages (num_pages, page_size, Hkv, *) and sequence
+  // b's keys lie in the pages of block_table[b] (B, max_pages) int32 (CPU kernels only).
+  std::optional<at::Tensor> block_table;
 };
 
 // Tensors as the kernel reads them: last dimension contiguous, rows addressable by BLAS,
@@ -49,7 +52,10 @@ PreparedInputs prepare_attention(const char* op, const at::Tensor& q, const at::
 // v (total_k, Hkv, Dv), cu_seqlens (B + 1,) int32 on q's device. On the CPU the offsets are
 // checked (0 first, non-decreasing, last = total, lengths within max_seqlen); a CUDA caller's
 // values cannot be read without a sync, so the CUDA kernels stay in bounds for any offsets
-// that are non-decreasing and end within the tensors (as FlashAttention requires).
+// that are non-decreasing and end within the tensors (as FlashAttention requires). With
+// opts.block_table (CPU only), k / v are pages (num_pages, page_size, Hkv, D / Dv), sequence b's
+// cu_seqlens_k length counts the rows of its pages it attends to (at most max_pages *
+// page_size), and every table entry those rows touch must be a page.
 PreparedInputs prepare_attention_varlen(const char* op, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -60,7 +66,8 @@ AttentionOptions varlen_options(std::optional<double> scale, bool causal, int64_
                                 int64_t window_right, double dropout_p,
                                 const std::optional<at::Tensor>& rng_state, double softcap,
                                 const std::optional<at::Tensor>& alibi_slopes,
-                                const std::optional<at::Tensor>& sinks);
+                                const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& block_table = std::nullopt);
 
 // attention_weights' options: attention's masking and score modifiers, no dropout.
 AttentionOptions weights_options(const std::optional<at::Tensor>& attn_mask,

@@ -3,6 +3,7 @@
 // Every stride is in elements; the last dimension of every tensor is contiguous.
 #include <cstdint>
 #include <c10/macros/Macros.h>
+#include "common/page_table.h"
 
 namespace attn_ext {
 
@@ -58,6 +59,11 @@ struct AttentionParams {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0, total_k = 0;  // varlen: token counts of q and k
+  // Paged keys and values (a varlen batch on the CPU; decode_attention's paged cache): k / v
+  // are pages and key t of sequence b is row t % page_size of page pages.page(b, t), at
+  // page * k_batch_stride + (t % page_size) * k_row_stride + kv_head * k_head_stride (v alike).
+  // A paged varlen batch's sequences start at row 0 of their pages (SeqBounds::k_begin 0).
+  PageTable pages;
 
   C10_HOST_DEVICE int64_t group() const { return heads / kv_heads; }
   C10_HOST_DEVICE bool varlen() const { return cu_seqlens_q != nullptr; }
@@ -93,7 +99,8 @@ C10_HOST_DEVICE inline SeqBounds seq_bounds(const AttentionParams& p, int64_t b)
   const int64_t q1 = clamp_offset(p.cu_seqlens_q[b + 1], q0, p.total_q);
   const int64_t k0 = clamp_offset(p.cu_seqlens_k[b], 0, p.total_k);
   const int64_t k1 = clamp_offset(p.cu_seqlens_k[b + 1], k0, p.total_k);
-  return {q0, q1 - q0, k0, k1 - k0, (k1 - k0) - (q1 - q0)};  // bottom-right per sequence
+  const int64_t k_begin = p.pages.paged() ? 0 : k0;  // a paged sequence's keys: its own pages
+  return {q0, q1 - q0, k_begin, k1 - k0, (k1 - k0) - (q1 - q0)};  // bottom-right per sequence
 }
 
 // Index of query row i (relative to the sequence) of (b, h) in lse and the dropout streams.

@@ -3,6 +3,7 @@
 // compression, linear, spatial), and the advice their fresh outputs take.
 #include <cstdint>
 #include <ATen/core/Tensor.h>
+#include "common/page_table.h"
 
 namespace attn_ext {
 
@@ -27,5 +28,17 @@ constexpr int64_t kHugePageMinBytes = int64_t(32) << 20;
 // their products, they gained nothing and lost on a VM, docs/performance.md).
 // ATTN_EXT_HUGE_PAGES=0 turns the advice off.
 at::Tensor advise_huge_pages(at::Tensor t);
+
+// A paged cache's block_table: (B, max_pages) int32 on the cache's device with contiguous
+// rows; `cache` (num_pages first, the page size in dim page_dim: 2 for the decoding caches'
+// (num_pages, Hkv, page_size, *), 1 for FlashAttention's (num_pages, page_size, Hkv, *)) is
+// named `cache_name` in messages and must have page_size >= 1. The table is read in place (the
+// returned PageTable points into it).
+PageTable prepare_page_table(const char* op, const at::Tensor& block_table, int64_t batch,
+                             const at::Tensor& cache, const char* cache_name, int64_t page_dim);
+// CPU: every entry of sequence b's table row that covers its rows [begin[b], end[b]) must name
+// a page of the cache (in [0, num_pages)); the error names block_table[b, i].
+void check_page_entries(const char* op, const PageTable& pages, int64_t batch, const int64_t* begin,
+                        const int64_t* end);
 
 }  // namespace attn_ext

@@ -170,44 +170,6 @@ at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& len
   return h;
 }
 
-PageTable prepare_page_table(const char* op, const at::Tensor& block_table, int64_t batch,
-                             const at::Tensor& cache, const char* cache_name) {
-  TORCH_CHECK(block_table.scalar_type() == at::kInt, op, ": block_table must be int32, got ",
-              block_table.scalar_type());
-  TORCH_CHECK(block_table.device() == cache.device(), op, ": block_table must be on ", cache_name,
-              "'s device ", cache.device(), ", got ", block_table.device());
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op,
-              ": block_table must have shape (B, max_pages) with B = ", batch, ", got ",
-              block_table.sizes());
-  // Rows contiguous: the kernels step through a sequence's pages one int32 at a time.
-  TORCH_CHECK(block_table.size(1) <= 1 || block_table.stride(1) == 1, op,
-              ": block_table must have contiguous rows (stride 1 in dim 1), got strides ",
-              block_table.strides());
-  TORCH_CHECK(cache.size(2) >= 1, op, ": the page size (", cache_name,
-              " dim 2) must be >= 1 with a block_table, got ", cache.size(2), " (shape ",
-              cache.sizes(), ")");
-  PageTable pages;
-  pages.table = block_table.const_data_ptr<int32_t>();
-  pages.row_stride = block_table.stride(0);
-  pages.page_size = cache.size(2);
-  pages.num_pages = cache.size(0);
-  return pages;
-}
-
-void check_page_entries(const char* op, const PageTable& pages, int64_t batch, const int64_t* begin,
-                        const int64_t* end) {
-  for (int64_t b = 0; b < batch; ++b) {
-    if (end[b] <= begin[b]) continue;
-    for (int64_t i = begin[b] / pages.page_size; i <= (end[b] - 1) / pages.page_size; ++i) {
-      const int64_t page = pages.table[b * pages.row_stride + i];
-      TORCH_CHECK(page >= 0 && page < pages.num_pages, op, ": block_table[", b, ", ", i,
-                  "] must be a page of the cache, in [0, num_pages = ", pages.num_pages, "), got ",
-                  page, " (it holds rows [", i * pages.page_size, ", ", (i + 1) * pages.page_size,
-                  ") of sequence ", b, ")");
-    }
-  }
-}
-
 PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                  const at::Tensor& k, const at::Tensor& v,
@@ -251,7 +213,7 @@ PreparedAppend prepare_kv_append(const char* op, const at::Tensor& k_cache,
 
   PreparedAppend r;
   KVAppendParams& p = r.params;
-  if (paged) p.pages = prepare_page_table(op, *block_table, B, k_cache, n.k_cache);
+  if (paged) p.pages = prepare_page_table(op, *block_table, B, k_cache, n.k_cache, /*page_dim=*/2);
   const int64_t L = paged ? block_table->size(1) * p.pages.page_size : k_cache.size(2);
   p.batch = B;
   p.kv_heads = Hkv;
@@ -362,7 +324,8 @@ PreparedDecode prepare_decode(const char* op, const at::Tensor& q, const at::Ten
               ": block_table needs a cache with at least one page, got k_cache of shape ",
               k_cache.sizes());
   PageTable pages;
-  if (paged) pages = prepare_page_table(op, *o.block_table, q.size(0), k_cache, "k_cache");
+  if (paged)
+    pages = prepare_page_table(op, *o.block_table, q.size(0), k_cache, "k_cache", /*page_dim=*/2);
   // Each sequence's capacity: the cache's rows, or its table row's pages.
   const int64_t capacity = paged ? o.block_table->size(1) * pages.page_size : k_cache.size(2);
   // The cache is the key/value input of an ordinary attention call with Sk = capacity;

@@ -62,16 +62,6 @@ void set_rope_output(RopeParams& p, const at::Tensor& out);
 at::Tensor int64_lengths(const char* op, const char* name, const at::Tensor& lengths, int64_t batch,
                          const at::Tensor& like, int64_t hi, bool check_values);
 
-// A paged cache's block_table: (B, max_pages) int32 on the cache's device with contiguous
-// rows; `cache` (num_pages, Hkv, page_size, *) is named `cache_name` in messages and must have
-// page_size >= 1. The table is read in place (the returned PageTable points into it).
-PageTable prepare_page_table(const char* op, const at::Tensor& block_table, int64_t batch,
-                             const at::Tensor& cache, const char* cache_name);
-// CPU: every entry of sequence b's table row that covers its rows [begin[b], end[b]) must name
-// a page of the cache (in [0, num_pages)); the error names block_table[b, i].
-void check_page_entries(const char* op, const PageTable& pages, int64_t batch, const int64_t* begin,
-                        const int64_t* end);
-
 struct PreparedAppend {
   at::Tensor lengths, appended;  // int64 copies on the cache's device
   at::Tensor inv_freq;           // the RoPE frequencies the policy points into, or undefined

@@ -28,37 +28,6 @@ struct RopeParams {
   }
 };
 
-// Where a sequence's cache row lives: the index on the cache's first axis (a sequence of a
-// contiguous cache, a page of a paged one) and the row within it.
-struct CacheSlot {
-  int64_t block, row;
-};
-
-// A paged cache (vLLM / FlashAttention's layout in our axis order): the cache is
-// (num_pages, Hkv, page_size, *) and row t of sequence b is row t % page_size of page
-// table[b * row_stride + t / page_size], so sequences grow page by page without moving and
-// may share pages. page_size 0 means the cache holds one contiguous block per sequence (the
-// table pointer cannot say so: an empty table has none).
-struct PageTable {
-  const int32_t* table = nullptr;  // (B, max_pages) int32, rows contiguous
-  int64_t row_stride = 0;          // table entries between consecutive sequences
-  int64_t page_size = 0;
-  int64_t num_pages = 0;
-
-  C10_HOST_DEVICE bool paged() const { return page_size > 0; }
-  // The CPU ops check every entry they touch before running; a GPU op cannot read the table
-  // without a sync, so an entry is clamped into range here: never an access outside the cache.
-  C10_HOST_DEVICE int64_t page(int64_t b, int64_t t) const {
-    const int64_t pg = table[b * row_stride + t / page_size];
-    return pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
-  }
-  // Row t of sequence b (contiguous cache: row t of block b).
-  C10_HOST_DEVICE CacheSlot locate(int64_t b, int64_t t) const {
-    if (!paged()) return {b, t};
-    return {page(b, t), t % page_size};
-  }
-};
-
 // Appends k/v (B, Hkv, S_new, *) to the caches (B, Hkv, L, *) at each sequence's length
 // (paged: caches (num_pages, Hkv, page_size, *) through `pages`, L = max_pages * page_size).
 struct KVAppendParams {
@@ -82,8 +51,9 @@ struct KVAppendParams {
 };
 
 // Attention of Sq new queries against a KV cache with per-sequence lengths. Reuses the
-// attention fields: seqlen_k is the cache capacity L (paged: max_pages * page_size, with the
-// k/v batch strides the page strides), window_right is 0 (causal) or -1.
+// attention fields: seqlen_k is the cache capacity L (paged through `pages`: max_pages *
+// page_size, with the k/v batch strides the page strides; never together with batch_idx),
+// window_right is 0 (causal) or -1.
 // Query i of sequence b sits at key position lengths[b] - Sq + i (bottom-right).
 struct DecodeParams : AttentionParams {
   const int64_t* lengths = nullptr;  // (B,) int64 on the op's device (CPU: checked in [0, L])
@@ -94,7 +64,6 @@ struct DecodeParams : AttentionParams {
   const int64_t* batch_idx = nullptr;
   const int64_t* leftpad = nullptr;
   int64_t cache_batch = 0;  // the cache's batch rows (batch_idx's range)
-  PageTable pages;          // a paged cache (never together with batch_idx)
   // A float8 cache holds K / k_scale and V / v_scale (common/float8.h); 1 otherwise.
   double k_scale = 1.0, v_scale = 1.0;
 

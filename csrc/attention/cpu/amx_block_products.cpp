@@ -103,9 +103,12 @@ inline __m512i interleave_rows(__m256i even, __m256i odd) {
   const __m512i rows = _mm512_inserti64x4(_mm512_zextsi256_si512(even), odd, 1);
   return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), rows);
 }
-inline __m512i pair_rows(const uint16_t* even, int64_t ld) {
+inline __m512i pair_rows(const uint16_t* even, const uint16_t* odd) {
   return interleave_rows(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)),
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + ld)));
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd)));
+}
+inline __m512i pair_rows(const uint16_t* even, int64_t ld) {
+  return pair_rows(even, even + ld);
 }
 
 // The first `elems` of 32 bf16 lanes (all for elems >= 32).
@@ -252,9 +255,12 @@ ThreadTiles::~ThreadTiles() {
   release_tiles();
 }
 
-void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst) {
+void pack_keys(const KeyRows<uint16_t>& k, int64_t n, int64_t d, uint16_t* dst) {
   const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
+  const uint16_t* key[kTileRows];  // the block's rows, looked up once for all its chunks
   for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kTileRows) {
+    const int64_t rows = std::clamp<int64_t>(n - j0, 0, kTileRows);
+    for (int64_t j = 0; j < rows; ++j) key[j] = k.row(j0 + j);
     for (int64_t c = 0; c < chunks; ++c) {
       uint16_t* tile = dst + (j0 / kTileRows * chunks + c) * kTileElems;
       const int64_t f0 = c * kPairDepth;
@@ -262,16 +268,14 @@ void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* ds
       // keys past n, the features past d) loads its rows masked and zeros the missing ones: a
       // short sequence's only tile took the element-by-element path, 7% of a bf16 fwd+bwd at
       // S = 8 (docs/performance.md, "Per-call overhead").
-      const int64_t rows = std::clamp<int64_t>(n - j0, 0, kTileRows);
       __m512i words[kTileRows];
       if (rows == kTileRows && f0 + kPairDepth <= d) {
-        for (int64_t j = 0; j < kTileRows; ++j)
-          words[j] = _mm512_loadu_si512(k + (j0 + j) * ld + f0);
+        for (int64_t j = 0; j < kTileRows; ++j) words[j] = _mm512_loadu_si512(key[j] + f0);
       } else {
         const __mmask32 feats = pair_mask(d - f0);
         for (int64_t j = 0; j < kTileRows; ++j)
-          words[j] = j < rows ? _mm512_maskz_loadu_epi16(feats, k + (j0 + j) * ld + f0)
-                              : _mm512_setzero_si512();
+          words[j] =
+              j < rows ? _mm512_maskz_loadu_epi16(feats, key[j] + f0) : _mm512_setzero_si512();
       }
       transpose_words(words);
       for (int64_t t = 0; t < kTileRows; ++t) _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
@@ -279,9 +283,11 @@ void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* ds
   }
 }
 
-void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst) {
+void pack_values(const KeyRows<uint16_t>& v, int64_t n, int64_t dv, uint16_t* dst) {
   const int64_t blocks = round_up(dv, kAccCols) / kAccCols;
+  const uint16_t* value[kPairDepth];  // the chunk's rows, null past n
   for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kPairDepth) {
+    for (int64_t j = 0; j < kPairDepth; ++j) value[j] = j0 + j < n ? v.row(j0 + j) : nullptr;
     for (int64_t b = 0; b < blocks; ++b) {
       uint16_t* tile = dst + (j0 / kPairDepth * blocks + b) * kTileElems;
       const int64_t f0 = b * kAccCols;
@@ -289,16 +295,16 @@ void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t*
       // rows masked and zeros the keys past n (as pack_keys).
       if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
         for (int64_t t = 0; t < kTileRows; ++t)
-          _mm512_storeu_si512(tile + t * kPairDepth, pair_rows(v + (j0 + 2 * t) * ld + f0, ld));
+          _mm512_storeu_si512(tile + t * kPairDepth,
+                              pair_rows(value[2 * t] + f0, value[2 * t + 1] + f0));
         continue;
       }
       const __mmask16 cols = lane_mask(dv - f0);
-      auto row = [&](int64_t key) { return key < n ? v + key * ld + f0 : nullptr; };
+      auto row = [&](int64_t j) { return value[j] ? value[j] + f0 : nullptr; };
       for (int64_t t = 0; t < kTileRows; ++t) {
-        const int64_t key = j0 + 2 * t;
         _mm512_storeu_si512(
             tile + t * kPairDepth,
-            interleave_rows(row16_or_zero(row(key), cols), row16_or_zero(row(key + 1), cols)));
+            interleave_rows(row16_or_zero(row(2 * t), cols), row16_or_zero(row(2 * t + 1), cols)));
       }
     }
   }

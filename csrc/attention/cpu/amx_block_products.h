@@ -13,6 +13,7 @@
 // dQ, dK) to bf16 as well. tests/test_amx.py bounds the error this adds against torch's own
 // bf16 SDPA, forward and backward.
 #include <cstdint>
+#include "attention/cpu/key_rows.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && \
     (defined(__GNUC__) || defined(__clang__))
@@ -55,16 +56,23 @@ inline int64_t value_tile_elems(int64_t n, int64_t dv) {
   return round_up(n, kPairDepth) * round_up(dv, kAccCols);
 }
 
-// Keys [0, n) of rows k (stride ld, bf16 bits) as B tiles of Q K^T: for each block of 16 keys
-// and each 32-feature chunk, a tile whose row t holds features (2t, 2t + 1) of each of the 16
-// keys (the pair layout _tile_dpbf16ps reads). Keys from n to round_up(n, 32) and features past
-// d are zero, so the tiles of keys j0.. (j0 a multiple of 32) start at dst + j0 * round_up(d, 32).
-void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst);
+// Keys [0, n) of rows k (bf16 bits; strided or paged, key_rows.h) as B tiles of Q K^T: for each
+// block of 16 keys and each 32-feature chunk, a tile whose row t holds features (2t, 2t + 1) of
+// each of the 16 keys (the pair layout _tile_dpbf16ps reads). Keys from n to round_up(n, 32) and
+// features past d are zero, so the tiles of keys j0.. (j0 a multiple of 32) start at dst + j0 *
+// round_up(d, 32).
+void pack_keys(const KeyRows<uint16_t>& k, int64_t n, int64_t d, uint16_t* dst);
+inline void pack_keys(const uint16_t* k, int64_t ld, int64_t n, int64_t d, uint16_t* dst) {
+  pack_keys(strided_rows(k, ld), n, d, dst);
+}
 
-// Values [0, n) (stride ld) as B tiles of P V: for each chunk of 32 keys and each block of 16
-// features, a tile whose row t holds keys (2t, 2t + 1) of each of the 16 features; zero past n
+// Values [0, n) (strided or paged) as B tiles of P V: for each chunk of 32 keys and each block of
+// 16 features, a tile whose row t holds keys (2t, 2t + 1) of each of the 16 features; zero past n
 // and dv. The tiles of keys j0.. (a multiple of 32) start at dst + j0 * round_up(dv, 16).
-void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst);
+void pack_values(const KeyRows<uint16_t>& v, int64_t n, int64_t dv, uint16_t* dst);
+inline void pack_values(const uint16_t* v, int64_t ld, int64_t n, int64_t dv, uint16_t* dst) {
+  pack_values(strided_rows(v, ld), n, dv, dst);
+}
 
 // dst[r][c] = bf16(src[r][c]) (nearest even) for r < m, c < n; zero for c in
 // [n, round_up(n, 32)) and for rows [m, round_up(m, 16)). dst holds that many rows of ldd.

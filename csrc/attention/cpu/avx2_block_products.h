@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <immintrin.h>
 
+#include "attention/cpu/key_rows.h"
 #include "attention/cpu/row_tiles.h"
 #include "common/cpu/vec_math.h"
 
@@ -55,65 +56,82 @@ inline void transpose8x8(__m256 (&r)[8]) {
   }
 }
 
-// Keys [0, n) of rows k (stride ld) as panels of kCols keys: panel g holds, for each
-// feature d, keys g * kCols .. g * kCols + 15 (zero past n). dst holds round_up_cols(n) * d.
+// Keys [0, n) of rows k (strided or paged, key_rows.h) as panels of kCols keys: panel g holds, for
+// each feature d, keys g * kCols .. g * kCols + 15 (zero past n). dst holds round_up_cols(n) * d.
 // Panels move as 8 x 8 register transposes (the element-wise loop was ~4% of the fp32
 // forward at S = 512, where four query blocks share a head's panels); a partial panel
 // transposes zeros for its missing keys (element-wise it was 5% of an fp32 fwd+bwd at S = 8,
 // docs/performance.md, "Per-call overhead"). Features past a multiple of 8 take the
 // element-wise loop.
 template <typename scalar_t>
-void pack_key_panels(const scalar_t* k, int64_t ld, int64_t n, int64_t d, float* dst) {
+void pack_key_panels(const KeyRows<scalar_t>& k, int64_t n, int64_t d, float* dst) {
   const int64_t d_vec = d / kWidth * kWidth;
   float row[kCols];
+  const scalar_t* key[kCols];  // the group's rows (paged keys: one table lookup each)
   for (int64_t g = 0; g < n; g += kCols) {
     float* panel = dst + g * d;
     const int64_t w = std::min<int64_t>(kCols, n - g);
+    for (int64_t c = 0; c < w; ++c) key[c] = k.row(g + c);
     int64_t f0 = 0;
     for (; f0 < d_vec; f0 += kWidth) {
       for (int64_t half = 0; half < kCols; half += kWidth) {
         __m256 r[kWidth];
         ATTN_EXT_UNROLL_ROWS
         for (int c = 0; c < kWidth; ++c)
-          r[c] = half + c < w ? load8(k + (g + half + c) * ld + f0) : _mm256_setzero_ps();
+          r[c] = half + c < w ? load8(key[half + c] + f0) : _mm256_setzero_ps();
         transpose8x8(r);
         ATTN_EXT_UNROLL_ROWS
         for (int f = 0; f < kWidth; ++f) _mm256_storeu_ps(panel + (f0 + f) * kCols + half, r[f]);
       }
     }
     for (int64_t f = f0; f < d; ++f) {
-      for (int64_t c = 0; c < w; ++c) row[c] = static_cast<float>(k[(g + c) * ld + f]);
+      for (int64_t c = 0; c < w; ++c) row[c] = static_cast<float>(key[c][f]);
       for (int64_t c = w; c < kCols; ++c) row[c] = 0.f;
       std::copy(row, row + kCols, panel + f * kCols);
     }
   }
 }
+template <typename scalar_t>
+void pack_key_panels(const scalar_t* k, int64_t ld, int64_t n, int64_t d, float* dst) {
+  pack_key_panels(strided_rows(k, ld), n, d, dst);
+}
 
-// Values [0, n) of rows v (stride ld) as column panels: panel c (stride panel_stride)
-// holds, for each key j, features c * kCols .. c * kCols + 15 (zero past dv). Whole panels
-// move as two 8-lane loads and stores per row: the copy through a scratch row compiled to a
+// Values [0, n) of rows v (strided or paged) as column panels: panel c (stride panel_stride)
+// holds, for each key j, features c * kCols .. c * kCols + 15 (zero past dv). Rows are taken
+// kCols at a time, each group into all its panels. Whole panels move as two 8-lane loads and
+// stores per row: the copy through a scratch row compiled to a
 // memcpy and a memset call per 64 bytes, and the backward packs each query tile's Q and dO once
 // per key block (fp32 forward + backward 1.03-1.04x at D 128, 2026-11-27).
 template <typename scalar_t>
-void pack_value_panels(const scalar_t* v, int64_t ld, int64_t n, int64_t dv, float* dst,
+void pack_value_panels(const KeyRows<scalar_t>& v, int64_t n, int64_t dv, float* dst,
                        int64_t panel_stride) {
   float row[kCols];
-  for (int64_t c0 = 0; c0 < dv; c0 += kCols) {
-    float* panel = dst + (c0 / kCols) * panel_stride;
-    const int64_t w = std::min<int64_t>(kCols, dv - c0);
-    if (w == kCols) {
-      for (int64_t j = 0; j < n; ++j) {
-        _mm256_storeu_ps(panel + j * kCols, load8(v + j * ld + c0));
-        _mm256_storeu_ps(panel + j * kCols + kWidth, load8(v + j * ld + c0 + kWidth));
+  const scalar_t* value[kCols];  // a group of rows, looked up once for all their panels
+  for (int64_t g = 0; g < n; g += kCols) {
+    const int64_t w = std::min<int64_t>(kCols, n - g);
+    for (int64_t j = 0; j < w; ++j) value[j] = v.row(g + j);
+    for (int64_t c0 = 0; c0 < dv; c0 += kCols) {
+      float* panel = dst + (c0 / kCols) * panel_stride + g * kCols;
+      const int64_t cols = std::min<int64_t>(kCols, dv - c0);
+      if (cols == kCols) {
+        for (int64_t j = 0; j < w; ++j) {
+          _mm256_storeu_ps(panel + j * kCols, load8(value[j] + c0));
+          _mm256_storeu_ps(panel + j * kCols + kWidth, load8(value[j] + c0 + kWidth));
+        }
+        continue;
       }
-      continue;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      load_row(v + j * ld + c0, row, w, 1.f);
-      for (int64_t c = w; c < kCols; ++c) row[c] = 0.f;
-      std::copy(row, row + kCols, panel + j * kCols);
+      for (int64_t j = 0; j < w; ++j) {
+        load_row(value[j] + c0, row, cols, 1.f);
+        for (int64_t c = cols; c < kCols; ++c) row[c] = 0.f;
+        std::copy(row, row + kCols, panel + j * kCols);
+      }
     }
   }
+}
+template <typename scalar_t>
+void pack_value_panels(const scalar_t* v, int64_t ld, int64_t n, int64_t dv, float* dst,
+                       int64_t panel_stride) {
+  pack_value_panels(strided_rows(v, ld), n, dv, dst, panel_stride);
 }
 
 // acc[r] = sum_k a[r * row_stride + k * k_stride] * panel[k][0..16) for R rows: the one

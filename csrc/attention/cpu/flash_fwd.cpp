@@ -12,6 +12,7 @@
 #include "common/cpu/blas.h"
 #include "common/cpu/cpu_support.h"
 #include "common/cpu/kernel_traits.h"
+#include "attention/cpu/key_rows.h"
 #include "attention/cpu/row_pass.h"
 #include "attention/cpu/tile_mask.h"
 #include "common/cpu/vec_math.h"
@@ -32,7 +33,8 @@ namespace {
 // after rescaling it by the online softmax's per-row factor; the main loop is shared.
 
 // BLAS on the inputs as they are (fp32 / fp64), or on fp32 copies of reduced-precision K and
-// V: converted once per (batch, kv head) when the head is small enough, else per tile.
+// V: converted once per (batch, kv head) when the head is small enough, else per tile (paged
+// keys are copied tile by tile even when no conversion is needed: BLAS reads strided rows).
 template <typename scalar_t>
 struct BlasProducts {
   using Traits = FlashTraits<scalar_t>;
@@ -44,9 +46,9 @@ struct BlasProducts {
   static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
   int64_t d, dv;
-  bool whole_head;
-  const scalar_t *k = nullptr, *v = nullptr;
-  int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
+  bool whole_head, paged;
+  KeyRows<scalar_t> k, v;
+  int64_t head = -1, lo = 0, hi = 0;
   Buffer<acc_t> k_conv, v_conv, k_tile, v_tile;
   const acc_t *kt = nullptr, *vt = nullptr;
   int64_t ldk = 0, ldv = 0;
@@ -55,30 +57,37 @@ struct BlasProducts {
       : d(p.head_dim),
         dv(p.head_dim_v),
         whole_head(Traits::kConvert && p.seqlen_k * (d + dv) <= Traits::kMaxConvertedHeadElems),
+        paged(p.pages.paged()),
         k_conv(whole_head ? p.seqlen_k * d : 0),
         v_conv(whole_head ? p.seqlen_k * dv : 0),
-        k_tile(Traits::kConvert && !whole_head ? block_n * d : 0),
-        v_tile(Traits::kConvert && !whole_head ? block_n * dv : 0) {}
+        k_tile((Traits::kConvert || paged) && !whole_head ? block_n * d : 0),
+        v_tile((Traits::kConvert || paged) && !whole_head ? block_n * dv : 0) {}
 
   // Keys [n_begin, n_end) of head `head_id` (rows k / v) are about to be used.
-  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
-                 int64_t v_stride, int64_t n_begin, int64_t n_end, int64_t /*keys*/) {
-    k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
+  void load_head(int64_t head_id, const KeyRows<scalar_t>& k_rows, const KeyRows<scalar_t>& v_rows,
+                 int64_t n_begin, int64_t n_end, int64_t /*keys*/) {
+    k = k_rows, v = v_rows;
     if (!whole_head || n_begin >= n_end) return;
     // Consecutive query blocks of one head ask for growing (causal) or equal key ranges.
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
     for (; hi < n_end; ++hi) {
-      load_row(k + hi * k_ld, k_conv.get() + hi * d, d, acc_t(1));
-      load_row(v + hi * v_ld, v_conv.get() + hi * dv, dv, acc_t(1));
+      load_row(k.row(hi), k_conv.get() + hi * d, d, acc_t(1));
+      load_row(v.row(hi), v_conv.get() + hi * dv, dv, acc_t(1));
     }
   }
 
   void load_tile(int64_t j0, int64_t n) {
     if (whole_head) {
       kt = k_conv.get() + j0 * d, vt = v_conv.get() + j0 * dv, ldk = d, ldv = dv;
+    } else if (paged) {
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(k.row(j0 + r), k_tile.get() + r * d, d, acc_t(1));
+        load_row(v.row(j0 + r), v_tile.get() + r * dv, dv, acc_t(1));
+      }
+      kt = k_tile.get(), vt = v_tile.get(), ldk = d, ldv = dv;
     } else {
-      kt = cpu::load_tile(k + j0 * k_ld, k_ld, n, d, k_tile.get(), &ldk);
-      vt = cpu::load_tile(v + j0 * v_ld, v_ld, n, dv, v_tile.get(), &ldv);
+      kt = cpu::load_tile(k.row(j0), k.ld, n, d, k_tile.get(), &ldk);
+      vt = cpu::load_tile(v.row(j0), v.ld, n, dv, v_tile.get(), &ldv);
     }
   }
 
@@ -112,8 +121,8 @@ struct PackedProducts {
 
   int64_t d, dv, dv_pad, sk_pad;
   bool whole_head;
-  const scalar_t *k = nullptr, *v = nullptr;
-  int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
+  KeyRows<scalar_t> k, v;
+  int64_t head = -1, lo = 0, hi = 0;
   // Keys the panels hold: the whole head, or one tile. A value panel (16 features) spans them.
   int64_t panel_keys, v_panel_stride;
   Buffer<float> k_panels, v_panels;
@@ -133,18 +142,17 @@ struct PackedProducts {
         v_panels(panel_keys * dv_pad) {}
 
   // `keys` is the head's key count (the sequence's, for a varlen batch): no row past it is read.
-  void load_head(int64_t head_id, const scalar_t* k_rows, int64_t k_stride, const scalar_t* v_rows,
-                 int64_t v_stride, int64_t n_begin, int64_t n_end, int64_t keys) {
-    k = k_rows, v = v_rows, k_ld = k_stride, v_ld = v_stride;
+  void load_head(int64_t head_id, const KeyRows<scalar_t>& k_rows, const KeyRows<scalar_t>& v_rows,
+                 int64_t n_begin, int64_t n_end, int64_t keys) {
+    k = k_rows, v = v_rows;
     if (!whole_head || n_begin >= n_end) return;
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
     // Whole panels only (the last one zero-padded), so a later, longer range extends them.
     const int64_t stop = std::min(avx2::round_up_cols(n_end), avx2::round_up_cols(keys));
     if (hi >= stop) return;
     const int64_t n = std::min(stop, keys) - hi;
-    avx2::pack_key_panels(k + hi * k_ld, k_ld, n, d, k_panels.get() + hi * d);
-    avx2::pack_value_panels(v + hi * v_ld, v_ld, n, dv, v_panels.get() + hi * avx2::kCols,
-                            v_panel_stride);
+    avx2::pack_key_panels(k.from(hi), n, d, k_panels.get() + hi * d);
+    avx2::pack_value_panels(v.from(hi), n, dv, v_panels.get() + hi * avx2::kCols, v_panel_stride);
     hi = stop;
   }
 
@@ -153,8 +161,8 @@ struct PackedProducts {
       kp = k_panels.get() + j0 * d;
       vp = v_panels.get() + j0 * avx2::kCols;
     } else {
-      avx2::pack_key_panels(k + j0 * k_ld, k_ld, n, d, k_panels.get());
-      avx2::pack_value_panels(v + j0 * v_ld, v_ld, n, dv, v_panels.get(), v_panel_stride);
+      avx2::pack_key_panels(k.from(j0), n, d, k_panels.get());
+      avx2::pack_value_panels(v.from(j0), n, dv, v_panels.get(), v_panel_stride);
       kp = k_panels.get(), vp = v_panels.get();
     }
   }
@@ -199,8 +207,8 @@ struct Bf16Products {
 
   int64_t d, dv, d_pad, dv_pad, sk_pad;
   bool whole_head;
-  const uint16_t *k = nullptr, *v = nullptr;
-  int64_t k_ld = 0, v_ld = 0, head = -1, lo = 0, hi = 0;
+  KeyRows<uint16_t> k, v;
+  int64_t head = -1, lo = 0, hi = 0;
   Buffer<uint16_t> k_tiles, v_tiles;
   AlignedVector<uint16_t> q_tile, p_tile;  // sized by the largest query block seen
   bool q_ready = false;
@@ -220,18 +228,17 @@ struct Bf16Products {
 
   // Called once per task, before its first scores: also marks the query block as not yet
   // rounded. `keys` bounds the rows read, as in PackedProducts.
-  void load_head(int64_t head_id, const c10::BFloat16* k_rows, int64_t k_stride,
-                 const c10::BFloat16* v_rows, int64_t v_stride, int64_t n_begin, int64_t n_end,
+  void load_head(int64_t head_id, const KeyRows<c10::BFloat16>& k_rows,
+                 const KeyRows<c10::BFloat16>& v_rows, int64_t n_begin, int64_t n_end,
                  int64_t keys) {
-    k = reinterpret_cast<const uint16_t*>(k_rows), v = reinterpret_cast<const uint16_t*>(v_rows);
-    k_ld = k_stride, v_ld = v_stride, q_ready = false;
+    k = k_rows.template as<uint16_t>(), v = v_rows.template as<uint16_t>(), q_ready = false;
     if (!whole_head || n_begin >= n_end) return;
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
     const int64_t stop = std::min(amx::round_up(n_end, kKeyAlign), amx::round_up(keys, kKeyAlign));
     if (hi >= stop) return;
     const int64_t n = std::min(stop, keys) - hi;
-    amx::pack_keys(k + hi * k_ld, k_ld, n, d, k_tiles.get() + hi * d_pad);
-    amx::pack_values(v + hi * v_ld, v_ld, n, dv, v_tiles.get() + hi * dv_pad);
+    amx::pack_keys(k.from(hi), n, d, k_tiles.get() + hi * d_pad);
+    amx::pack_values(v.from(hi), n, dv, v_tiles.get() + hi * dv_pad);
     hi = stop;
   }
 
@@ -239,8 +246,8 @@ struct Bf16Products {
     if (whole_head) {
       kt = k_tiles.get() + j0 * d_pad, vt = v_tiles.get() + j0 * dv_pad;
     } else {
-      amx::pack_keys(k + j0 * k_ld, k_ld, n, d, k_tiles.get());
-      amx::pack_values(v + j0 * v_ld, v_ld, n, dv, v_tiles.get());
+      amx::pack_keys(k.from(j0), n, d, k_tiles.get());
+      amx::pack_values(v.from(j0), n, dv, v_tiles.get());
       kt = k_tiles.get(), vt = v_tiles.get();
     }
   }
@@ -349,12 +356,11 @@ struct FwdWorker {
         return load_tile(q, p.q_row_stride, m, D, q_buf.get(), &ldq);
     }();
     prod.load_head(b * p.kv_heads + hk,
-                   row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                           p.k_row_stride, b, hk, sb.k_begin),
-                   p.k_row_stride,
-                   row_ptr(static_cast<const scalar_t*>(p.v), p.v_batch_stride, p.v_head_stride,
-                           p.v_row_stride, b, hk, sb.k_begin),
-                   p.v_row_stride, n_begin, n_end, Sk);
+                   kv_head_rows<scalar_t>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                          b, hk, sb.k_begin),
+                   kv_head_rows<scalar_t>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                          b, hk, sb.k_begin),
+                   n_begin, n_end, Sk);
     std::fill(o_buf.data.begin(), o_buf.data.begin() + m * Dv, acc_t(0));
     std::fill(state.begin(), state.begin() + m, initial_state<acc_t>(p, h, log2e));
     const int64_t row0 = row_index(p, sb, b, h, i0);
@@ -527,10 +533,9 @@ struct ProbWorker {
     }();
     // k doubles as v (prepare_probabilities): the products pack it for P V too, a pass over
     // the head's keys next to the Sq x Sk products.
-    const auto* k = row_ptr(static_cast<const scalar_t*>(p.k), p.k_batch_stride, p.k_head_stride,
-                            p.k_row_stride, b, hk, sb.k_begin);
-    prod.load_head(b * p.kv_heads + hk, k, p.k_row_stride, k, p.k_row_stride, packed.tiles_begin,
-                   packed.hi, sb.seqlen_k);
+    const auto k = kv_head_rows<scalar_t>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                          b, hk, sb.k_begin);
+    prod.load_head(b * p.kv_heads + hk, k, k, packed.tiles_begin, packed.hi, sb.seqlen_k);
     // Scaled (log2 domain), modified and masked scores of key tile [j0, j0 + n) into s, as the
     // forward forms them.
     auto tile_scores = [&](int64_t j0, int64_t n, acc_t* s) {
@@ -757,14 +762,15 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> scale, bool causal,
-    int64_t window_left, int64_t window_right, double dropout_p, double softcap) {
+    const std::optional<at::Tensor>& block_table, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    double dropout_p, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_varlen";
   check_cpu_support(kOp);
-  PreparedInputs in =
-      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               varlen_options(scale, causal, window_left, window_right, dropout_p,
-                                              rng_state, softcap, alibi_slopes, sinks));
+  PreparedInputs in = prepare_attention_varlen(
+      kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      varlen_options(scale, causal, window_left, window_right, dropout_p, rng_state, softcap,
+                     alibi_slopes, sinks, block_table));
   AttentionParams& p = in.params;
   auto [out, lse] = allocate_outputs(p, q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};

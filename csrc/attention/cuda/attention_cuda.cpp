@@ -162,14 +162,15 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> scale, bool causal,
-    int64_t window_left, int64_t window_right, double dropout_p, double softcap) {
+    const std::optional<at::Tensor>& block_table, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    double dropout_p, double softcap) {
   constexpr const char* kOp = "attn_ext.attention_varlen";
   c10::cuda::CUDAGuard guard(q.device());
-  PreparedInputs in =
-      prepare_attention_varlen(kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               varlen_options(scale, causal, window_left, window_right, dropout_p,
-                                              rng_state, softcap, alibi_slopes, sinks));
+  PreparedInputs in = prepare_attention_varlen(
+      kOp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      varlen_options(scale, causal, window_left, window_right, dropout_p, rng_state, softcap,
+                     alibi_slopes, sinks, block_table));
   return run_fwd(kOp, in);
 }
 

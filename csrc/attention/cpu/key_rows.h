@@ -1,0 +1,58 @@
+#pragma once
+// The key (or value) rows of one (sequence, kv head) that the forward's products pack: row j at
+// base + j * ld, or, in a paged varlen batch, row first + j of the sequence through its block
+// table (AttentionParams::pages). The packers take row pointers from here once per row and
+// group of rows, so paged keys are packed where they lie: no gathered copy of the sequence.
+#include <cstdint>
+
+#include "attention/params.h"
+
+namespace attn_ext::cpu {
+
+template <typename T>
+struct KeyRows {
+  const T* base = nullptr;         // strided: row 0; paged: this head's row 0 of page 0
+  int64_t ld = 0;                  // elements between consecutive rows (of one page)
+  const int32_t* pages = nullptr;  // the sequence's block-table row (checked by the op), or null
+  int64_t page_size = 1, page_stride = 0, first = 0;
+
+  const T* row(int64_t j) const {
+    if (pages == nullptr) return base + j * ld;
+    const int64_t t = first + j;
+    return base + pages[t / page_size] * page_stride + (t % page_size) * ld;
+  }
+  // The rows from row j on.
+  KeyRows from(int64_t j) const {
+    KeyRows r = *this;
+    if (pages == nullptr)
+      r.base += j * ld;
+    else
+      r.first += j;
+    return r;
+  }
+  // The same rows read as another element type of the same size (bf16 as its bits).
+  template <typename U>
+  KeyRows<U> as() const {
+    static_assert(sizeof(U) == sizeof(T));
+    return {reinterpret_cast<const U*>(base), ld, pages, page_size, page_stride, first};
+  }
+};
+
+// Rows ld apart from base.
+template <typename T>
+KeyRows<T> strided_rows(const T* base, int64_t ld) {
+  return {base, ld};
+}
+
+// The keys (or values: the v_* strides) of kv head hk of sequence b, from its first key on.
+template <typename T>
+KeyRows<T> kv_head_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
+                        int64_t head_stride, int64_t row_stride, int64_t b, int64_t hk,
+                        int64_t k_begin) {
+  const T* head = static_cast<const T*>(data) + hk * head_stride;
+  if (!p.pages.paged()) return {head + b * batch_stride + k_begin * row_stride, row_stride};
+  return {head,         row_stride, p.pages.table + b * p.pages.row_stride, p.pages.page_size,
+          batch_stride, k_begin};
+}
+
+}  // namespace attn_ext::cpu
