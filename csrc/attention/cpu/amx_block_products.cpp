@@ -255,57 +255,90 @@ ThreadTiles::~ThreadTiles() {
   release_tiles();
 }
 
+namespace {
+
+// The key tiles of one block of `rows` <= 16 keys (key j's row at key(j)).
+template <typename Rows>
+inline void pack_key_block(Rows key, int64_t rows, int64_t d, int64_t chunks, uint16_t* tiles) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint16_t* tile = tiles + c * kTileElems;
+    const int64_t f0 = c * kPairDepth;
+    // A 16 x 16 transpose of feature pairs (32-bit words) in registers. A partial tile (the
+    // keys past n, the features past d) loads its rows masked and zeros the missing ones: a
+    // short sequence's only tile took the element-by-element path, 7% of a bf16 fwd+bwd at
+    // S = 8 (docs/performance.md, "Per-call overhead").
+    __m512i words[kTileRows];
+    if (rows == kTileRows && f0 + kPairDepth <= d) {
+      for (int64_t j = 0; j < kTileRows; ++j) words[j] = _mm512_loadu_si512(key(j) + f0);
+    } else {
+      const __mmask32 feats = pair_mask(d - f0);
+      for (int64_t j = 0; j < kTileRows; ++j)
+        words[j] = j < rows ? _mm512_maskz_loadu_epi16(feats, key(j) + f0) : _mm512_setzero_si512();
+    }
+    transpose_words(words);
+    for (int64_t t = 0; t < kTileRows; ++t) _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
+  }
+}
+
+// The value tiles of one chunk of 32 keys, `rows` of them present (value j's row at value(j)).
+template <typename Rows>
+inline void pack_value_chunk(Rows value, int64_t rows, int64_t dv, int64_t blocks,
+                             uint16_t* tiles) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint16_t* tile = tiles + b * kTileElems;
+    const int64_t f0 = b * kAccCols;
+    // Rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute; a partial tile loads its
+    // rows masked and zeros the keys past n (as pack_keys).
+    if (rows == kPairDepth && f0 + kAccCols <= dv) {
+      for (int64_t t = 0; t < kTileRows; ++t)
+        _mm512_storeu_si512(tile + t * kPairDepth,
+                            pair_rows(value(2 * t) + f0, value(2 * t + 1) + f0));
+      continue;
+    }
+    const __mmask16 cols = lane_mask(dv - f0);
+    auto row = [&](int64_t j) { return j < rows ? value(j) + f0 : nullptr; };
+    for (int64_t t = 0; t < kTileRows; ++t) {
+      _mm512_storeu_si512(
+          tile + t * kPairDepth,
+          interleave_rows(row16_or_zero(row(2 * t), cols), row16_or_zero(row(2 * t + 1), cols)));
+    }
+  }
+}
+
+}  // namespace
+
+// Strided rows are addressed from the block's first row; paged ones through the block's
+// pointers, looked up once (avx2::pack_key_panels says why the two differ).
 void pack_keys(const KeyRows<uint16_t>& k, int64_t n, int64_t d, uint16_t* dst) {
   const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
-  const uint16_t* key[kTileRows];  // the block's rows, looked up once for all its chunks
+  const uint16_t* key[kTileRows];
   for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kTileRows) {
     const int64_t rows = std::clamp<int64_t>(n - j0, 0, kTileRows);
-    for (int64_t j = 0; j < rows; ++j) key[j] = k.row(j0 + j);
-    for (int64_t c = 0; c < chunks; ++c) {
-      uint16_t* tile = dst + (j0 / kTileRows * chunks + c) * kTileElems;
-      const int64_t f0 = c * kPairDepth;
-      // A 16 x 16 transpose of feature pairs (32-bit words) in registers. A partial tile (the
-      // keys past n, the features past d) loads its rows masked and zeros the missing ones: a
-      // short sequence's only tile took the element-by-element path, 7% of a bf16 fwd+bwd at
-      // S = 8 (docs/performance.md, "Per-call overhead").
-      __m512i words[kTileRows];
-      if (rows == kTileRows && f0 + kPairDepth <= d) {
-        for (int64_t j = 0; j < kTileRows; ++j) words[j] = _mm512_loadu_si512(key[j] + f0);
-      } else {
-        const __mmask32 feats = pair_mask(d - f0);
-        for (int64_t j = 0; j < kTileRows; ++j)
-          words[j] =
-              j < rows ? _mm512_maskz_loadu_epi16(feats, key[j] + f0) : _mm512_setzero_si512();
-      }
-      transpose_words(words);
-      for (int64_t t = 0; t < kTileRows; ++t) _mm512_storeu_si512(tile + t * kPairDepth, words[t]);
+    uint16_t* tiles = dst + j0 / kTileRows * chunks * kTileElems;
+    if (k.pages == nullptr) {
+      const uint16_t* first = k.base + j0 * k.ld;
+      const int64_t ld = k.ld;
+      pack_key_block([=](int64_t j) { return first + j * ld; }, rows, d, chunks, tiles);
+    } else {
+      for (int64_t j = 0; j < rows; ++j) key[j] = k.row(j0 + j);
+      pack_key_block([&](int64_t j) { return key[j]; }, rows, d, chunks, tiles);
     }
   }
 }
 
 void pack_values(const KeyRows<uint16_t>& v, int64_t n, int64_t dv, uint16_t* dst) {
   const int64_t blocks = round_up(dv, kAccCols) / kAccCols;
-  const uint16_t* value[kPairDepth];  // the chunk's rows, null past n
+  const uint16_t* value[kPairDepth];
   for (int64_t j0 = 0; j0 < round_up(n, kPairDepth); j0 += kPairDepth) {
-    for (int64_t j = 0; j < kPairDepth; ++j) value[j] = j0 + j < n ? v.row(j0 + j) : nullptr;
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint16_t* tile = dst + (j0 / kPairDepth * blocks + b) * kTileElems;
-      const int64_t f0 = b * kAccCols;
-      // Rows 2t and 2t + 1 (16 bf16 each) interleaved by one permute; a partial tile loads its
-      // rows masked and zeros the keys past n (as pack_keys).
-      if (j0 + kPairDepth <= n && f0 + kAccCols <= dv) {
-        for (int64_t t = 0; t < kTileRows; ++t)
-          _mm512_storeu_si512(tile + t * kPairDepth,
-                              pair_rows(value[2 * t] + f0, value[2 * t + 1] + f0));
-        continue;
-      }
-      const __mmask16 cols = lane_mask(dv - f0);
-      auto row = [&](int64_t j) { return value[j] ? value[j] + f0 : nullptr; };
-      for (int64_t t = 0; t < kTileRows; ++t) {
-        _mm512_storeu_si512(
-            tile + t * kPairDepth,
-            interleave_rows(row16_or_zero(row(2 * t), cols), row16_or_zero(row(2 * t + 1), cols)));
-      }
+    const int64_t rows = std::clamp<int64_t>(n - j0, 0, kPairDepth);
+    uint16_t* tiles = dst + j0 / kPairDepth * blocks * kTileElems;
+    if (v.pages == nullptr) {
+      const uint16_t* first = v.base + j0 * v.ld;
+      const int64_t ld = v.ld;
+      pack_value_chunk([=](int64_t j) { return first + j * ld; }, rows, dv, blocks, tiles);
+    } else {
+      for (int64_t j = 0; j < rows; ++j) value[j] = v.row(j0 + j);
+      pack_value_chunk([&](int64_t j) { return value[j]; }, rows, dv, blocks, tiles);
     }
   }
 }

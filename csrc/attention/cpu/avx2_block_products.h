@@ -63,31 +63,45 @@ inline void transpose8x8(__m256 (&r)[8]) {
 // transposes zeros for its missing keys (element-wise it was 5% of an fp32 fwd+bwd at S = 8,
 // docs/performance.md, "Per-call overhead"). Features past a multiple of 8 take the
 // element-wise loop.
+// One panel of w <= kCols keys, key c's row at rows(c).
+template <typename scalar_t, typename Rows>
+inline void pack_key_panel(Rows rows, int64_t w, int64_t d, float* panel) {
+  const int64_t d_vec = d / kWidth * kWidth;
+  int64_t f0 = 0;
+  for (; f0 < d_vec; f0 += kWidth) {
+    for (int64_t half = 0; half < kCols; half += kWidth) {
+      __m256 r[kWidth];
+      ATTN_EXT_UNROLL_ROWS
+      for (int c = 0; c < kWidth; ++c)
+        r[c] = half + c < w ? load8(rows(half + c) + f0) : _mm256_setzero_ps();
+      transpose8x8(r);
+      ATTN_EXT_UNROLL_ROWS
+      for (int f = 0; f < kWidth; ++f) _mm256_storeu_ps(panel + (f0 + f) * kCols + half, r[f]);
+    }
+  }
+  float row[kCols];
+  for (int64_t f = f0; f < d; ++f) {
+    for (int64_t c = 0; c < w; ++c) row[c] = static_cast<float>(rows(c)[f]);
+    for (int64_t c = w; c < kCols; ++c) row[c] = 0.f;
+    std::copy(row, row + kCols, panel + f * kCols);
+  }
+}
+
+// Strided rows are addressed from the group's first row (as many registers as the compiler
+// likes); paged ones through the group's pointers, looked up once (the pointer array costs
+// strided rows 7-15% of their packing, dev/paged_varlen/notes.md).
 template <typename scalar_t>
 void pack_key_panels(const KeyRows<scalar_t>& k, int64_t n, int64_t d, float* dst) {
-  const int64_t d_vec = d / kWidth * kWidth;
-  float row[kCols];
-  const scalar_t* key[kCols];  // the group's rows (paged keys: one table lookup each)
+  const scalar_t* key[kCols];
   for (int64_t g = 0; g < n; g += kCols) {
-    float* panel = dst + g * d;
     const int64_t w = std::min<int64_t>(kCols, n - g);
-    for (int64_t c = 0; c < w; ++c) key[c] = k.row(g + c);
-    int64_t f0 = 0;
-    for (; f0 < d_vec; f0 += kWidth) {
-      for (int64_t half = 0; half < kCols; half += kWidth) {
-        __m256 r[kWidth];
-        ATTN_EXT_UNROLL_ROWS
-        for (int c = 0; c < kWidth; ++c)
-          r[c] = half + c < w ? load8(key[half + c] + f0) : _mm256_setzero_ps();
-        transpose8x8(r);
-        ATTN_EXT_UNROLL_ROWS
-        for (int f = 0; f < kWidth; ++f) _mm256_storeu_ps(panel + (f0 + f) * kCols + half, r[f]);
-      }
-    }
-    for (int64_t f = f0; f < d; ++f) {
-      for (int64_t c = 0; c < w; ++c) row[c] = static_cast<float>(key[c][f]);
-      for (int64_t c = w; c < kCols; ++c) row[c] = 0.f;
-      std::copy(row, row + kCols, panel + f * kCols);
+    if (k.pages == nullptr) {
+      const scalar_t* first = k.base + g * k.ld;
+      const int64_t ld = k.ld;
+      pack_key_panel<scalar_t>([=](int64_t c) { return first + c * ld; }, w, d, dst + g * d);
+    } else {
+      for (int64_t c = 0; c < w; ++c) key[c] = k.row(g + c);
+      pack_key_panel<scalar_t>([&](int64_t c) { return key[c]; }, w, d, dst + g * d);
     }
   }
 }
