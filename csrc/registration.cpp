@@ -138,9 +138,9 @@ TORCH_LIBRARY(attn_ext, m) {
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, Tensor? rng_state=None, Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None, Tensor? block_table=None, *, SymInt max_seqlen_q, SymInt max_seqlen_k, float? scale=None, "
-      "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
-      "float softcap=0.0) -> (Tensor out, Tensor lse)");
+      "Tensor? sinks=None, Tensor? block_table=None, *, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, float? scale=None, bool causal=False, int window_left=-1, "
+      "int window_right=-1, float dropout_p=0.0, float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, *, Tensor? grad_lse=None, "
