@@ -12,6 +12,7 @@ from attn_ext.testing.decoding import (
     Doc000KVCacheAttention,
     decode_reference,
     doc000_apply_rope,
+    page_out,
     rope_reference,
 )
 from attn_ext.testing.numerics import (
@@ -438,9 +439,14 @@ def _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=300):
     assert_lse_close(lse, ref_lse, t_lse, name="decode lse")
 
 
+# Queries per step: decode steps (1, 4), and a chunk of 20, which the CPU runs on the flash
+# forward (at least kPackedMinQueries rows per head; decoding/cpu/decode_attention.cpp).
+DECODE_SQ = [1, 4, 20]
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("sq", DECODE_SQ)
 @pytest.mark.parametrize("kind", FA_DECODE_KINDS)
 def test_decode_flash_attn_arguments(device, dtype, num_splits, sq, kind):
     """On CUDA (D = 32, Dv = 24: the SIMT kernel) this is what verifies the kernel code of
@@ -454,12 +460,47 @@ FA_SHAPES = [(4, 4, 64, 64), (8, 1, 128, 128), (6, 2, 96, 40), (3, 3, 8, 16)]
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("sq", DECODE_SQ)
 @pytest.mark.parametrize("shape", FA_SHAPES, ids=lambda s: "H{}_Hkv{}_D{}_Dv{}".format(*s))
 @pytest.mark.parametrize("kind,num_splits", [("everything", 1), ("everything_noncausal", 4)])
 def test_decode_flash_attn_arguments_shapes(device, dtype, sq, shape, kind, num_splits):
     H, Hkv, D, Dv = shape
     _check_fa_case(device, dtype, num_splits, sq, kind, H, Hkv, D, Dv, L=160)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("where", ["contiguous", "batch_idx", "leftpad", "paged"])
+def test_decode_chunks_run_on_the_flash_forward(dtype, where):
+    """A step of at least 16 queries per head is the flash forward's: each sequence's output
+    and lse are the bits of `attention` on that sequence's own keys (bottom-right), through
+    cache_batch_idx, cache_leftpad or a block table alike."""
+    torch.manual_seed(0)
+    B, H, Hkv, D, L, sq = 3, 8, 2, 64, 96, 24
+    lens, pad = [90, 24, 61], [0, 0, 0]
+    kw = {}
+    rows = torch.arange(B)
+    if where == "batch_idx":
+        rows = torch.tensor([4, 0, 2])
+        kw["cache_batch_idx"] = rows.int()
+    if where == "leftpad":
+        pad = [7, 0, 30]
+        kw["cache_leftpad"] = torch.tensor(pad, dtype=torch.int32)
+    k = torch.randn(5, Hkv, L, D).to(dtype)
+    v = torch.randn(5, Hkv, L, D).to(dtype)
+    k_in, v_in = (k, v) if where == "batch_idx" else (k[:B], v[:B])
+    if where == "paged":
+        k_in, v_in, kw["block_table"] = page_out(k[:B], v[:B], 16, seed=3)
+    q = torch.randn(B, H, sq, D).to(dtype)
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    out, lse = attn_ext.decode_attention(q, k_in, v_in, lengths, return_lse=True, **kw)
+    for b in range(B):
+        keys = slice(pad[b], lens[b])
+        want, want_lse = attn_ext.attention(
+            q[b : b + 1], k[rows[b] : rows[b] + 1, :, keys], v[rows[b] : rows[b] + 1, :, keys],
+            causal=True, return_lse=True,
+        )  # fmt: skip
+        assert torch.equal(out[b : b + 1], want), (b, (out[b] - want[0]).abs().max())
+        assert torch.equal(lse[b : b + 1], want_lse)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

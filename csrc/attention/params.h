@@ -64,6 +64,15 @@ struct AttentionParams {
   // page * k_batch_stride + (t % page_size) * k_row_stride + kv_head * k_head_stride (v alike).
   // A paged varlen batch's sequences start at row 0 of their pages (SeqBounds::k_begin 0).
   PageTable pages;
+  // A KV cache (decode_attention; FlashAttention's with_kvcache arguments), int64 (B,) on the
+  // op's device or null: sequence b's keys end at lengths[b] (FlashAttention's seqused_k) and
+  // start at leftpad[b], in cache batch row batch_idx[b] (k / v batch strides are the
+  // cache's, cache_batch its rows). A fixed-length batch with lengths aligns each sequence's
+  // queries bottom-right to its own keys (seq_bounds).
+  const int64_t* lengths = nullptr;
+  const int64_t* leftpad = nullptr;
+  const int64_t* batch_idx = nullptr;
+  int64_t cache_batch = 0;
 
   C10_HOST_DEVICE int64_t group() const { return heads / kv_heads; }
   C10_HOST_DEVICE bool varlen() const { return cu_seqlens_q != nullptr; }
@@ -76,6 +85,13 @@ struct AttentionParams {
   C10_HOST_DEVICE int64_t row_batches() const { return varlen() ? 1 : batch; }
   C10_HOST_DEVICE int64_t head_row(int64_t b, int64_t h, int64_t rows) const {
     return ((varlen() ? 0 : b) * heads + h) * rows;
+  }
+  // The cache batch row of sequence b. The CPU op checks batch_idx; a GPU op cannot read it
+  // without a sync, so it is clamped into range here: never a read outside the cache.
+  C10_HOST_DEVICE int64_t cache_row(int64_t b) const {
+    if (batch_idx == nullptr) return b;
+    const int64_t r = batch_idx[b];
+    return r < 0 ? 0 : (r >= cache_batch ? cache_batch - 1 : r);
   }
 };
 
@@ -94,7 +110,13 @@ C10_HOST_DEVICE inline int64_t clamp_offset(int64_t x, int64_t lo, int64_t hi) {
 // them without a sync, so offsets out of order or past the tokens select the wrong rows but
 // never rows outside q, k, v (the CPU ops refuse such offsets: there this changes nothing).
 C10_HOST_DEVICE inline SeqBounds seq_bounds(const AttentionParams& p, int64_t b) {
-  if (!p.varlen()) return {0, p.seqlen_q, 0, p.seqlen_k, p.key_offset};
+  if (!p.varlen()) {
+    if (p.lengths == nullptr) return {0, p.seqlen_q, 0, p.seqlen_k, p.key_offset};
+    // A cache: keys [leftpad, length) of the sequence's rows, the queries bottom-right.
+    const int64_t end = clamp_offset(p.lengths[b], 0, p.seqlen_k);
+    const int64_t begin = p.leftpad == nullptr ? 0 : clamp_offset(p.leftpad[b], 0, end);
+    return {0, p.seqlen_q, begin, end - begin, (end - begin) - p.seqlen_q};
+  }
   const int64_t q0 = clamp_offset(p.cu_seqlens_q[b], 0, p.total_q);
   const int64_t q1 = clamp_offset(p.cu_seqlens_q[b + 1], q0, p.total_q);
   const int64_t k0 = clamp_offset(p.cu_seqlens_k[b], 0, p.total_k);

@@ -56,24 +56,10 @@ struct KVAppendParams {
 // window_right is 0 (causal) or -1.
 // Query i of sequence b sits at key position lengths[b] - Sq + i (bottom-right).
 struct DecodeParams : AttentionParams {
-  const int64_t* lengths = nullptr;  // (B,) int64 on the op's device (CPU: checked in [0, L])
-  int64_t num_splits = 1;            // key-sequence splits per (batch, kv head)
-  // FlashAttention's with_kvcache arguments (int64 on the op's device, or null): sequence b
-  // reads cache batch row batch_idx[b] (k/v batch strides are the cache's), and its keys
-  // start at leftpad[b] (keys before it are never seen).
-  const int64_t* batch_idx = nullptr;
-  const int64_t* leftpad = nullptr;
-  int64_t cache_batch = 0;  // the cache's batch rows (batch_idx's range)
+  int64_t num_splits = 1;  // key-sequence splits per (batch, kv head)
   // A float8 cache holds K / k_scale and V / v_scale (common/float8.h); 1 otherwise.
   double k_scale = 1.0, v_scale = 1.0;
 
-  // The CPU op checks both values; a GPU op cannot read them without a sync, so they are
-  // clamped into range here: never a read outside the cache.
-  C10_HOST_DEVICE int64_t cache_row(int64_t b) const {
-    if (batch_idx == nullptr) return b;
-    const int64_t r = batch_idx[b];
-    return r < 0 ? 0 : (r >= cache_batch ? cache_batch - 1 : r);
-  }
   // Key row t of sequence b: through the page table, or row t of its cache batch row.
   C10_HOST_DEVICE CacheSlot key_slot(int64_t b, int64_t t) const {
     return pages.paged() ? pages.locate(b, t) : CacheSlot{cache_row(b), t};

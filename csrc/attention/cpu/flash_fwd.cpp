@@ -12,6 +12,7 @@
 #include "common/cpu/blas.h"
 #include "common/cpu/cpu_support.h"
 #include "common/cpu/kernel_traits.h"
+#include "attention/cpu/flash_fwd.h"
 #include "attention/cpu/key_rows.h"
 #include "attention/cpu/row_pass.h"
 #include "attention/cpu/tile_mask.h"
@@ -835,6 +836,10 @@ at::Tensor attention_weights_cpu(const at::Tensor& q, const at::Tensor& k,
 }
 
 }  // namespace
+
+void flash_forward(const char* op, AttentionParams& p, const at::Tensor& q) {
+  run_fwd(op, p, q);
+}
 
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention", &attention_cpu);

@@ -44,13 +44,15 @@ KeyRows<T> strided_rows(const T* base, int64_t ld) {
   return {base, ld};
 }
 
-// The keys (or values: the v_* strides) of kv head hk of sequence b, from its first key on.
+// The keys (or values: the v_* strides) of kv head hk of sequence b, from its first key on: in
+// its pages, its cache batch row, or its batch entry.
 template <typename T>
 KeyRows<T> kv_head_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
                         int64_t head_stride, int64_t row_stride, int64_t b, int64_t hk,
                         int64_t k_begin) {
   const T* head = static_cast<const T*>(data) + hk * head_stride;
-  if (!p.pages.paged()) return {head + b * batch_stride + k_begin * row_stride, row_stride};
+  if (!p.pages.paged())
+    return {head + p.cache_row(b) * batch_stride + k_begin * row_stride, row_stride};
   return {head,         row_stride, p.pages.table + b * p.pages.row_stride, p.pages.page_size,
           batch_stride, k_begin};
 }
