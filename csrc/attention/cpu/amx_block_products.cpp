@@ -320,7 +320,7 @@ void pack_keys(const KeyRows<uint16_t>& k, int64_t n, int64_t d, uint16_t* dst) 
       const int64_t ld = k.ld;
       pack_key_block([=](int64_t j) { return first + j * ld; }, rows, d, chunks, tiles);
     } else {
-      for (int64_t j = 0; j < rows; ++j) key[j] = k.row(j0 + j);
+      k.fill(j0, rows, key);
       pack_key_block([&](int64_t j) { return key[j]; }, rows, d, chunks, tiles);
     }
   }
@@ -337,7 +337,7 @@ void pack_values(const KeyRows<uint16_t>& v, int64_t n, int64_t dv, uint16_t* ds
       const int64_t ld = v.ld;
       pack_value_chunk([=](int64_t j) { return first + j * ld; }, rows, dv, blocks, tiles);
     } else {
-      for (int64_t j = 0; j < rows; ++j) value[j] = v.row(j0 + j);
+      v.fill(j0, rows, value);
       pack_value_chunk([&](int64_t j) { return value[j]; }, rows, dv, blocks, tiles);
     }
   }

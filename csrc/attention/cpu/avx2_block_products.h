@@ -100,7 +100,7 @@ void pack_key_panels(const KeyRows<scalar_t>& k, int64_t n, int64_t d, float* ds
       const int64_t ld = k.ld;
       pack_key_panel<scalar_t>([=](int64_t c) { return first + c * ld; }, w, d, dst + g * d);
     } else {
-      for (int64_t c = 0; c < w; ++c) key[c] = k.row(g + c);
+      k.fill(g, w, key);
       pack_key_panel<scalar_t>([&](int64_t c) { return key[c]; }, w, d, dst + g * d);
     }
   }
@@ -123,7 +123,7 @@ void pack_value_panels(const KeyRows<scalar_t>& v, int64_t n, int64_t dv, float*
   const scalar_t* value[kCols];  // a group of rows, looked up once for all their panels
   for (int64_t g = 0; g < n; g += kCols) {
     const int64_t w = std::min<int64_t>(kCols, n - g);
-    for (int64_t j = 0; j < w; ++j) value[j] = v.row(g + j);
+    v.fill(g, w, value);
     for (int64_t c0 = 0; c0 < dv; c0 += kCols) {
       float* panel = dst + (c0 / kCols) * panel_stride + g * kCols;
       const int64_t cols = std::min<int64_t>(kCols, dv - c0);

@@ -46,6 +46,8 @@ struct BlasProducts {
   static constexpr int64_t kScoreRowAlign = 1;     // score blocks hold m rows
   static constexpr int64_t kBlockN = Traits::kFwdBlockN;
 
+  static constexpr int64_t kRowGroup = 16;  // paged rows looked up per KeyRows::fill
+
   int64_t d, dv;
   bool whole_head, paged;
   KeyRows<scalar_t> k, v;
@@ -71,9 +73,21 @@ struct BlasProducts {
     if (!whole_head || n_begin >= n_end) return;
     // Consecutive query blocks of one head ask for growing (causal) or equal key ranges.
     if (head_id != head || n_begin < lo || n_begin > hi) head = head_id, lo = hi = n_begin;
-    for (; hi < n_end; ++hi) {
-      load_row(k.row(hi), k_conv.get() + hi * d, d, acc_t(1));
-      load_row(v.row(hi), v_conv.get() + hi * dv, dv, acc_t(1));
+    if (hi < n_end) convert_rows(hi, n_end - hi, k_conv.get() + hi * d, v_conv.get() + hi * dv);
+    hi = std::max(hi, n_end);
+  }
+
+  // Keys / values [j0, j0 + n) as acc_t rows of d / dv.
+  void convert_rows(int64_t j0, int64_t n, acc_t* k_dst, acc_t* v_dst) const {
+    const scalar_t* rows[2][kRowGroup];
+    for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
+      const int64_t count = std::min(kRowGroup, n - r0);
+      k.fill(j0 + r0, count, rows[0]);
+      v.fill(j0 + r0, count, rows[1]);
+      for (int64_t r = 0; r < count; ++r) {
+        load_row(rows[0][r], k_dst + (r0 + r) * d, d, acc_t(1));
+        load_row(rows[1][r], v_dst + (r0 + r) * dv, dv, acc_t(1));
+      }
     }
   }
 
@@ -81,10 +95,7 @@ struct BlasProducts {
     if (whole_head) {
       kt = k_conv.get() + j0 * d, vt = v_conv.get() + j0 * dv, ldk = d, ldv = dv;
     } else if (paged) {
-      for (int64_t r = 0; r < n; ++r) {
-        load_row(k.row(j0 + r), k_tile.get() + r * d, d, acc_t(1));
-        load_row(v.row(j0 + r), v_tile.get() + r * dv, dv, acc_t(1));
-      }
+      convert_rows(j0, n, k_tile.get(), v_tile.get());
       kt = k_tile.get(), vt = v_tile.get(), ldk = d, ldv = dv;
     } else {
       kt = cpu::load_tile(k.row(j0), k.ld, n, d, k_tile.get(), &ldk);

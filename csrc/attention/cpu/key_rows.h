@@ -21,6 +21,23 @@ struct KeyRows {
     const int64_t t = first + j;
     return base + pages[t / page_size] * page_stride + (t % page_size) * ld;
   }
+  // out[c] = row(j0 + c) for c < count: one table lookup per page the rows span (row() divides
+  // by the page size for each row).
+  void fill(int64_t j0, int64_t count, const T** out) const {
+    if (pages == nullptr) {
+      for (int64_t c = 0; c < count; ++c) out[c] = base + (j0 + c) * ld;
+      return;
+    }
+    const int64_t t = first + j0;
+    int64_t page = t / page_size, offset = t % page_size;
+    const T* page_rows = base + pages[page] * page_stride;
+    for (int64_t c = 0; c < count; ++c) {
+      out[c] = page_rows + offset * ld;
+      // The next page's entry is read only when a row of it is wanted (the table row may end).
+      if (++offset == page_size && c + 1 < count)
+        offset = 0, page_rows = base + pages[++page] * page_stride;
+    }
+  }
   // The rows from row j on.
   KeyRows from(int64_t j) const {
     KeyRows r = *this;
