@@ -28,6 +28,7 @@ struct KeyRows {
       for (int64_t c = 0; c < count; ++c) out[c] = base + (j0 + c) * ld;
       return;
     }
+    if (count <= 0) return;  // no entry read for no row (j0 may lie past the table row)
     const int64_t t = first + j0;
     int64_t page = t / page_size, offset = t % page_size;
     const T* page_rows = base + pages[page] * page_stride;
