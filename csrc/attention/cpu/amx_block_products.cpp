@@ -308,7 +308,7 @@ inline void pack_value_chunk(Rows value, int64_t rows, int64_t dv, int64_t block
 }  // namespace
 
 // Strided rows are addressed from the block's first row; paged ones through the block's
-// pointers, looked up once (avx2::pack_key_panels says why the two differ).
+// pointers (KeyRows::fill; avx2::pack_key_panels says why the two differ).
 void pack_keys(const KeyRows<uint16_t>& k, int64_t n, int64_t d, uint16_t* dst) {
   const int64_t chunks = round_up(d, kPairDepth) / kPairDepth;
   const uint16_t* key[kTileRows];

@@ -88,8 +88,8 @@ inline void pack_key_panel(Rows rows, int64_t w, int64_t d, float* panel) {
 }
 
 // Strided rows are addressed from the group's first row (as many registers as the compiler
-// likes); paged ones through the group's pointers, looked up once (the pointer array costs
-// strided rows 7-15% of their packing, dev/paged_varlen/notes.md).
+// likes); paged ones through the group's pointers (KeyRows::fill; the pointer array costs
+// strided rows 7-20% of their packing, dev/paged_varlen/notes.md).
 template <typename scalar_t>
 void pack_key_panels(const KeyRows<scalar_t>& k, int64_t n, int64_t d, float* dst) {
   const scalar_t* key[kCols];
