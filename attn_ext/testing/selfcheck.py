@@ -20,6 +20,7 @@ from attn_ext.testing.attention import (
     attention_reference,
     attention_varlen_reference,
     attention_weights_reference,
+    paged_varlen_kv,
     sdpa_reference,
 )
 from attn_ext.testing.decoding import ROPE_SCALING_EXAMPLES, decode_reference, rope_reference
@@ -167,21 +168,24 @@ def weights_modifiers_case():
 VARLEN_LENGTHS = (37, 0, 1, 90, 12)
 
 
+def _varlen_inputs(dev):
+    total = sum(VARLEN_LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], device=dev)
+    return {
+        "q": randn(total, 8, 64, device=dev),
+        "k": randn(total, 2, 64, device=dev),
+        "v": randn(total, 2, 64, device=dev),
+        "cu": cu.to(torch.int32),
+    }
+
+
+def _varlen_ref(q, k, v, cu):
+    return (attention_varlen_reference(q, k, v, cu, cu, causal=True, window_size=(24, 0)),)
+
+
 def varlen_case():
     """attention_varlen against the per-sequence reference: empty and one-token sequences."""
-
-    def make(dev):
-        total = sum(VARLEN_LENGTHS)
-        cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], device=dev)
-        return {
-            "q": randn(total, 8, 64, device=dev),
-            "k": randn(total, 2, 64, device=dev),
-            "v": randn(total, 2, 64, device=dev),
-            "cu": cu.to(torch.int32),
-        }
-
-    def ref(q, k, v, cu):
-        return (attention_varlen_reference(q, k, v, cu, cu, causal=True, window_size=(24, 0)),)
+    make, ref = _varlen_inputs, _varlen_ref
 
     def ext(q, k, v, cu):
         longest = max(VARLEN_LENGTHS)
@@ -192,6 +196,34 @@ def varlen_case():
         return (out,)
 
     return Case("attention_varlen GQA causal window, lengths 0-90", make, ext, ref)
+
+
+VARLEN_PAGE_SIZE = 16
+
+
+def paged_varlen_case():
+    """The same batch with its keys in shuffled 16-row pages (a view of heads-first pages),
+    read in place through a block table: CPU, forward."""
+
+    def ext(q, k, v, cu):
+        longest = max(VARLEN_LENGTHS)
+        k_pages, v_pages, table = paged_varlen_kv(
+            k, v, list(VARLEN_LENGTHS), VARLEN_PAGE_SIZE, layout="heads_first"
+        )
+        out = attn_ext.attention_varlen(
+            q, k_pages, v_pages, cu, cu, longest, longest, causal=True, window_size=(24, 0),
+            block_table=table,
+        )  # fmt: skip
+        return (out,)
+
+    return Case(
+        "attention_varlen paged keys (16-row pages), GQA causal window",
+        _varlen_inputs,
+        ext,
+        _varlen_ref,
+        grads=(),
+        devices=("cpu",),
+    )
 
 
 def lse_case():
@@ -571,6 +603,7 @@ def all_cases() -> List[Case]:
         dropout_case(),
         modifiers_case(),
         varlen_case(),
+        paged_varlen_case(),
         sdpa_case("sdpa", lambda d: qkv(device=d)),
         sdpa_case(
             "sdpa is_causal Sq<Sk (top-left)", lambda d: qkv(sq=24, sk=53, device=d), is_causal=True
