@@ -98,8 +98,8 @@ struct BlasProducts {
       convert_rows(j0, n, k_tile.get(), v_tile.get());
       kt = k_tile.get(), vt = v_tile.get(), ldk = d, ldv = dv;
     } else {
-      kt = cpu::load_tile(k.row(j0), k.ld, n, d, k_tile.get(), &ldk);
-      vt = cpu::load_tile(v.row(j0), v.ld, n, dv, v_tile.get(), &ldv);
+      kt = cpu::load_tile(k.base + j0 * k.ld, k.ld, n, d, k_tile.get(), &ldk);
+      vt = cpu::load_tile(v.base + j0 * v.ld, v.ld, n, dv, v_tile.get(), &ldv);
     }
   }
 

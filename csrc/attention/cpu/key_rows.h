@@ -1,8 +1,8 @@
 #pragma once
 // The key (or value) rows of one (sequence, kv head) that the forward's products pack: row j at
 // base + j * ld, or, in a paged varlen batch, row first + j of the sequence through its block
-// table (AttentionParams::pages). The packers take row pointers from here once per row and
-// group of rows, so paged keys are packed where they lie: no gathered copy of the sequence.
+// table (AttentionParams::pages). The packers take a group's row pointers from here (fill), so
+// paged keys are packed where they lie: no gathered copy of the sequence.
 #include <cstdint>
 
 #include "attention/params.h"
@@ -16,13 +16,8 @@ struct KeyRows {
   const int32_t* pages = nullptr;  // the sequence's block-table row (checked by the op), or null
   int64_t page_size = 1, page_stride = 0, first = 0;
 
-  const T* row(int64_t j) const {
-    if (pages == nullptr) return base + j * ld;
-    const int64_t t = first + j;
-    return base + pages[t / page_size] * page_stride + (t % page_size) * ld;
-  }
-  // out[c] = row(j0 + c) for c < count: one table lookup per page the rows span (row() divides
-  // by the page size for each row).
+  // out[c] = the pointer to row j0 + c for c < count: paged rows looked up a page at a time
+  // (one division per group, not per row).
   void fill(int64_t j0, int64_t count, const T** out) const {
     if (pages == nullptr) {
       for (int64_t c = 0; c < count; ++c) out[c] = base + (j0 + c) * ld;
