@@ -341,7 +341,9 @@ def test_key_panels_layout(emulated, dtype):
             assert torch.equal(kp, ref), f"n={n} d={d}"
 
 
-@pytest.mark.parametrize("d", [5, 64])
+# d: one chunk of the score sums (5), chunks of kDotChunk = 32 with a last chunk of 1 (33) or 2
+# (130) features, whole chunks (64, 96).
+@pytest.mark.parametrize("d", [5, 33, 64, 96, 130])
 def test_emulated_avx512_scores_match_avx2(emulated, d):
 
     g = torch.Generator().manual_seed(d)
